@@ -1,0 +1,5 @@
+import sys
+
+from tetrad.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,38 @@
+"""`tetrad` command line: argument parsing only. Each subcommand lives in its own module with
+`add_parser(subparsers)` and a `run(args)`; heavy imports (torch) happen inside `run`, so
+`tetrad plan` starts in milliseconds."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from tetrad.errors import TetradError
+
+SUBCOMMANDS = ("train", "plan", "tokenizer", "export")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tetrad", description="Plan, train and serve large transformers.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        importlib.import_module(f"tetrad.cli.{name}").add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args) or 0
+    except TetradError as error:
+        print(f"tetrad {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"tetrad {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

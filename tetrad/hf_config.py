@@ -1,0 +1,126 @@
+"""HF `config.json` <-> ModelConfig, without torch (the planner reads HF configs too).
+
+Supported model types: llama, qwen2, mistral, mixtral, gpt2, deepseek_v3 (read only: the runtime
+has no MLA layers yet, the planner does).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tetrad.config import ModelConfig
+from tetrad.errors import ConfigError
+
+LLAMA_LIKE = ("llama", "qwen2", "mistral", "mixtral", "deepseek_v3")
+SUPPORTED = LLAMA_LIKE + ("gpt2",)
+
+
+def model_config_from_hf(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED:
+        raise ConfigError(f"HF model_type {model_type!r} is not supported "
+                          f"(supported: {', '.join(SUPPORTED)})")
+    if model_type == "gpt2":
+        hidden = hf["n_embd"]
+        return ModelConfig(
+            name=name, vocab_size=hf["vocab_size"], hidden_size=hidden, num_layers=hf["n_layer"],
+            num_heads=hf["n_head"], ffn_hidden_size=hf.get("n_inner") or 4 * hidden,
+            max_seq_len=hf["n_positions"], norm="layernorm",
+            norm_eps=hf.get("layer_norm_epsilon", 1e-5), position="learned", mlp="gelu",
+            tie_embeddings=hf.get("tie_word_embeddings", True), bias=True,
+            init_std=hf.get("initializer_range", 0.02))
+    fields: dict[str, Any] = dict(
+        name=name, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
+        num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        head_dim=hf.get("head_dim") or 0, ffn_hidden_size=hf["intermediate_size"],
+        max_seq_len=hf.get("max_position_embeddings", 2048), norm="rmsnorm",
+        norm_eps=hf.get("rms_norm_eps", 1e-6), position="rope",
+        rope_theta=_rope_theta(hf), mlp="swiglu",
+        tie_embeddings=hf.get("tie_word_embeddings", False),
+        qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+        init_std=hf.get("initializer_range", 0.02))
+    if model_type == "mixtral":
+        fields.update(num_experts=hf["num_local_experts"],
+                      num_experts_per_token=hf["num_experts_per_tok"],
+                      router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.01))
+    if model_type == "deepseek_v3":
+        fields.update(
+            num_experts=hf["n_routed_experts"], num_experts_per_token=hf["num_experts_per_tok"],
+            num_shared_experts=hf.get("n_shared_experts", 0),
+            moe_ffn_hidden_size=hf["moe_intermediate_size"],
+            num_dense_layers=hf.get("first_k_dense_replace", 0), attention="mla",
+            q_lora_rank=hf.get("q_lora_rank") or 0, kv_lora_rank=hf["kv_lora_rank"],
+            qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
+            v_head_dim=hf["v_head_dim"], head_dim=hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"])
+    return ModelConfig(**fields)
+
+
+def _rope_theta(hf: dict[str, Any]) -> float:
+    if "rope_theta" in hf:
+        return float(hf["rope_theta"])
+    parameters = hf.get("rope_parameters") or {}
+    return float(parameters.get("rope_theta", 10000.0))
+
+
+def hf_model_type(config: ModelConfig) -> str:
+    """The HF model type a tetrad config is written back as."""
+    if config.attention == "mla":
+        return "deepseek_v3"
+    if config.is_moe:
+        return "mixtral"
+    if config.position == "learned":
+        return "gpt2"
+    return "qwen2" if config.qkv_bias else "llama"
+
+
+def hf_from_model_config(config: ModelConfig) -> dict[str, Any]:
+    model_type = hf_model_type(config)
+    if model_type == "gpt2":
+        if not (config.norm == "layernorm" and config.mlp == "gelu" and config.bias):
+            raise ConfigError("a learned-position model exports as gpt2, which needs "
+                              "layernorm, gelu and bias = true")
+        return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+                "vocab_size": config.vocab_size, "n_embd": config.hidden_size,
+                "n_layer": config.num_layers, "n_head": config.num_heads,
+                "n_inner": config.ffn_hidden_size, "n_positions": config.max_seq_len,
+                "layer_norm_epsilon": config.norm_eps, "activation_function": "gelu_new",
+                "tie_word_embeddings": config.tie_embeddings,
+                "initializer_range": config.init_std,
+                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    if model_type == "deepseek_v3":
+        raise ConfigError("exporting MLA (deepseek_v3) models is not supported")
+    if config.norm != "rmsnorm" or config.mlp != "swiglu" or config.bias:
+        raise ConfigError(f"a rope model exports as {model_type}, which needs rmsnorm, swiglu "
+                          f"and bias = false")
+    architectures = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                     "mixtral": "MixtralForCausalLM"}
+    hf: dict[str, Any] = {
+        "model_type": model_type, "architectures": [architectures[model_type]],
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
+        "intermediate_size": config.ffn_hidden_size,
+        "max_position_embeddings": config.max_seq_len, "rms_norm_eps": config.norm_eps,
+        "rope_theta": config.rope_theta, "hidden_act": "silu",
+        "tie_word_embeddings": config.tie_embeddings, "initializer_range": config.init_std,
+        "attention_bias": config.qkv_bias and model_type == "llama",
+    }
+    if model_type == "mixtral":
+        hf.update(num_local_experts=config.num_experts,
+                  num_experts_per_tok=config.num_experts_per_token,
+                  router_aux_loss_coef=config.router_aux_loss_coef)
+    return hf
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ConfigError(f"no config.json at {path}")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{file} is not valid JSON: {error}") from None

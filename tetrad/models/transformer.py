@@ -1,0 +1,88 @@
+"""The decoder-only transformer, assembled from a ModelConfig. Read it top to bottom.
+
+Parameter names (the checkpoint format and the HF mapping rely on them):
+  embed.weight, pos_embed.weight (learned positions only),
+  layers.{i}.attn_norm.*, layers.{i}.attn.qkv.*, layers.{i}.attn.out.*,
+  layers.{i}.mlp_norm.*, layers.{i}.mlp.up.*, layers.{i}.mlp.down.*   (dense layers)
+  layers.{i}.mlp.router.gate.weight, layers.{i}.mlp.experts.{e}.up/down.*, layers.{i}.mlp.shared.*
+  norm.*, lm_head.weight (absent when tied: the embedding is reused).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tetrad.config import ModelConfig
+from tetrad.errors import ConfigError
+from tetrad.models.layers import MLP, Attention, RotaryEmbedding, init_weights, make_norm
+from tetrad.models.moe import MoE
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.attn_norm = make_norm(config)
+        self.attn = Attention(config)
+        self.mlp_norm = make_norm(config)
+        self.mlp = MoE(config) if config.is_moe_layer(layer) else MLP(config)
+        self.is_moe = config.is_moe_layer(layer)
+        self.aux_loss: torch.Tensor | None = None  # the router's load-balance loss, last forward
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
+                ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope)
+        if self.is_moe:
+            out, self.aux_loss = self.mlp(self.mlp_norm(x))
+            return x + out
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        if config.attention == "mla":
+            raise ConfigError("multi-head latent attention (MLA) is modelled by the planner only; "
+                              "the runtime trains mha/gqa models")
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.pos_embed = (nn.Embedding(config.max_seq_len, config.hidden_size)
+                          if config.position == "learned" else None)
+        self.rotary = (RotaryEmbedding(config.head_dim, config.rope_theta)
+                       if config.position == "rope" else None)
+        self.layers = nn.ModuleList(Block(config, layer) for layer in range(config.num_layers))
+        self.norm = make_norm(config)
+        self.lm_head = (None if config.tie_embeddings
+                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+        init_weights(self, config.init_std, config.num_layers)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """input_ids: [batch, seq] -> logits [batch, seq, vocab]."""
+        seq = input_ids.shape[-1]
+        if seq > self.config.max_seq_len:
+            raise ConfigError(f"sequence of {seq} tokens is longer than max_seq_len "
+                              f"{self.config.max_seq_len}")
+        if positions is None:
+            positions = torch.arange(seq, device=input_ids.device)
+        x = self.embed(input_ids)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(positions)
+        rope = self.rotary(positions) if self.rotary is not None else None
+        for layer in self.layers:
+            x = layer(x, rope)
+        return self.output(self.norm(x))
+
+    def output(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            return x @ self.embed.weight.t()
+        return self.lm_head(x)
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """Sum of the MoE layers' load-balance losses from the last forward, or None (dense)."""
+        losses = [layer.aux_loss for layer in self.layers if layer.aux_loss is not None]
+        return torch.stack(losses).sum() if losses else None
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
