@@ -6,18 +6,26 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import pkgutil
 import sys
+
+import tetrad.cli
 
 from tetrad.errors import TetradError
 
-SUBCOMMANDS = ("train", "plan", "tokenizer", "export")
+
+
+def subcommand_modules() -> list[str]:
+    """Every module of tetrad.cli but this one is a subcommand, registered in name order."""
+    return sorted(info.name for info in pkgutil.iter_modules(tetrad.cli.__path__)
+                  if info.name != "main")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tetrad", description="Plan, train and serve large transformers.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in SUBCOMMANDS:
+    for name in subcommand_modules():
         importlib.import_module(f"tetrad.cli.{name}").add_parser(subparsers)
     return parser
 
