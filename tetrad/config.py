@@ -1,4 +1,4 @@
-"""The one description of a model, a parallel layout and a run, shared by planner, trainer and server.
+"""One description of a model, a parallel layout and a run, shared by planner, trainer, server.
 
 Every config is a frozen dataclass validated on construction: a config that exists can work.
 Configs come from presets (tetrad.presets), HF config.json files (tetrad.hf_config), TOML files,
@@ -32,7 +32,8 @@ def _positive(name: str, value: int | float, allow_zero: bool = False) -> None:
 
 def unknown_key_message(kind: str, key: str, known: list[str]) -> str:
     close = difflib.get_close_matches(key, known, n=3)
-    hint = f" (did you mean {', '.join(close)}?)" if close else f" (known: {', '.join(sorted(known))})"
+    hint = (f" (did you mean {', '.join(close)}?)" if close
+            else f" (known: {', '.join(sorted(known))})")
     return f"unknown {kind} {key!r}{hint}"
 
 
@@ -100,8 +101,8 @@ class ModelConfig:
         if self.head_dim == 0:
             if self.hidden_size % self.num_heads:
                 raise ConfigError(
-                    f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}: "
-                    f"change one of them or set head_dim explicitly")
+                    f"hidden_size {self.hidden_size} is not divisible by num_heads "
+                    f"{self.num_heads}: change one of them or set head_dim explicitly")
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(

@@ -1,7 +1,8 @@
 """HF `config.json` <-> ModelConfig, without torch (the planner reads HF configs too).
 
 Supported model types: llama, qwen2, mistral, mixtral, gpt2, deepseek_v3 (read only: the runtime
-has no MLA layers yet, the planner does).
+has no MLA layers yet, the planner does). Also where a checkpoint path leads (`resolve_checkpoint`),
+so that torch-free readers (tokenizer, planner) and the model loader agree on it.
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ def model_config_from_hf(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
         tie_embeddings=hf.get("tie_word_embeddings", False),
         qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
         init_std=hf.get("initializer_range", 0.02))
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+    if window and window < fields["max_seq_len"]:
+        # Within the window sliding attention is plain causal attention: capping the length keeps
+        # the model exact, and longer inputs are refused instead of silently attending too far.
+        fields["max_seq_len"] = window
     if model_type == "mixtral":
         fields.update(num_experts=hf["num_local_experts"],
                       num_experts_per_token=hf["num_experts_per_tok"],
@@ -95,6 +101,12 @@ def hf_from_model_config(config: ModelConfig) -> dict[str, Any]:
     if config.norm != "rmsnorm" or config.mlp != "swiglu" or config.bias:
         raise ConfigError(f"a rope model exports as {model_type}, which needs rmsnorm, swiglu "
                           f"and bias = false")
+    if model_type == "mixtral" and (config.num_shared_experts or config.num_dense_layers
+                                    or config.qkv_bias
+                                    or config.moe_ffn_hidden_size != config.ffn_hidden_size):
+        raise ConfigError("an MoE model exports as mixtral, which needs num_shared_experts = 0, "
+                          "num_dense_layers = 0, qkv_bias = false and moe_ffn_hidden_size = "
+                          "ffn_hidden_size")
     architectures = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                      "mixtral": "MixtralForCausalLM"}
     hf: dict[str, Any] = {
@@ -106,7 +118,6 @@ def hf_from_model_config(config: ModelConfig) -> dict[str, Any]:
         "max_position_embeddings": config.max_seq_len, "rms_norm_eps": config.norm_eps,
         "rope_theta": config.rope_theta, "hidden_act": "silu",
         "tie_word_embeddings": config.tie_embeddings, "initializer_range": config.init_std,
-        "attention_bias": config.qkv_bias and model_type == "llama",
     }
     if model_type == "mixtral":
         hf.update(num_local_experts=config.num_experts,
@@ -124,3 +135,17 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
         return json.loads(file.read_text())
     except json.JSONDecodeError as error:
         raise ConfigError(f"{file} is not valid JSON: {error}") from None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A tetrad checkpoint root (a folder whose `latest` file names its newest step folder) ->
+    that step folder; any other path is returned as is."""
+    path = Path(path)
+    latest = path / "latest"
+    if not latest.is_file():
+        return path
+    step = path / latest.read_text().strip()
+    if not step.is_dir():
+        raise ConfigError(f"{latest} names {step.name!r}, which is not a folder in {path}: "
+                          f"point at a step folder instead")
+    return step

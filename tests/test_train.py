@@ -1,0 +1,114 @@
+"""Single-process training: determinism, exact resume, atomic checkpoints, the run report."""
+
+import json
+
+import pytest
+import torch
+
+from tetrad.config import TrainConfig
+from tetrad.models.transformer import Transformer
+from tetrad.presets import resolve_model
+from tetrad.train import checkpoint as ckpt
+from tetrad.train.trainer import train
+
+
+def tiny_config(corpus_file, **changes):
+    values = dict(model="tiny", data=corpus_file, steps=6, batch_size=4, seq_len=32,
+                  warmup_steps=2, sample_tokens=0, log_every=1)
+    return TrainConfig(**{**values, **changes})
+
+
+def losses(result):
+    return [step["loss"] for step in result.report["steps"]]
+
+
+def test_fp32_runs_are_bit_identical_and_seed_matters(corpus_file):
+    first = losses(train(tiny_config(corpus_file), show_progress=False))
+    second = losses(train(tiny_config(corpus_file), show_progress=False))
+    other_seed = losses(train(tiny_config(corpus_file, seed=1), show_progress=False))
+    assert first == second
+    assert first != other_seed
+
+
+def test_loss_falls(corpus_file):
+    result = train(tiny_config(corpus_file, steps=40, batch_size=8, lr=1e-2),
+                   show_progress=False)
+    steps = result.report["steps"]
+    assert steps[-1]["loss"] < steps[0]["loss"] - 1.0
+
+
+def test_gradient_accumulation_matches_one_big_batch(corpus_file):
+    whole = losses(train(tiny_config(corpus_file, batch_size=8), show_progress=False))
+    accumulated = losses(train(tiny_config(corpus_file, batch_size=8, grad_accum=4),
+                               show_progress=False))
+    assert accumulated == pytest.approx(whole, rel=1e-5)
+
+
+def test_resume_continues_with_the_uninterrupted_losses(corpus_file, tmp_path):
+    uninterrupted = losses(train(tiny_config(corpus_file), show_progress=False))
+    root = tmp_path / "ckpt"
+    train(tiny_config(corpus_file, checkpoint_dir=str(root), save_every=3), show_progress=False)
+    # Make the run look as if it was killed after step 3: drop the later checkpoint.
+    (root / "latest").write_text(ckpt.step_folder_name(3))
+    resumed = train(tiny_config(corpus_file, checkpoint_dir=str(root), resume=True),
+                    show_progress=False)
+    assert [s["step"] for s in resumed.report["steps"]] == [4, 5, 6]
+    assert losses(resumed) == uninterrupted[3:]
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_valid(corpus_file, tmp_path,
+                                                                   monkeypatch):
+    root = tmp_path / "ckpt"
+    train(tiny_config(corpus_file, steps=3, checkpoint_dir=str(root)), show_progress=False)
+    real_save = torch.save
+
+    def crash_after_writing(*args, **kwargs):
+        real_save(*args, **kwargs)
+        raise KeyboardInterrupt("killed while saving")
+
+    monkeypatch.setattr(torch, "save", crash_after_writing)
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_config(corpus_file, steps=5, checkpoint_dir=str(root), resume=True),
+              show_progress=False)
+    monkeypatch.undo()
+    assert (root / "latest").read_text() == ckpt.step_folder_name(3)
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == [
+        ckpt.step_folder_name(3)]
+    resumed = train(tiny_config(corpus_file, steps=5, checkpoint_dir=str(root), resume=True),
+                    show_progress=False)
+    assert [s["step"] for s in resumed.report["steps"]] == [4, 5]
+    assert not any(p.name.startswith(".tmp") for p in root.iterdir())
+
+
+def test_run_report_counts_bytes(corpus_file, tmp_path):
+    report_path = tmp_path / "report.json"
+    result = train(tiny_config(corpus_file, report=str(report_path)), show_progress=False)
+    report = json.loads(report_path.read_text())
+    assert report["schema"] == 1 and report["config"]["model"] == "tiny"
+    assert {"step", "loss", "grad_norm", "time_s", "tokens"} <= set(report["steps"][0])
+    rank = report["ranks"][0]
+    num_params = result.report["num_parameters"]
+    assert rank["bytes"]["params"] == rank["bytes"]["grads"] == 4 * num_params
+    # AdamW keeps two fp32 moments per parameter plus one scalar step counter per tensor.
+    num_tensors = len(list(Transformer(resolve_model("tiny")).parameters()))
+    assert rank["bytes"]["optimizer"] == 8 * num_params + 4 * num_tensors
+    assert all(value == 0 for value in rank["comm_bytes"].values())
+
+
+def test_activation_bytes_grow_linearly_with_the_batch(corpus_file):
+    def peak(batch_size):
+        report = train(tiny_config(corpus_file, steps=1, batch_size=batch_size),
+                       show_progress=False).report
+        return report["ranks"][0]["bytes"]["activations_peak"]
+
+    # Linear, not proportional: the rotary cos/sin tables do not depend on the batch.
+    assert peak(4) + peak(12) == 2 * peak(8)
+    assert peak(8) - peak(4) > 1_000_000
+
+
+def test_bf16_and_fp16_train(corpus_file):
+    for dtype in ("bf16", "fp16"):
+        result = train(tiny_config(corpus_file, steps=20, batch_size=8, lr=1e-2, dtype=dtype),
+                       show_progress=False)
+        steps = result.report["steps"]
+        assert steps[-1]["loss"] < steps[0]["loss"] - 0.5, dtype

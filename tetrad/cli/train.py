@@ -1,0 +1,70 @@
+"""`tetrad train`: flags map one to one onto TrainConfig / ParallelConfig fields; a TOML
+`--config` supplies the rest, and flags the user typed win over it."""
+
+from __future__ import annotations
+
+import argparse
+
+from tetrad.config import DTYPES
+
+TRAIN_FLAGS: list[tuple[str, type, str]] = [
+    ("--model", str, "preset name (tiny, small, tiny-moe), HF folder, config.json or TOML"),
+    ("--data", str, "text file, folder of .txt files or .jsonl with a 'text' field "
+                    "(default: the bundled Shakespeare plays)"),
+    ("--tokenizer", str, "'byte' (default) or a tokenizer.json (see `tetrad tokenizer train`)"),
+    ("--steps", int, "optimizer steps"),
+    ("--seed", int, "seed for initialization and data order"),
+    ("--batch-size", int, "global batch, in sequences, per optimizer step"),
+    ("--seq-len", int, "tokens per sequence"),
+    ("--lr", float, "peak learning rate (linear warm-up, then cosine decay)"),
+    ("--warmup-steps", int, "warm-up steps"),
+    ("--weight-decay", float, "AdamW weight decay on matrices"),
+    ("--grad-clip", float, "clip the global gradient norm to this (0: no clipping)"),
+    ("--grad-accum", int, "microbatches per optimizer step (gradient accumulation)"),
+    ("--report", str, "write the run report JSON here"),
+    ("--checkpoint-dir", str, "folder for checkpoints (the final state is always saved here)"),
+    ("--save-every", int, "also save every N steps"),
+    ("--log-every", int, "steps between progress updates"),
+    ("--sample-tokens", int, "tokens of text to sample from the model at the end (0: none)"),
+]
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "train", help="train a transformer", description=__doc__,
+        # Unset flags stay absent, so only what the user typed overrides the TOML file.
+        argument_default=argparse.SUPPRESS)
+    parser.add_argument("--config", help="TOML file of these settings (flags override it)")
+    for flag, kind, help_text in TRAIN_FLAGS:
+        parser.add_argument(flag, type=kind, help=help_text)
+    parser.add_argument("--dtype", choices=DTYPES, help="compute precision (autocast)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest checkpoint in --checkpoint-dir")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tetrad.config import build_train_config
+
+    overrides = {key: value for key, value in vars(args).items()
+                 if key not in ("command", "run", "config")}
+    config = build_train_config(getattr(args, "config", None), overrides)
+
+    from tetrad.train.trainer import train
+
+    result = train(config)
+    steps = result.report["steps"]
+    if steps:
+        print(f"loss {steps[0]['loss']:.4f} (step {steps[0]['step']}) -> {steps[-1]['loss']:.4f} "
+              f"(step {steps[-1]['step']})", end="")
+        validation = result.report.get("validation_loss")
+        print(f", validation loss {validation:.4f}" if validation is not None else "")
+    if result.sample:
+        print("--- sample ---")
+        print(result.sample.strip())
+        print("--------------")
+    if config.report:
+        print(f"run report: {config.report}")
+    if result.checkpoint:
+        print(f"checkpoint: {result.checkpoint}")
+    return 0

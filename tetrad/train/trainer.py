@@ -1,0 +1,185 @@
+"""The training loop. It knows nothing of how the model is spread over processes: that is the
+strategy's job (tetrad.train.strategy). With LocalStrategy it is plain single-process training,
+the reference every parallel layout is compared with."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from tetrad.config import ModelConfig, TrainConfig
+from tetrad.errors import ConfigError, TetradError
+from tetrad.models.transformer import Transformer, count_parameters
+from tetrad.presets import resolve_model
+from tetrad.tokenizer import load_tokenizer
+from tetrad.train import checkpoint as ckpt
+from tetrad.train.data import AnyTokenizer, Dataset
+from tetrad.train.metrics import ActivationMeter, build_report, rank_entry, write_json_atomic
+from tetrad.train.optim import learning_rate
+from tetrad.train.sample import sample_text
+from tetrad.train.strategy import LocalStrategy
+
+VALIDATION_BATCHES = 8
+
+
+@dataclass
+class TrainResult:
+    report: dict[str, Any]
+    checkpoint: Path | None
+    sample: str
+
+
+def prepare(config: TrainConfig) -> tuple[ModelConfig, AnyTokenizer, Path | None]:
+    """Everything that can be wrong with the input, checked before any data or model is built."""
+    model_config = resolve_model(config.model, config.model_overrides)
+    if config.seq_len > model_config.max_seq_len:
+        raise ConfigError(f"--seq-len {config.seq_len} is longer than the model's max_seq_len "
+                          f"{model_config.max_seq_len}: lower --seq-len")
+    tokenizer = load_tokenizer(config.tokenizer)
+    if tokenizer.vocab_size > model_config.vocab_size:
+        raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's "
+                          f"vocab_size is {model_config.vocab_size}: raise vocab_size")
+    resume_from = None
+    if config.resume:
+        resume_from = ckpt.find_checkpoint(config.checkpoint_dir)
+        if resume_from is not None:
+            ckpt.read_model_config(resume_from)  # fails early on a corrupt checkpoint
+    return model_config, tokenizer, resume_from
+
+
+def build_model(model_config: ModelConfig, config: TrainConfig) -> Transformer:
+    torch.manual_seed(config.seed)
+    model = Transformer(model_config)
+    source = Path(config.model)
+    if source.is_dir() and any(source.glob("*.safetensors")):
+        from tetrad.models.hf import load_hf_weights
+        load_hf_weights(model, source)
+    return model
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def check_finite(loss: float, grad_norm: float, step: int, model: torch.nn.Module) -> None:
+    if not math.isfinite(loss):
+        raise TetradError(f"the loss is {loss} at step {step}: lower --lr or use --dtype fp32")
+    if not math.isfinite(grad_norm):
+        culprit = next((name for name, p in model.named_parameters()
+                        if p.grad is not None and not torch.isfinite(p.grad).all()), "unknown")
+        raise TetradError(f"the gradient norm is {grad_norm} at step {step}, first non-finite "
+                          f"gradient in {culprit}: lower --lr or use --dtype fp32")
+
+
+def train(config: TrainConfig, make_strategy: Callable[..., Any] = LocalStrategy,
+          show_progress: bool = True) -> TrainResult:
+    model_config, tokenizer, resume_from = prepare(config)
+    dataset = Dataset(config.data, tokenizer, config.seq_len, config.seed)
+    device = default_device()
+    model = build_model(model_config, config).to(device)
+    strategy = make_strategy(model, config, device)
+    start_step = 0
+    if resume_from is not None:
+        start_step, model_state, training_state = ckpt.load_checkpoint(resume_from, model_config)
+        strategy.load_state_dict({"model": model_state, **training_state})
+        torch.set_rng_state(training_state["rng"])
+    meter = ActivationMeter(model)
+    held: dict[str, int] = {}
+    steps: list[dict[str, Any]] = []
+    saved, last_saved_step = resume_from, start_step if resume_from else None
+    tokens_per_step = config.batch_size * config.seq_len
+    is_main = strategy.rank == 0
+    progress = tqdm(range(start_step, config.steps), initial=start_step, total=config.steps,
+                    desc=f"train {model_config.name} ({count_parameters(model) / 1e6:.2f}M)",
+                    disable=not (show_progress and is_main), dynamic_ncols=True)
+    for step in progress:
+        started = time.perf_counter()
+        loss, aux = run_step(strategy, model, meter, dataset, config, step, device)
+        strategy.finish_gradients()
+        held = {k: max(v, held.get(k, 0)) for k, v in strategy.bytes_held().items()}
+        grad_norm = strategy.clip_grad_norm(config.grad_clip)
+        check_finite(loss, grad_norm, step + 1, model)
+        applied = strategy.step(learning_rate(step, config))
+        held = {k: max(v, held.get(k, 0)) for k, v in strategy.bytes_held().items()}
+        elapsed = time.perf_counter() - started
+        record = {"step": step + 1, "loss": loss, "grad_norm": grad_norm, "time_s": elapsed,
+                  "tokens": tokens_per_step, "tokens_per_s": tokens_per_step / elapsed,
+                  "lr": learning_rate(step, config), "applied": applied}
+        if aux is not None:
+            record["aux_loss"] = aux
+        steps.append(record)
+        progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+        if config.save_every and (step + 1) % config.save_every == 0:
+            saved = save(strategy, config, model_config, tokenizer, step + 1)
+            last_saved_step = step + 1
+    progress.close()
+    if config.checkpoint_dir and last_saved_step != config.steps:
+        saved = save(strategy, config, model_config, tokenizer, config.steps)
+    report = build_report(
+        config={**config.to_dict(), "model_config": model_config.to_dict()}, steps=steps,
+        ranks=[rank_entry(strategy.rank, strategy.coords, held, meter.peak_bytes,
+                          strategy.comm.totals_per_step() if strategy.comm else None)],
+        predicted={}, num_parameters=count_parameters(model),
+        validation_loss=evaluate(model, dataset, config, device))
+    if config.report and is_main:
+        write_json_atomic(config.report, report)
+    sample = sample_text(model, tokenizer, "\n", config.sample_tokens, config.seq_len,
+                         seed=config.seed) if is_main else ""
+    return TrainResult(report=report, checkpoint=saved, sample=sample)
+
+
+def run_step(strategy, model, meter: ActivationMeter, dataset: Dataset, config: TrainConfig,
+             step: int, device: torch.device) -> tuple[float, float | None]:
+    """Forward and backward of every microbatch of one step. Returns the batch's mean loss
+    (and mean MoE load-balance loss)."""
+    batch = strategy.local_batch(dataset.train.batch(step, config.batch_size)).to(device)
+    microbatches = batch.chunk(config.grad_accum)
+    loss_sum, aux_sum = 0.0, None
+    for index, microbatch in enumerate(microbatches):
+        inputs, targets = microbatch[:, :-1], microbatch[:, 1:]
+        with meter.measure(), strategy.autocast():
+            logits = strategy.model(inputs)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            aux = model.aux_loss()
+            objective = loss if aux is None else loss + model.config.router_aux_loss_coef * aux
+        meter.finish_microbatch()
+        strategy.backward(objective / len(microbatches),
+                          is_last_microbatch=index == len(microbatches) - 1)
+        loss_sum += loss.item() / len(microbatches)
+        if aux is not None:
+            aux_sum = (aux_sum or 0.0) + aux.item() / len(microbatches)
+    aux_mean = None if aux_sum is None else strategy.global_mean(aux_sum)
+    return strategy.global_mean(loss_sum), aux_mean
+
+
+@torch.no_grad()
+def evaluate(model, dataset: Dataset, config: TrainConfig, device: torch.device) -> float | None:
+    """Mean loss on the held-out tail of the corpus."""
+    if dataset.validation is None:
+        return None
+    was_training = model.training
+    model.eval()
+    losses = [F.cross_entropy(model(batch[:, :-1].to(device)).float().flatten(0, 1),
+                              batch[:, 1:].to(device).flatten()).item()
+              for batch in dataset.validation.in_order(config.batch_size, VALIDATION_BATCHES)]
+    model.train(was_training)
+    return sum(losses) / len(losses)
+
+
+def save(strategy, config: TrainConfig, model_config: ModelConfig, tokenizer: AnyTokenizer,
+         step: int) -> Path | None:
+    state = strategy.state_dict()
+    if strategy.rank != 0:
+        return None
+    training_state = {key: value for key, value in state.items() if key != "model"}
+    training_state["rng"] = torch.get_rng_state()
+    return ckpt.save_checkpoint(config.checkpoint_dir, step, state["model"], training_state,
+                                model_config, {"config": config.to_dict()},
+                                tokenizer=tokenizer)
