@@ -21,6 +21,8 @@ FORBIDDEN = {
     "parallel": ["tetrad.train", "tetrad.inference", "tetrad.cli"],
     "train": ["tetrad.inference", "tetrad.cli"],
     "inference": ["tetrad.train", "tetrad.cli"],
+    "schedules": ["tetrad.models", "tetrad.parallel", "tetrad.train", "tetrad.inference",
+                  "tetrad.cli", "tetrad.planner"],
     "planner": ["tetrad.models", "tetrad.parallel", "tetrad.train", "tetrad.inference",
                 "tetrad.cli"],
 }

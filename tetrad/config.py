@@ -160,7 +160,7 @@ class ParallelConfig:
     zero: int = 0
     offload: bool = False
     sequence_parallel: bool = False
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb
+    schedule: str = "1f1b"  # naive | gpipe | 1f1b | interleaved | zb
     microbatches: int = 0  # 0 means pp (the fewest that keeps every stage busy)
     recompute: str = "none"  # none | selective | full
     collectives: str = "backend"  # backend | ring (tetrad's own ring all-reduce on send/recv)
@@ -173,13 +173,19 @@ class ParallelConfig:
             raise ConfigError(f"zero must be 0, 1, 2 or 3, got {self.zero}")
         if self.offload and self.zero == 0:
             raise ConfigError("--offload needs a ZeRO stage: add --zero 1, 2 or 3")
-        _choice("schedule", self.schedule, ("gpipe", "1f1b", "interleaved", "zb"))
+        _choice("schedule", self.schedule, ("naive", "gpipe", "1f1b", "interleaved", "zb"))
+        if (self.vpp > 1) != (self.schedule == "interleaved"):
+            raise ConfigError("virtual stages go with the interleaved schedule: use --schedule "
+                              "interleaved with --vpp 2 or more, or --vpp 1 with other schedules")
         _choice("recompute", self.recompute, ("none", "selective", "full"))
         _choice("collectives", self.collectives, ("backend", "ring"))
         if (self.dp * self.cp) % self.ep:
             raise ConfigError(f"ep {self.ep} must divide dp*cp = {self.dp * self.cp}")
         if self.microbatches == 0:
             object.__setattr__(self, "microbatches", self.pp)
+        if self.schedule == "interleaved" and self.microbatches % self.pp:
+            raise ConfigError(f"the interleaved schedule needs microbatches ({self.microbatches}) "
+                              f"to be a multiple of pp ({self.pp})")
 
     @property
     def world_size(self) -> int:

@@ -1,0 +1,225 @@
+"""Run a schedule on paper: start and end of every compute, makespan, bubble, in-flight peaks.
+
+Times are exact fractions (interleaved chunks take 1/vpp of a stage's time), so known results
+such as (p-1)/(m+p-1) come out exactly. Communication takes no time. Two send semantics:
+
+- asynchronous (the executor's rule, see docs/pipeline.md): SEND is an isend and RECV an irecv
+  posted where it stands; the compute that needs the tensor waits for it. The timeline is then
+  the ideal one, set by the dependencies alone.
+- blocking: SEND and RECV both block until the other side reaches its matching action, as gloo's
+  send/recv may (rendezvous). A schedule that completes here completes under any weaker rule;
+  the validator runs this mode to prove a schedule free of deadlock.
+
+A schedule without communication actions (a bare compute order, as the generators build it)
+runs with tensors handed across ranks the moment they are computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+from tetrad.errors import ConfigError
+from tetrad.schedules.actions import (Action, Schedule, ScheduleError, local_prerequisite,
+                                      message, upstream)
+
+
+@dataclass(frozen=True)
+class Durations:
+    """Time of one pass over a whole pipeline stage (all of a rank's layers); an interleaved
+    chunk takes 1/vpp of it. Split backward parts default to half the backward each."""
+
+    forward: float = 1.0
+    backward: float = 2.0
+    backward_input: float | None = None
+    backward_weight: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("forward", "backward", "backward_input", "backward_weight"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{name} duration must be > 0, got {value}")
+        if self.backward_input is None and self.backward_weight is None:
+            return
+        if self.backward_input is None or self.backward_weight is None:
+            given = self.backward_input or self.backward_weight
+            if given >= self.backward:
+                raise ConfigError(f"a split backward part of {given} leaves nothing of the "
+                                  f"backward {self.backward} for the other: give both parts")
+
+    def split(self) -> tuple[Fraction, Fraction]:
+        """(backward-for-input, backward-for-weights) when the backward is split; a part not
+        given is what the other leaves of `backward`."""
+        backward = Fraction(self.backward)
+        part_input = None if self.backward_input is None else Fraction(self.backward_input)
+        part_weight = None if self.backward_weight is None else Fraction(self.backward_weight)
+        if part_input is None and part_weight is None:
+            return backward / 2, backward / 2
+        if part_input is None:
+            return backward - part_weight, part_weight
+        if part_weight is None:
+            return part_input, backward - part_input
+        return part_input, part_weight
+
+    def of(self, kind: str, schedule: Schedule) -> Fraction:
+        if kind == "F":
+            total = Fraction(self.forward)
+        elif not schedule.split_backward:
+            total = Fraction(self.backward)
+        else:
+            total = self.split()[0 if kind == "B" else 1]
+        return total / schedule.vpp
+
+
+@dataclass(frozen=True)
+class Span:
+    action: Action
+    start: Fraction
+    end: Fraction
+
+
+@dataclass(frozen=True)
+class Timeline:
+    schedule: Schedule
+    spans: tuple[tuple[Span, ...], ...]  # spans[rank]: that rank's computes, in time order
+    makespan: Fraction
+    peak_in_flight: tuple[int, ...]
+
+    @property
+    def idle_time(self) -> Fraction:
+        busy = sum((span.end - span.start for rank in self.spans for span in rank), Fraction(0))
+        return self.schedule.pp * self.makespan - busy
+
+    @property
+    def bubble_fraction(self) -> float:
+        return float(self.idle_time / (self.schedule.pp * self.makespan))
+
+    def to_dict(self) -> dict:
+        return {**self.schedule.to_dict(),
+                "timeline": {str(rank): [{"kind": s.action.kind, "stage": s.action.stage,
+                                          "microbatch": s.action.microbatch,
+                                          "start": float(s.start), "end": float(s.end)}
+                                         for s in spans]
+                             for rank, spans in enumerate(self.spans)},
+                "makespan": float(self.makespan), "bubble_fraction": self.bubble_fraction,
+                "peak_in_flight": list(self.peak_in_flight)}
+
+
+def peak_in_flight(schedule: Schedule, release: str = "B") -> tuple[int, ...]:
+    """Per rank, the most (stage, microbatch) pairs whose forward ran and whose `release` action
+    (B frees the activations a full backward needs; W frees what the weight gradient still
+    needs) has not. Counts follow list order, so they do not depend on durations. With vpp > 1
+    each pair holds one chunk, 1/vpp of the rank's layers."""
+    peaks = []
+    for rank_actions in schedule.actions:
+        live = peak = 0
+        for action in rank_actions:
+            if action.kind == "F":
+                live += 1
+                peak = max(peak, live)
+            elif action.kind == release:
+                live -= 1
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+def simulate(schedule: Schedule, durations: Durations = Durations(),
+             blocking: bool = False) -> Timeline:
+    """Time every compute; raise ScheduleError naming each rank's stuck action on deadlock."""
+    run = _Run(schedule, durations, blocking)
+    run.go()
+    return Timeline(schedule, tuple(tuple(spans) for spans in run.spans),
+                    max(run.clock, default=Fraction(0)), peak_in_flight(schedule))
+
+
+class _Run:
+    def __init__(self, schedule: Schedule, durations: Durations, blocking: bool) -> None:
+        self.schedule, self.durations, self.blocking = schedule, durations, blocking
+        self.with_comm = schedule.has_communication
+        self.pos = [0] * schedule.pp
+        self.clock = [Fraction(0)] * schedule.pp
+        self.finished: dict[Action, Fraction] = {}  # compute -> end time
+        self.arrived: dict[tuple, Fraction] = {}  # message -> when it reached the receiver
+        self.posted: set[tuple] = set()  # messages whose RECV has been reached
+        self.spans: list[list[Span]] = [[] for _ in range(schedule.pp)]
+
+    def head(self, rank: int) -> Action | None:
+        actions = self.schedule.actions[rank]
+        return actions[self.pos[rank]] if self.pos[rank] < len(actions) else None
+
+    def go(self) -> None:
+        progress = True
+        while progress:
+            progress = False
+            for rank in range(self.schedule.pp):
+                while (action := self.head(rank)) is not None and self.step(rank, action):
+                    progress = True
+        stuck = [f"rank {rank} at {action}: {self.blocker(rank, action)}"
+                 for rank in range(self.schedule.pp) if (action := self.head(rank))]
+        if stuck:
+            raise ScheduleError(f"schedule {self.schedule.name!r} deadlocks: " + "; ".join(stuck))
+
+    def step(self, rank: int, action: Action) -> bool:
+        """Run the rank's next action if it can run now; the rank's pointer moves past it."""
+        if self.blocker(rank, action) is not None:
+            return False
+        if action.is_compute:
+            start = max([self.clock[rank], *self.input_times(rank, action)])
+            end = start + self.durations.of(action.kind, self.schedule)
+            self.spans[rank].append(Span(action, start, end))
+            self.finished[action] = self.clock[rank] = end
+        elif not self.blocking:
+            if action.kind.startswith("SEND"):
+                self.arrived[message(action)] = self.clock[rank]
+            else:
+                self.posted.add(message(action))
+        else:  # rendezvous: both sides leave at the later of their two clocks
+            peer = action.peer
+            self.clock[rank] = self.clock[peer] = max(self.clock[rank], self.clock[peer])
+            self.arrived[message(action)] = self.clock[rank]
+            self.posted.add(message(action))
+            self.pos[peer] += 1
+        self.pos[rank] += 1
+        return True
+
+    def blocker(self, rank: int, action: Action) -> str | None:
+        """Why the action cannot run yet, or None when it can."""
+        before = local_prerequisite(action)
+        if before is not None and before not in self.finished:
+            return f"needs {before} first"
+        if action.is_compute:
+            source = upstream(action, self.schedule.num_stages)
+            if source is None or self.schedule.rank_of(source.stage) == rank:
+                return None if source is None or source in self.finished else f"needs {source}"
+            if not self.with_comm:
+                return None if source in self.finished else f"needs {source}"
+            key = message(Action("RECV_" + action.kind, action.stage, action.microbatch))
+            if key not in self.posted:
+                return "no RECV of its input was posted before it"
+            return None if key in self.arrived else f"waits for {source}'s tensor"
+        if not self.blocking:
+            return None
+        known_peer = action.peer is not None and 0 <= action.peer < self.schedule.pp
+        peer_action = self.head(action.peer) if known_peer else None
+        partner = None if peer_action is None or peer_action.is_compute else peer_action
+        if (partner is None or message(partner) != message(action)
+                or partner.kind[:4] == action.kind[:4] or partner.peer != rank):
+            return (f"blocks until rank {action.peer} reaches the matching send/recv "
+                    f"(it is at {peer_action})")
+        sender = action if action.kind.startswith("SEND") else partner
+        before = local_prerequisite(sender)
+        return None if before in self.finished else f"the sender needs {before} first"
+
+    def input_times(self, rank: int, action: Action) -> list[Fraction]:
+        times = []
+        before = local_prerequisite(action)
+        if before is not None:
+            times.append(self.finished[before])
+        source = upstream(action, self.schedule.num_stages)
+        if source is not None:
+            if self.with_comm and self.schedule.rank_of(source.stage) != rank:
+                times.append(self.arrived[message(Action("RECV_" + action.kind, action.stage,
+                                                         action.microbatch))])
+            else:
+                times.append(self.finished[source])
+        return times
