@@ -37,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     except TetradError as error:
         print(f"tetrad {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (`tetrad schedule ... | head`): nothing left to say to it.
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         print(f"tetrad {args.command}: interrupted", file=sys.stderr)
         return 130
