@@ -61,3 +61,54 @@ def resolve_model(spec: str, overrides: dict | None = None) -> ModelConfig:
     else:
         config = preset(spec)
     return config.replace(**overrides) if overrides else config
+
+
+# ---------------------------------------------------------------------------------------------
+# Published model shapes, for the planner (and for tiny look-alikes via ModelConfig.replace).
+# Each follows the model's HF config.json (or paper, for GPT-3); parameter counts match the
+# published totals (tests/test_planner_*.py checks them).
+# ---------------------------------------------------------------------------------------------
+
+def _llama(name: str, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int,
+           vocab: int, max_seq_len: int, rope_theta: float, norm_eps: float = 1e-5,
+           **extra) -> ModelConfig:
+    return ModelConfig(name=name, vocab_size=vocab, hidden_size=hidden, num_layers=layers,
+                       num_heads=heads, num_kv_heads=kv_heads, ffn_hidden_size=ffn,
+                       max_seq_len=max_seq_len, norm_eps=norm_eps, rope_theta=rope_theta, **extra)
+
+
+_DEEPSEEK_V3 = dict(
+    vocab=129280, hidden=7168, layers=61, heads=128, kv_heads=128, ffn=18432,
+    max_seq_len=163840, rope_theta=10000.0, norm_eps=1e-6, num_experts=256,
+    num_experts_per_token=8, num_shared_experts=1, moe_ffn_hidden_size=2048, num_dense_layers=3,
+    attention="mla", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+    qk_rope_head_dim=64, v_head_dim=128, head_dim=192)
+
+for _config in [
+    # GPT-3 175B (Brown et al. 2020, table 2.1): GPT-2 BPE vocabulary, 2048 context, tied head.
+    ModelConfig(name="gpt3-175b", vocab_size=50257, hidden_size=12288, num_layers=96,
+                num_heads=96, ffn_hidden_size=49152, max_seq_len=2048, norm="layernorm",
+                position="learned", mlp="gelu", bias=True, tie_embeddings=True, init_std=0.006),
+    # OPT-13B (Zhang et al. 2022): learned positions (2048 + the 2 offset rows OPT keeps), ReLU
+    # MLP -- tetrad has no ReLU, and gelu has the same shapes and FLOPs.
+    ModelConfig(name="opt-13b", vocab_size=50272, hidden_size=5120, num_layers=40, num_heads=40,
+                ffn_hidden_size=20480, max_seq_len=2050, norm="layernorm", position="learned",
+                mlp="gelu", bias=True, tie_embeddings=True),
+    _llama("llama2-7b", 4096, 32, 32, 32, 11008, 32000, 4096, 10000.0),
+    _llama("llama2-13b", 5120, 40, 40, 40, 13824, 32000, 4096, 10000.0),
+    _llama("llama2-70b", 8192, 80, 64, 8, 28672, 32000, 4096, 10000.0),
+    _llama("llama3-8b", 4096, 32, 32, 8, 14336, 128256, 8192, 500000.0),
+    _llama("llama3-70b", 8192, 80, 64, 8, 28672, 128256, 8192, 500000.0),
+    _llama("llama3-405b", 16384, 126, 128, 8, 53248, 128256, 131072, 500000.0),  # Llama 3.1
+    _llama("mixtral-8x7b", 4096, 32, 32, 8, 14336, 32000, 32768, 1e6, num_experts=8,
+           num_experts_per_token=2),
+    _llama("qwen2.5-7b", 3584, 28, 28, 4, 18944, 152064, 32768, 1e6, norm_eps=1e-6,
+           qkv_bias=True),
+    _llama("qwen2.5-72b", 8192, 80, 64, 8, 29568, 152064, 32768, 1e6, norm_eps=1e-6,
+           qkv_bias=True),
+    # DeepSeek-V3 and R1 share one architecture (R1 is V3 post-trained); the 14B multi-token-
+    # prediction module is not part of the served model and is left out.
+    _llama("deepseek-v3", **_DEEPSEEK_V3),
+    _llama("deepseek-r1", **_DEEPSEEK_V3),
+]:
+    register(_config)

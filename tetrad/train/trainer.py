@@ -21,7 +21,8 @@ from tetrad.presets import resolve_model
 from tetrad.tokenizer import load_tokenizer
 from tetrad.train import checkpoint as ckpt
 from tetrad.train.data import AnyTokenizer, Dataset
-from tetrad.train.metrics import ActivationMeter, build_report, rank_entry, write_json_atomic
+from tetrad.memory import ActivationMeter
+from tetrad.train.metrics import build_report, rank_entry, write_json_atomic
 from tetrad.train.optim import learning_rate
 from tetrad.train.sample import sample_text
 from tetrad.train.strategy import LocalStrategy
