@@ -20,12 +20,12 @@ from tetrad.errors import ConfigError
 DTYPES = ("fp32", "bf16", "fp16")
 
 
-def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+def check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
 
 
-def _positive(name: str, value: int | float, allow_zero: bool = False) -> None:
+def check_positive(name: str, value: int | float, allow_zero: bool = False) -> None:
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
@@ -93,11 +93,11 @@ class ModelConfig:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size",
                      "max_seq_len"):
-            _positive(name, getattr(self, name))
-        _choice("norm", self.norm, ("rmsnorm", "layernorm"))
-        _choice("position", self.position, ("rope", "learned"))
-        _choice("mlp", self.mlp, ("swiglu", "gelu"))
-        _choice("attention", self.attention, ("mha", "mla"))
+            check_positive(name, getattr(self, name))
+        check_choice("norm", self.norm, ("rmsnorm", "layernorm"))
+        check_choice("position", self.position, ("rope", "learned"))
+        check_choice("mlp", self.mlp, ("swiglu", "gelu"))
+        check_choice("attention", self.attention, ("mha", "mla"))
         if self.head_dim == 0:
             if self.hidden_size % self.num_heads:
                 raise ConfigError(
@@ -167,18 +167,18 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "cp", "tp", "ep", "vpp"):
-            _positive(name, getattr(self, name))
-        _positive("microbatches", self.microbatches, allow_zero=True)
+            check_positive(name, getattr(self, name))
+        check_positive("microbatches", self.microbatches, allow_zero=True)
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"zero must be 0, 1, 2 or 3, got {self.zero}")
         if self.offload and self.zero == 0:
             raise ConfigError("--offload needs a ZeRO stage: add --zero 1, 2 or 3")
-        _choice("schedule", self.schedule, ("naive", "gpipe", "1f1b", "interleaved", "zb"))
+        check_choice("schedule", self.schedule, ("naive", "gpipe", "1f1b", "interleaved", "zb"))
         if (self.vpp > 1) != (self.schedule == "interleaved"):
             raise ConfigError("virtual stages go with the interleaved schedule: use --schedule "
                               "interleaved with --vpp 2 or more, or --vpp 1 with other schedules")
-        _choice("recompute", self.recompute, ("none", "selective", "full"))
-        _choice("collectives", self.collectives, ("backend", "ring"))
+        check_choice("recompute", self.recompute, ("none", "selective", "full"))
+        check_choice("collectives", self.collectives, ("backend", "ring"))
         if (self.dp * self.cp) % self.ep:
             raise ConfigError(f"ep {self.ep} must divide dp*cp = {self.dp * self.cp}")
         if self.microbatches == 0:
@@ -224,11 +224,11 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "nproc", "log_every"):
-            _positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name))
         for name in ("lr", "grad_clip", "save_every", "warmup_steps", "weight_decay",
                      "sample_tokens"):
-            _positive(name, getattr(self, name), allow_zero=True)
-        _choice("dtype", self.dtype, DTYPES)
+            check_positive(name, getattr(self, name), allow_zero=True)
+        check_choice("dtype", self.dtype, DTYPES)
         if self.save_every and not self.checkpoint_dir:
             raise ConfigError("--save-every needs --checkpoint-dir")
         if self.resume and not self.checkpoint_dir:

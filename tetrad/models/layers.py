@@ -7,6 +7,7 @@ beat many small ones; the tensor-parallel code splits them by section when it sh
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -76,8 +77,10 @@ class Attention(nn.Module):
                              bias=config.qkv_bias or config.bias)
         self.out = nn.Linear(self.q_size, config.hidden_size, bias=config.bias)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                attend: Callable | None = None) -> torch.Tensor:
+        """`attend(q, k, v)` replaces causal attention over this call's tokens: the serving engine
+        passes attention over its paged KV cache."""
         batch, seq, _ = x.shape
         q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
@@ -85,7 +88,7 @@ class Attention(nn.Module):
         v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        y = causal_attention(q, k, v)  # [batch, heads, seq, head_dim]
+        y = (attend or causal_attention)(q, k, v)  # [batch, heads, seq, head_dim]
         return self.out(y.transpose(1, 2).reshape(batch, seq, self.q_size))
 
 

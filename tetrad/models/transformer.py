@@ -10,6 +10,10 @@ Parameter names (the checkpoint format and the HF mapping rely on them):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -29,9 +33,9 @@ class Block(nn.Module):
         self.is_moe = config.is_moe_layer(layer)
         self.aux_loss: torch.Tensor | None = None  # the router's load-balance loss, last forward
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
-                ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                attend: Callable | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, attend)
         if self.is_moe:
             out, self.aux_loss = self.mlp(self.mlp_norm(x))
             return x + out
@@ -56,11 +60,13 @@ class Transformer(nn.Module):
                         else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
         init_weights(self, config.init_std, config.num_layers)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        """input_ids: [batch, seq] -> logits [batch, seq, vocab]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: Any = None) -> torch.Tensor:
+        """input_ids: [batch, seq] -> logits [batch, seq, vocab]. With `cache` (the serving
+        engine's paged KV cache; the batch is then one row of many sequences' tokens), attention
+        is cache.attend(layer, q, k, v) and logits come only for the cache.logits_indices tokens."""
         seq = input_ids.shape[-1]
-        if seq > self.config.max_seq_len:
+        if cache is None and seq > self.config.max_seq_len:
             raise ConfigError(f"sequence of {seq} tokens is longer than max_seq_len "
                               f"{self.config.max_seq_len}")
         if positions is None:
@@ -69,8 +75,10 @@ class Transformer(nn.Module):
         if self.pos_embed is not None:
             x = x + self.pos_embed(positions)
         rope = self.rotary(positions) if self.rotary is not None else None
-        for layer in self.layers:
-            x = layer(x, rope)
+        for index, layer in enumerate(self.layers):
+            x = layer(x, rope, None if cache is None else partial(cache.attend, index))
+        if cache is not None:
+            x = x[:, cache.logits_indices]  # only where a token is sampled: saves the vocab matmul
         return self.output(self.norm(x))
 
     def output(self, x: torch.Tensor) -> torch.Tensor:

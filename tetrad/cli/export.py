@@ -1,0 +1,31 @@
+"""`tetrad export CHECKPOINT --out DIR`: a tetrad checkpoint as an HF folder that
+transformers' AutoModelForCausalLM.from_pretrained loads (and AutoTokenizer, when the checkpoint
+has a BPE tokenizer)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "export", help="write a checkpoint as an HF model folder",
+        description="Write a tetrad checkpoint (a step folder, or a checkpoint root with a "
+                    "`latest` file) as an HF folder: config.json, model.safetensors and, when "
+                    "the checkpoint has one, tokenizer.json.")
+    parser.add_argument("checkpoint", help="checkpoint step folder or checkpoint root")
+    parser.add_argument("--out", required=True, help="folder to write the HF model to")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tetrad.models.hf import load_pretrained, save_hf
+    from tetrad.tokenizer import load_tokenizer
+
+    model = load_pretrained(args.checkpoint)
+    tokenizer = load_tokenizer(args.checkpoint)
+    save_hf(model, args.out, eos_id=tokenizer.eos_id)
+    # A byte-level tokenizer has no HF file form: the folder then holds the model only.
+    tokenizer.save(args.out)
+    print(f"wrote {model.config.name} as an HF model to {args.out}")
+    return 0

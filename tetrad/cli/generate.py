@@ -1,0 +1,146 @@
+"""`tetrad generate PATH --prompt TEXT`: complete prompts with the serving engine and print them.
+Also the engine and sampling flags that `tetrad run` and `tetrad serve` share."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+ENGINE_FLAGS: list[tuple[str, type, str]] = [
+    ("--dtype", str, "fp32 (default), bf16 or fp16"),
+    ("--device", str, "auto (default: cuda when available), cpu, cuda, cuda:N"),
+    ("--block-size", int, "tokens per KV block (default 16)"),
+    ("--kv-memory", str, "KV cache budget, e.g. 2GiB (default: 512MiB on CPU, the free memory "
+                         "on a GPU)"),
+    ("--swap-memory", str, "CPU pool for --preemption swap (default 256MiB)"),
+    ("--num-blocks", int, "exact number of KV blocks (overrides --kv-memory)"),
+    ("--max-num-seqs", int, "sequences running at once (default 64)"),
+    ("--max-num-batched-tokens", int, "tokens computed per step (default 2048)"),
+    ("--max-model-len", int, "context length (default: the model's)"),
+    ("--preemption", str, "recompute (default) or swap, when KV blocks run out"),
+    ("--attention", str, "auto (default), sdpa or tiled"),
+    ("--seed", int, "engine seed: the sampling seed of requests that bring none"),
+]
+SAMPLING_FLAGS: list[tuple[str, type, str]] = [
+    ("--temperature", float, "0 is greedy (default 1.0)"),
+    ("--top-p", float, "nucleus sampling threshold (default 1.0: off)"),
+    ("--top-k", int, "keep the k most likely tokens (default 0: off)"),
+    ("--repetition-penalty", float, "penalize tokens already seen (default 1.0: off)"),
+    ("--max-tokens", int, "tokens to generate (default: up to the context length)"),
+    ("--sample-seed", int, "sampling seed of this request"),
+]
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("path", help="HF model folder (llama, qwen2, gpt2, ...) or tetrad "
+                                     "checkpoint (step folder or checkpoint root)")
+    parser.add_argument("--tokenizer", help="'byte', a tokenizer.json or a folder (default: the "
+                                            "model folder's)")
+    group = parser.add_argument_group("engine")
+    for flag, kind, help_text in ENGINE_FLAGS:
+        group.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text)
+    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                       default=argparse.SUPPRESS, help="do not share KV blocks across requests")
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    for flag, kind, help_text in SAMPLING_FLAGS:
+        group.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text)
+    group.add_argument("--stop", action="append", default=argparse.SUPPRESS,
+                       help="stop string (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true", default=argparse.SUPPRESS,
+                       help="keep generating past the end-of-text token")
+
+
+def build_engine(args: argparse.Namespace):
+    from tetrad.inference.engine import LLM, EngineConfig
+
+    fields = {name for name in EngineConfig.__dataclass_fields__}
+    config = {key: value for key, value in vars(args).items() if key in fields}
+    tokenizer = None
+    if getattr(args, "tokenizer", None):
+        from tetrad.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(args.tokenizer)
+    return LLM(args.path, tokenizer, log=lambda line: print(line, file=sys.stderr), **config)
+
+
+def sampling_params(args: argparse.Namespace, **extra):
+    from tetrad.inference.params import SamplingParams
+
+    values = {key: value for key, value in vars(args).items()
+              if key in ("temperature", "top_p", "top_k", "repetition_penalty", "max_tokens",
+                         "stop", "ignore_eos", "n")}
+    if "sample_seed" in vars(args):
+        values["seed"] = args.sample_seed
+    return SamplingParams(**{**values, **extra})
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("generate", help="complete prompts with a model",
+                                   description=__doc__)
+    add_engine_arguments(parser)
+    parser.add_argument("--prompt", action="append", required=True,
+                        help="prompt text (repeat for a batch)")
+    parser.add_argument("--n", type=int, default=argparse.SUPPRESS, help="samples per prompt")
+    parser.add_argument("--report", help="write a JSON report (latencies, throughput, KV use)")
+    add_sampling_arguments(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    llm = build_engine(args)
+    params = sampling_params(args)
+    start = time.perf_counter()
+    if len(args.prompt) == 1 and params.n == 1:
+        outputs = []
+        for output in llm.stream(args.prompt[0], params):
+            print(output.outputs[0].delta_text, end="", flush=True)
+            outputs = [output]
+        print()
+    else:
+        outputs = llm.generate(args.prompt, params)
+        for output in outputs:
+            for completion in output.outputs:
+                print(f"--- prompt {output.request_id}, sample {completion.index} "
+                      f"({completion.finish_reason})\n{output.prompt}{completion.text}")
+    report = build_report(llm, outputs, time.perf_counter() - start)
+    summary = report["summary"]
+    print(f"{summary['generated_tokens']} tokens in {summary['time_s']:.2f} s "
+          f"({summary['tokens_per_s']:.1f} tokens/s), TTFT p50 {summary['ttft_s']['p50']:.3f} s, "
+          f"TPOT p50 {summary['tpot_s']['p50']:.4f} s, KV blocks peak "
+          f"{summary['kv_blocks_peak']}/{summary['kv_blocks_total']}, preemptions "
+          f"{summary['preemptions']}", file=sys.stderr)
+    if args.report:
+        with open(args.report, "w") as file:
+            json.dump(report, file, indent=2)
+    return 0
+
+
+def build_report(llm, outputs: list, elapsed: float) -> dict:
+    """The serving side of the run report (DESIGN.md): per request and summarized."""
+    import dataclasses
+
+    stats = llm.stats()
+    generated = sum(len(c.token_ids) for output in outputs for c in output.outputs)
+    return {
+        "schema": 1,
+        "config": {**dataclasses.asdict(llm.config), "model": llm.model_config.to_dict()},
+        "kv": dataclasses.asdict(llm.kv_plan),
+        "requests": [{"id": o.request_id, "prompt_tokens": len(o.prompt_token_ids),
+                      "cached_prompt_tokens": o.num_cached_tokens,
+                      "completion_tokens": [len(c.token_ids) for c in o.outputs],
+                      "finish_reasons": [c.finish_reason for c in o.outputs],
+                      "ttft_s": (o.first_token_time or o.finish_time) - o.arrival_time,
+                      "latency_s": o.finish_time - o.arrival_time} for o in outputs],
+        "summary": {"generated_tokens": generated, "time_s": elapsed,
+                    "tokens_per_s": generated / max(elapsed, 1e-9),
+                    "ttft_s": llm.metrics.ttft.summary(), "tpot_s": llm.metrics.tpot.summary(),
+                    "preemptions": stats["preemptions"],
+                    "kv_blocks_total": stats["kv_blocks_total"],
+                    "kv_blocks_peak": llm.peak_blocks_used,
+                    "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"]},
+    }

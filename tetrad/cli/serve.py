@@ -1,0 +1,40 @@
+"""`tetrad serve PATH --port P`: an OpenAI-compatible server (/v1/completions,
+/v1/chat/completions with streaming, /v1/models, /health, /metrics) over the serving engine."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tetrad.cli.generate import add_engine_arguments, build_engine
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible API",
+                                   description=__doc__)
+    add_engine_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    parser.add_argument("--served-model-name",
+                        help="the model name clients send (default: the folder's name)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+    except ImportError:
+        from tetrad.errors import TetradError
+
+        raise TetradError("tetrad serve needs fastapi and uvicorn: pip install fastapi uvicorn") \
+            from None
+    from tetrad.inference.chat import ChatFormatter, load_chat_template
+    from tetrad.inference.server import build_app
+
+    llm = build_engine(args)
+    name = args.served_model_name or llm.path.resolve().name
+    app = build_app(llm, name, ChatFormatter(load_chat_template(llm.path)))
+    print(f"serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0

@@ -1,0 +1,65 @@
+"""Chat messages -> one prompt string. An HF folder's own chat template (chat_template.jinja, or
+`chat_template` in tokenizer_config.json) when it has one; otherwise a plain transcript
+("User: ...\\nAssistant:") that a model trained on raw text, such as tetrad's demo, can continue,
+with "\\nUser:" as a stop string so the model does not write the user's next turn."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tetrad.errors import ConfigError
+
+ROLES = ("system", "user", "assistant")
+PLAIN_STOP = ("\nUser:",)
+
+
+def message_text(content) -> str:
+    """OpenAI content: a string, or a list of parts of which the text ones count."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(part, dict) for part in content):
+        return "".join(part.get("text", "") for part in content if part.get("type") == "text")
+    raise ConfigError("message content must be a string or a list of {type: text} parts")
+
+
+def load_chat_template(folder: str | Path | None) -> str | None:
+    if folder is None or not Path(folder).is_dir():
+        return None
+    folder = Path(folder)
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text()
+    config_file = folder / "tokenizer_config.json"
+    if config_file.is_file():
+        template = json.loads(config_file.read_text()).get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        return template
+    return None
+
+
+class ChatFormatter:
+    def __init__(self, template: str | None = None):
+        self.template = None
+        if template:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            self.template = environment.from_string(template)
+        self.stop = () if template else PLAIN_STOP
+
+    def render(self, messages: list[dict]) -> str:
+        if not messages:
+            raise ConfigError("messages is empty: send at least one {role, content} message")
+        cleaned = []
+        for message in messages:
+            if not isinstance(message, dict) or message.get("role") not in ROLES:
+                raise ConfigError(f"each message needs a role ({', '.join(ROLES)}) and content, "
+                                  f"got {message!r}")
+            cleaned.append({"role": message["role"],
+                            "content": message_text(message.get("content", ""))})
+        if self.template is not None:
+            return self.template.render(messages=cleaned, add_generation_prompt=True,
+                                        bos_token="", eos_token="")
+        lines = [f"{m['role'].capitalize()}: {m['content']}\n" for m in cleaned]
+        return "".join(lines) + "Assistant:"

@@ -1,0 +1,124 @@
+"""The KV cache tensors, and how many blocks a memory budget buys.
+
+One allocation holds every layer's K and V pools: pool[layer, 0] is that layer's K pool
+[num_blocks, block_size, kv_heads, head_dim], pool[layer, 1] its V pool. Keeping them in one
+tensor makes a block copy (copy-on-write, swap) one indexing operation for all layers.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from tetrad.config import ModelConfig
+from tetrad.errors import ConfigError
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30}
+# On a GPU the pool takes at most this share of the memory the weights leave free: activations
+# of a step and allocator fragmentation need the rest.
+DEVICE_MEMORY_FRACTION = 0.9
+DEFAULT_CPU_KV_MEMORY = 512 * 2**20
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:
+    """K and V of one token in every layer (the planner's serving formula)."""
+    return config.num_layers * 2 * config.num_kv_heads * config.head_dim * dtype_bytes
+
+
+def parse_bytes(value: str | int) -> int:
+    """'2GiB', '512MB', '1e9' or a plain number of bytes."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", value)
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _UNITS:
+        raise ConfigError(f"cannot read {value!r} as a memory size: write e.g. 2GiB, 512MB or "
+                          f"a number of bytes")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+    num_cpu_blocks: int
+    max_model_len: int
+
+    def with_blocks(self, num_blocks: int) -> "KVPlan":
+        return KVPlan(num_blocks, self.block_size, self.bytes_per_token, self.num_cpu_blocks,
+                      self.max_model_len)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def describe(self) -> str:
+        total = self.num_tokens * self.bytes_per_token
+        full = self.num_tokens // self.max_model_len
+        return (f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens = "
+                f"{self.num_tokens} tokens x {self.bytes_per_token} bytes = {total / 2**20:.1f} MiB"
+                f"{f', {self.num_cpu_blocks} CPU swap blocks' if self.num_cpu_blocks else ''}; "
+                f"max concurrent sequences: {full} at the full context of {self.max_model_len} "
+                f"tokens, more when shorter")
+
+
+def plan_kv_pool(config: ModelConfig, dtype: str, device: torch.device, block_size: int,
+                 kv_memory: int | None, swap_memory: int, max_model_len: int) -> KVPlan:
+    """Blocks that fit the budget: --kv-memory, capped on a GPU by what the weights leave free."""
+    per_token = kv_bytes_per_token(config, DTYPE_BYTES[dtype])
+    budget = kv_memory if kv_memory is not None else DEFAULT_CPU_KV_MEMORY
+    if device.type == "cuda":
+        free = int(torch.cuda.mem_get_info(device)[0] * DEVICE_MEMORY_FRACTION)
+        budget = free if kv_memory is None else min(kv_memory, free)
+    num_blocks = budget // (per_token * block_size)
+    if num_blocks < 1:
+        raise ConfigError(f"a KV memory budget of {budget} bytes holds no block of {block_size} "
+                          f"tokens ({per_token * block_size} bytes): raise --kv-memory or lower "
+                          f"--block-size")
+    return KVPlan(num_blocks, block_size, per_token, swap_memory // (per_token * block_size),
+                  max_model_len)
+
+
+class KVCache:
+    def __init__(self, config: ModelConfig, plan: KVPlan, dtype: torch.dtype,
+                 device: torch.device):
+        shape = (config.num_layers, 2, plan.num_blocks, plan.block_size, config.num_kv_heads,
+                 config.head_dim)
+        self.pool = torch.zeros(shape, dtype=dtype, device=device)
+        # Pinned host memory makes the device <-> CPU swap copies asynchronous-capable and fast.
+        self.cpu_pool = torch.zeros((*shape[:2], plan.num_cpu_blocks, *shape[3:]), dtype=dtype,
+                                    pin_memory=device.type == "cuda")
+        self.kv_heads, self.head_dim = config.num_kv_heads, config.head_dim
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pool[index, 0], self.pool[index, 1]
+
+    def write(self, index: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """slots: [tokens] flat slot ids (block * block_size + offset); k, v: [tokens, kv_heads,
+        head_dim]."""
+        k_cache, v_cache = self.layer(index)
+        k_cache.view(-1, self.kv_heads, self.head_dim).index_copy_(0, slots, k)
+        v_cache.view(-1, self.kv_heads, self.head_dim).index_copy_(0, slots, v)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: (source block, destination block) in the device pool."""
+        if pairs:
+            source, dest = (torch.tensor(ids, device=self.pool.device) for ids in zip(*pairs))
+            self.pool[:, :, dest] = self.pool[:, :, source]
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        if pairs:
+            device_ids, cpu_ids = (torch.tensor(ids) for ids in zip(*pairs))
+            self.cpu_pool[:, :, cpu_ids] = self.pool[:, :, device_ids.to(self.pool.device)].cpu()
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        if pairs:
+            cpu_ids, device_ids = (torch.tensor(ids) for ids in zip(*pairs))
+            self.pool[:, :, device_ids.to(self.pool.device)] = self.cpu_pool[:, :, cpu_ids].to(
+                self.pool.device)

@@ -1,0 +1,75 @@
+"""What the engine hands back: RequestOutput (one per request) with a CompletionOutput per sample,
+and the incremental detokenizer that turns a growing list of ids into text deltas."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tetrad.inference.params import SamplingParams, apply_stop_strings
+
+REPLACEMENT_CHAR = "\ufffd"  # what decoding an incomplete UTF-8 sequence gives
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list[int] = field(default_factory=list)  # generated ids
+    text: str = ""  # visible text: stop strings cut, a possible stop-string prefix held back
+    finish_reason: str | None = None  # stop | length | abort
+    delta_text: str = ""  # what this step added to `text` (for streaming)
+    delta_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+
+class Detokenizer:
+    """Decodes a window of the last few ids rather than the whole output each step (linear, not
+    quadratic, in the output length). The window starts at a token already shown, so tokenizers
+    that drop a leading space at the start of a decode still give the right delta; text ending in
+    an incomplete multi-byte character waits for the next token."""
+
+    def __init__(self, tokenizer, params: SamplingParams):
+        self.tokenizer, self.params = tokenizer, params
+        self.token_ids: list[int] = []
+        self.prefix = 0  # the window starts here
+        self.read = 0  # ids up to here are already in `decoded`
+        self.decoded = ""  # all text decoded so far, stop strings included
+        self.shown = 0  # characters of the visible text already returned as deltas
+
+    def add(self, token_ids: list[int], final: bool = False) -> tuple[str, bool]:
+        """Append ids; return (new visible text, a stop string was hit)."""
+        self.token_ids += token_ids
+        before = self.tokenizer.decode(self.token_ids[self.prefix:self.read])
+        after = self.tokenizer.decode(self.token_ids[self.prefix:])
+        if len(after) > len(before) and (final or not after.endswith(REPLACEMENT_CHAR)):
+            self.decoded += after[len(before):]
+            self.prefix, self.read = self.read, len(self.token_ids)
+        visible, stopped, _ = apply_stop_strings(self.params, self.decoded)
+        if final and not stopped:
+            visible = self.decoded  # nothing can complete a held-back stop-string prefix now
+        delta = visible[self.shown:]
+        self.shown = len(visible)
+        return delta, stopped
+
+    @property
+    def text(self) -> str:
+        return self.decoded[:self.shown]

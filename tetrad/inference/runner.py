@@ -1,0 +1,130 @@
+"""Runs one scheduled step on the model: block copies, then one forward pass over every scheduled
+token of every sequence, flattened into a single row, with attention over the paged KV cache.
+
+The runner owns no model math. It calls the model's own forward with a `cache` (a StepContext);
+each attention layer hands it q, k, v after the model's QKV projection and rotary embedding, and
+gets back attention over the sequence's cached context plus its new tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tetrad.errors import ConfigError
+from tetrad.inference.attention import sdpa_paged_attention, tiled_paged_attention
+from tetrad.inference.kv_cache import KVCache
+from tetrad.inference.scheduler import ScheduledBatch
+from tetrad.models.layers import causal_attention
+
+ATTENTION_BACKENDS = ("auto", "sdpa", "tiled")
+# With "auto", a call whose gathered K/V copy would exceed this many bytes goes to the tiled
+# kernel, which never builds it. On CPU (benchmarks/bench_serving.py --attention) SDPA is twice
+# as fast for prefill chunks over a cached context and on par for small decode batches; the tiled
+# kernel ties or wins for decode batches whose contexts add up to 100+ MB of K/V.
+GATHER_LIMIT_BYTES = 64 * 2**20
+
+
+class StepContext:
+    """What attention needs to know about one step, built once and used by every layer.
+
+    Sequences computing one token (decodes) are attended together in one batched call; a chunk of
+    several tokens with no cached context before it is plain causal attention over the chunk (the
+    training path's SDPA); any other chunk attends over its cached context through its table."""
+
+    def __init__(self, kv_cache: KVCache, attention: str, device: torch.device):
+        self.kv_cache, self.attention, self.device = kv_cache, attention, device
+        self.slots: torch.Tensor | None = None  # [tokens] where each token's K/V is written
+        self.logits_indices: torch.Tensor | None = None  # [samples] rows that get logits
+        self.decode_rows: torch.Tensor | None = None  # [decodes] their token rows
+        self.decode_tables: torch.Tensor | None = None  # [decodes, max_blocks]
+        self.decode_positions: torch.Tensor | None = None  # [decodes, 1]
+        # (first row, end row, table [1, blocks] and positions [1, chunk]; None when no context)
+        self.chunks: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]] = []
+
+    def paged(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # K and V of every table entry, as SDPA's contiguous copy would hold them.
+        gathered = 2 * tables.numel() * k_cache[0].numel() * k_cache.element_size()
+        if self.attention == "tiled" or (self.attention == "auto"
+                                         and gathered > GATHER_LIMIT_BYTES):
+            return tiled_paged_attention(q, k_cache, v_cache, tables, positions)
+        return sdpa_paged_attention(q, k_cache, v_cache, tables, positions)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+               ) -> torch.Tensor:
+        """q: [1, heads, tokens, head_dim]; k, v: [1, kv_heads, tokens, head_dim] -> like q."""
+        q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))  # [tokens, heads, head_dim]
+        self.kv_cache.write(layer, self.slots, k, v)
+        k_cache, v_cache = self.kv_cache.layer(layer)
+        out = torch.empty_like(q)
+        if self.decode_rows is not None:
+            queries = q[self.decode_rows].unsqueeze(1)  # [decodes, 1, heads, head_dim]
+            out[self.decode_rows] = self.paged(queries, k_cache, v_cache, self.decode_tables,
+                                               self.decode_positions)[:, 0]
+        for start, end, table, positions in self.chunks:
+            if table is None:
+                chunk = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+                out[start:end] = causal_attention(*chunk)[0].transpose(0, 1)
+            else:
+                out[start:end] = self.paged(q[None, start:end], k_cache, v_cache, table,
+                                            positions)[0]
+        return out.transpose(0, 1).unsqueeze(0)
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, kv_cache: KVCache, block_size: int,
+                 attention: str = "auto"):
+        if attention not in ATTENTION_BACKENDS:
+            raise ConfigError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                              f"got {attention!r}")
+        self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
+        self.attention = attention
+        self.device = next(model.parameters()).device
+
+    def _tensor(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, StepContext]:
+        """(input ids [tokens], positions [tokens], the step's context) for the forward pass."""
+        size = self.block_size
+        tokens, positions, slots, logits_rows = [], [], [], []
+        decode_rows, decode_tables, decode_positions = [], [], []
+        context = StepContext(self.kv_cache, self.attention, self.device)
+        for seq, num_new, samples in zip(batch.seqs, batch.num_tokens, batch.samples):
+            start, row = seq.num_computed_tokens, len(tokens)
+            span = range(start, start + num_new)
+            tokens += seq.token_ids[start:start + num_new]
+            positions += span
+            slots += [seq.block_table[p // size] * size + p % size for p in span]
+            if samples:
+                logits_rows.append(row + num_new - 1)
+            table = seq.block_table[:-(-(start + num_new) // size)]
+            if num_new == 1:
+                decode_rows.append(row)
+                decode_tables.append(table)
+                decode_positions.append([start])
+            elif start == 0:
+                context.chunks.append((row, row + num_new, None, None))
+            else:
+                context.chunks.append((row, row + num_new, self._tensor([table]),
+                                       self._tensor([list(span)])))
+        if decode_rows:
+            width = max(len(table) for table in decode_tables)
+            context.decode_rows = self._tensor(decode_rows)
+            context.decode_tables = self._tensor([table + [0] * (width - len(table))
+                                                  for table in decode_tables])
+            context.decode_positions = self._tensor(decode_positions)
+        context.slots = self._tensor(slots)
+        context.logits_indices = self._tensor(logits_rows)
+        return self._tensor(tokens), self._tensor(positions), context
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Run the step; logits [sequences with samples set, vocab] in batch order."""
+        # Swap-outs first: their device blocks may be handed to another sequence in this step.
+        self.kv_cache.swap_out(batch.swap_out)
+        self.kv_cache.copy_blocks(batch.copies)
+        self.kv_cache.swap_in(batch.swap_in)
+        input_ids, positions, context = self.prepare(batch)
+        return self.model(input_ids.unsqueeze(0), positions, cache=context)[0]

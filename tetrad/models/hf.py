@@ -1,0 +1,266 @@
+"""HF safetensors <-> tetrad parameters, and loading a pretrained model from a folder.
+
+One table of rules per HF family serves both directions: a rule names a tetrad parameter and the
+HF tensors that, concatenated along dim 0, make it (tetrad fuses Q/K/V and gate/up; HF keeps them
+apart). GPT-2 stores its Conv1D weights as [in, out], so its rules transpose.
+
+Mixtral: transformers 5.x fuses the experts in memory (`mlp.experts.gate_up_proj`), but its
+`save_pretrained` still writes the per-expert `block_sparse_moe.experts.{e}.w1/w3/w2` names, which
+are the names read and written here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from tetrad.config import ModelConfig, from_dict
+from tetrad.errors import ConfigError
+from tetrad.hf_config import (hf_from_model_config, hf_model_type, model_config_from_hf,
+                              read_hf_config, resolve_checkpoint)
+from tetrad.models.transformer import Transformer
+
+RUNTIME_TYPES = ("llama", "qwen2", "mistral", "mixtral", "gpt2")
+# Buffers some exporters save that carry no learned weights: rotary frequencies, GPT-2's mask.
+IGNORED = re.compile(r"rotary_emb\.inv_freq$|\.attn\.(masked_)?bias$")
+
+
+@dataclass(frozen=True)
+class Rule:
+    tetrad: str
+    hf: tuple[str, ...]  # concatenated along dim 0, in this order
+    sizes: tuple[int, ...] = ()  # rows of each HF piece, when there are several
+    transpose: bool = False  # GPT-2's Conv1D stores [in, out]
+
+
+def rules(config: ModelConfig, model_type: str, prefix: str = "transformer.") -> list[Rule]:
+    """The mapping for one model. `prefix` is GPT-2's: its base-model checkpoints have none."""
+    if model_type == "gpt2":
+        return _gpt2_rules(config, prefix)
+    return _llama_rules(config)
+
+
+def _llama_rules(config: ModelConfig) -> list[Rule]:
+    out = [Rule("embed.weight", ("model.embed_tokens.weight",)),
+           Rule("norm.weight", ("model.norm.weight",))]
+    if not config.tie_embeddings:
+        out.append(Rule("lm_head.weight", ("lm_head.weight",)))
+    qkv_sizes = (config.q_size, config.kv_size, config.kv_size)
+    for i in range(config.num_layers):
+        t, h = f"layers.{i}.", f"model.layers.{i}."
+        out += [Rule(t + "attn_norm.weight", (h + "input_layernorm.weight",)),
+                Rule(t + "mlp_norm.weight", (h + "post_attention_layernorm.weight",)),
+                Rule(t + "attn.out.weight", (h + "self_attn.o_proj.weight",))]
+        for kind in ("weight", "bias") if config.qkv_bias else ("weight",):
+            out.append(Rule(f"{t}attn.qkv.{kind}",
+                            tuple(f"{h}self_attn.{p}_proj.{kind}" for p in "qkv"), qkv_sizes))
+        if config.is_moe_layer(i):
+            moe, ffn = h + "block_sparse_moe.", config.moe_ffn_hidden_size
+            out.append(Rule(t + "mlp.router.gate.weight", (moe + "gate.weight",)))
+            for e in range(config.num_experts):
+                expert = f"{moe}experts.{e}."
+                out += [Rule(f"{t}mlp.experts.{e}.up.weight",
+                             (expert + "w1.weight", expert + "w3.weight"), (ffn, ffn)),
+                        Rule(f"{t}mlp.experts.{e}.down.weight", (expert + "w2.weight",))]
+        else:
+            ffn = config.ffn_hidden_size
+            out += [Rule(t + "mlp.up.weight",
+                         (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), (ffn, ffn)),
+                    Rule(t + "mlp.down.weight", (h + "mlp.down_proj.weight",))]
+    return out
+
+
+def _gpt2_rules(config: ModelConfig, prefix: str) -> list[Rule]:
+    out = [Rule("embed.weight", (prefix + "wte.weight",)),
+           Rule("pos_embed.weight", (prefix + "wpe.weight",)),
+           Rule("norm.weight", (prefix + "ln_f.weight",)),
+           Rule("norm.bias", (prefix + "ln_f.bias",))]
+    if not config.tie_embeddings:
+        out.append(Rule("lm_head.weight", ("lm_head.weight",)))
+    pairs = (("attn_norm", "ln_1", False), ("attn.qkv", "attn.c_attn", True),
+             ("attn.out", "attn.c_proj", True), ("mlp_norm", "ln_2", False),
+             ("mlp.up", "mlp.c_fc", True), ("mlp.down", "mlp.c_proj", True))
+    for i in range(config.num_layers):
+        for ours, theirs, conv1d in pairs:
+            for kind in ("weight", "bias"):
+                out.append(Rule(f"layers.{i}.{ours}.{kind}", (f"{prefix}h.{i}.{theirs}.{kind}",),
+                                transpose=conv1d and kind == "weight"))
+    return out
+
+
+def check_runtime_support(hf: dict[str, Any]) -> None:
+    """Reject HF configs whose numerics the tetrad layers do not reproduce (the planner may still
+    read them through tetrad.hf_config)."""
+    model_type = hf.get("model_type")
+    if model_type not in RUNTIME_TYPES:
+        raise ConfigError(f"cannot load HF model_type {model_type!r} weights "
+                          f"(supported: {', '.join(RUNTIME_TYPES)})")
+    scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type != "default":
+        raise ConfigError(f"rope scaling {rope_type!r} is not supported: tetrad implements "
+                          f"plain rope only")
+    if model_type == "gpt2":
+        if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise ConfigError(f"GPT-2 activation {hf['activation_function']!r} is not supported "
+                              f"(tetrad uses the tanh GELU, gelu_new)")
+        if hf.get("scale_attn_by_inverse_layer_idx"):
+            raise ConfigError("GPT-2 scale_attn_by_inverse_layer_idx is not supported")
+        return
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act {hf['hidden_act']!r} is not supported (SwiGLU uses silu)")
+    if model_type == "llama" and (hf.get("attention_bias") or hf.get("mlp_bias")):
+        raise ConfigError("llama attention_bias / mlp_bias are not supported: tetrad has biases "
+                          "on Q/K/V only (qwen2) or on every linear (gpt2)")
+
+
+class HFWeights:
+    """The tensors of an HF folder (one model.safetensors, or shards listed in
+    model.safetensors.index.json), read one at a time so that peak memory stays near one copy of
+    the model."""
+
+    def __init__(self, folder: Path):
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        elif (folder / "model.safetensors").is_file():
+            files = ["model.safetensors"]
+        else:
+            raise ConfigError(
+                f"{folder} has no model.safetensors (nor model.safetensors.index.json): there are "
+                f"no weights to load. Train from random init with `tetrad train --model {folder}`,"
+                f" or convert .bin weights with transformers' save_pretrained")
+        self._handles: dict[str, Any] = {}
+        for name in files:
+            if not (folder / name).is_file():
+                raise ConfigError(f"shard {name} listed in {index} is missing")
+            handle = safe_open(str(folder / name), framework="pt")
+            self._handles.update({key: handle for key in handle.keys()})
+
+    def names(self) -> set[str]:
+        return set(self._handles)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handles[name].get_tensor(name)
+
+
+def has_hf_weights(folder: str | Path) -> bool:
+    folder = Path(folder)
+    return ((folder / "model.safetensors").is_file()
+            or (folder / "model.safetensors.index.json").is_file())
+
+
+def load_hf_weights(model: Transformer, folder: str | Path) -> None:
+    """Copy the HF weights in `folder` into `model`, whose config must match their shapes."""
+    folder = Path(folder)
+    hf = read_hf_config(folder)
+    check_runtime_support(hf)
+    weights = HFWeights(folder)
+    names = weights.names()
+    prefix = "transformer." if any(n.startswith("transformer.") for n in names) else ""
+    model_rules = rules(model.config, hf["model_type"], prefix)
+    missing = [name for rule in model_rules for name in rule.hf if name not in names]
+    if missing:
+        raise ConfigError(f"{folder} lacks {len(missing)} tensors the model needs (e.g. "
+                          f"{', '.join(missing[:3])}): the weights do not match the model config "
+                          f"(number of layers or experts, tied embeddings?)")
+    used = {name for rule in model_rules for name in rule.hf}
+    # Some exporters save lm_head next to the embedding it is tied to: a harmless duplicate.
+    if model.config.tie_embeddings:
+        used.add("lm_head.weight")
+    unused = sorted(name for name in names - used if not IGNORED.search(name))
+    if unused:
+        raise ConfigError(f"{folder} has {len(unused)} tensors the model does not use (e.g. "
+                          f"{', '.join(unused[:3])}): the weights do not match the model config")
+    params = model.state_dict()
+    with torch.no_grad():
+        for rule in model_rules:
+            parts = [weights.get(name) for name in rule.hf]
+            tensor = torch.cat([p.t() if rule.transpose else p for p in parts])
+            _check_shape(params[rule.tetrad], tensor, rule.tetrad,
+                         f"{' + '.join(rule.hf)} in {folder}")
+            params[rule.tetrad].copy_(tensor)
+
+
+def _check_shape(param: torch.Tensor, tensor: torch.Tensor, name: str, source: str) -> None:
+    if param.shape != tensor.shape:
+        raise ConfigError(f"{name}: the model expects shape {tuple(param.shape)} but {source} "
+                          f"gives {tuple(tensor.shape)}: the weights do not match the model config")
+
+
+def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
+    """tetrad parameters -> HF tensors (contiguous copies, as safetensors wants)."""
+    config = model.config
+    params = model.state_dict()
+    out = {}
+    for rule in rules(config, hf_model_type(config)):
+        tensor = params[rule.tetrad].detach()
+        pieces = tensor.split(list(rule.sizes)) if rule.sizes else (tensor,)
+        for name, piece in zip(rule.hf, pieces, strict=True):
+            piece = piece.t() if rule.transpose else piece
+            out[name] = piece.clone(memory_format=torch.contiguous_format)
+    return out
+
+
+def save_hf(model: Transformer, folder: str | Path, eos_id: int | None = None) -> None:
+    """Write config.json and model.safetensors that transformers' from_pretrained loads.
+    `eos_id` is the tokenizer's end-of-text id, which HF generation stops at."""
+    folder = Path(folder)
+    hf = hf_from_model_config(model.config)  # raises first when the model has no HF form
+    tensors = to_hf_state_dict(model)
+    folder.mkdir(parents=True, exist_ok=True)
+    # Explicit token ids, else transformers fills in its per-family defaults (GPT-2's 50256),
+    # which name tokens of a different vocabulary.
+    hf.update(bos_token_id=None, eos_token_id=eos_id,
+              dtype=str(next(iter(tensors.values())).dtype).removeprefix("torch."))
+    (folder / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def load_checkpoint_weights(model: Transformer, folder: Path) -> None:
+    """Load a tetrad checkpoint's model.safetensors (tetrad parameter names) into `model`."""
+    file = folder / "model.safetensors"
+    if not file.is_file():
+        raise ConfigError(f"checkpoint {folder} has model.json but no model.safetensors")
+    state = load_file(str(file))
+    params = model.state_dict()
+    missing, unused = sorted(params.keys() - state.keys()), sorted(state.keys() - params.keys())
+    if missing or unused:
+        raise ConfigError(f"checkpoint {file} does not match its model.json: missing "
+                          f"{missing[:3]}, unused {unused[:3]}")
+    with torch.no_grad():
+        for name, param in params.items():
+            _check_shape(param, state[name], name, str(file))
+            param.copy_(state[name])
+
+
+def load_pretrained(path: str | Path) -> Transformer:
+    """A tetrad Transformer in eval mode from an HF folder (config.json + safetensors), a tetrad
+    checkpoint step folder (model.json + model.safetensors), or a checkpoint root whose `latest`
+    file names its newest step folder."""
+    folder = resolve_checkpoint(path)
+    if not folder.is_dir():
+        raise ConfigError(f"{path} is not a folder: pass an HF model folder or a tetrad "
+                          f"checkpoint folder")
+    if (folder / "model.json").is_file():
+        try:
+            values = json.loads((folder / "model.json").read_text())
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"{folder / 'model.json'} is not valid JSON: {error}") from None
+        model = Transformer(from_dict(ModelConfig, values))
+        load_checkpoint_weights(model, folder)
+    elif (folder / "config.json").is_file():
+        hf = read_hf_config(folder)
+        model = Transformer(model_config_from_hf(hf, name=folder.resolve().name))
+        load_hf_weights(model, folder)
+    else:
+        raise ConfigError(f"{folder} has neither config.json (an HF model) nor model.json "
+                          f"(a tetrad checkpoint)")
+    return model.eval()
