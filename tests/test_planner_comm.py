@@ -1,0 +1,108 @@
+"""Collective costs, per-strategy communication volumes, the pipeline bubble and the trainer's
+prediction API."""
+
+from __future__ import annotations
+
+import pytest
+
+from tetrad.config import ParallelConfig
+from tetrad.hardware import GB, cluster
+from tetrad.planner import comm, predict_training
+from tetrad.planner.model_stats import count_parameters
+from tetrad.planner.timeline import bubble_fraction_of_step, pipeline_bubble_ratio
+from tetrad.presets import preset
+
+
+def test_bubble_closed_forms():
+    assert pipeline_bubble_ratio("1f1b", 8, 32) == pytest.approx(7 / 32)
+    assert pipeline_bubble_ratio("gpipe", 8, 32) == pytest.approx(7 / 32)
+    assert pipeline_bubble_ratio("interleaved", 8, 32, vpp=4) == pytest.approx(7 / 128)
+    assert pipeline_bubble_ratio("zb", 8, 32) == pytest.approx(7 / 96)
+    assert pipeline_bubble_ratio("1f1b", 1, 32) == 0
+    assert bubble_fraction_of_step(7 / 32) == pytest.approx(7 / 39)
+
+
+def test_ring_all_reduce_inside_a_node():
+    world = cluster("h100-sxm", 8)
+    profile = world.gpu.efficiency
+    group = comm.place_group(world, 8, 1)
+    assert group.intra_node
+    size = 1 * GB
+    expected = (2 * 7 * profile.intra_latency_s
+                + 2 * 7 / 8 * size / (450 * GB * profile.intra_link))
+    assert comm.all_reduce_time(world, group, size) == pytest.approx(expected)
+    assert comm.all_gather_time(world, group, size) == pytest.approx(
+        7 * profile.intra_latency_s + 7 / 8 * size / (450 * GB * profile.intra_link))
+
+
+def test_groups_across_nodes_use_every_nic():
+    world = cluster("a100-80gb", 64)
+    profile = world.gpu.efficiency
+    # A data-parallel group behind tp = 8 has one rank per node: one NIC carries the ring.
+    one_per_node = comm.place_group(world, 8, 8)
+    assert (one_per_node.members_per_node, one_per_node.num_nodes) == (1, 8)
+    assert comm.bus_bandwidth(world, one_per_node) == pytest.approx(25 * GB * profile.inter_link)
+    # All 64 GPUs: eight rings, one per rail, capped by NVLink.
+    everyone = comm.place_group(world, 64, 1)
+    assert comm.bus_bandwidth(world, everyone) == pytest.approx(
+        min(300 * GB * profile.intra_link, 8 * 25 * GB * profile.inter_link))
+
+
+def test_sent_bytes_of_ring_algorithms():
+    assert comm.sent_bytes("all_reduce", 4, 100.0) == pytest.approx(150.0)
+    assert comm.sent_bytes("reduce_scatter", 4, 100.0) == pytest.approx(75.0)
+    assert comm.sent_bytes("all_to_all", 4, 100.0) == pytest.approx(75.0)
+    assert comm.sent_bytes("p2p", 2, 100.0) == 100.0
+
+
+def _predict(parallel, **kwargs):
+    defaults = dict(micro_batch=2, seq_len=128, num_microbatches=1, dtype="bf16")
+    return predict_training(preset("small"), parallel, **{**defaults, **kwargs})
+
+
+def test_data_parallel_volumes_by_zero_stage():
+    n = count_parameters(preset("small"))
+    d = 4
+    grads = 2 * n  # bf16
+    zero0 = _predict(ParallelConfig(dp=d))["comm_bytes"]
+    assert zero0["all_reduce"] == pytest.approx(2 * (d - 1) / d * grads)
+    zero1 = _predict(ParallelConfig(dp=d, zero=1))["comm_bytes"]
+    assert zero1["reduce_scatter"] + zero1["all_gather"] == pytest.approx(zero0["all_reduce"])
+    zero3 = _predict(ParallelConfig(dp=d, zero=3))["comm_bytes"]
+    total3 = zero3["reduce_scatter"] + zero3["all_gather"]
+    assert total3 == pytest.approx(1.5 * zero0["all_reduce"])  # ZeRO paper, section 7.2.2
+
+
+def test_tensor_parallel_volume():
+    config = preset("small")
+    t, b, s, m = 2, 2, 128, 3
+    predicted = _predict(ParallelConfig(tp=t), num_microbatches=m)["comm_bytes"]
+    size = b * s * config.hidden_size * 2
+    # 2 all-reduces per block forward and 2 backward, 2 around head and embedding.
+    collectives = (4 * config.num_layers + 2) * m
+    assert predicted["all_reduce"] == pytest.approx(collectives * 2 * (t - 1) / t * size)
+    sp = _predict(ParallelConfig(tp=t, sequence_parallel=True), num_microbatches=m)
+    assert sp["comm_bytes"]["all_gather"] + sp["comm_bytes"]["reduce_scatter"] == \
+        pytest.approx(predicted["all_reduce"])
+    full = _predict(ParallelConfig(tp=t, recompute="full"), num_microbatches=m)["comm_bytes"]
+    assert full["all_reduce"] == pytest.approx(
+        (6 * config.num_layers + 2) * m * 2 * (t - 1) / t * size)
+
+
+def test_pipeline_sends_one_message_per_microbatch_and_boundary():
+    config = preset("small")
+    m = 4
+    size = 2 * 128 * config.hidden_size * 2
+    # Two stages: each rank has one neighbour, and sends activations or gradients to it.
+    assert _predict(ParallelConfig(pp=2), num_microbatches=m)["comm_bytes"]["p2p"] == \
+        pytest.approx(m * size)
+
+
+def test_prediction_api_shape():
+    result = _predict(ParallelConfig(dp=2, pp=2, zero=1), num_microbatches=4, gpu="a100-80gb")
+    assert set(result["bytes"]) == {"params", "grads", "optimizer", "activations_peak"}
+    assert set(result["comm_bytes"]) == set(comm.COLLECTIVES)
+    assert result["step_time_s"] > 0
+    assert result["step_time_breakdown_s"]["total"] == pytest.approx(result["step_time_s"])
+    assert _predict(ParallelConfig())["step_time_s"] is None
+    assert result["num_parameters"] == count_parameters(preset("small"))

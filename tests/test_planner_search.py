@@ -1,0 +1,135 @@
+"""The layout search, serving estimates, and the messages of impossible requests."""
+
+from __future__ import annotations
+
+import pytest
+
+from tetrad.errors import ConfigError
+from tetrad.hardware import GiB, cluster, gpu
+from tetrad.planner.report import training_fit_advice
+from tetrad.planner.search import ServeSpace, TrainSpace, search_serving, search_training
+from tetrad.planner.serving import ServeLayout, ServeWorkload, evaluate_serving
+from tetrad.planner.training import TrainWorkload
+from tetrad.presets import preset, resolve_model
+
+WORKLOAD = TrainWorkload(seq_len=4096)
+
+
+def test_search_ranks_fitting_layouts_by_throughput():
+    result = search_training(preset("llama3-8b"), cluster("h100-sxm", 16), WORKLOAD, 256,
+                             top=5)
+    assert result.num_fitting > 0 and result.ranked[0].fits
+    speeds = [estimate.tokens_per_s for estimate in result.ranked]
+    assert speeds == sorted(speeds, reverse=True)
+    for estimate in result.ranked:
+        layout = estimate.layout
+        assert layout.world_size == 16 and layout.global_batch == 256
+        assert estimate.memory.total <= estimate.usable_memory
+
+
+def test_given_degrees_are_kept():
+    space = TrainSpace(tp=2, pp=2, cp=1, zero=1, recompute="selective", micro_batch=2)
+    result = search_training(preset("llama2-7b"), cluster("a100-80gb", 16), WORKLOAD, 64, space)
+    for estimate in result.ranked:
+        layout = estimate.layout
+        assert (layout.tp, layout.pp, layout.dp, layout.zero, layout.recompute,
+                layout.micro_batch) == (2, 2, 4, 1, "selective", 2)
+
+
+def test_search_of_16384_gpus_finds_a_layout():
+    """The spec asks for under 2 s; docs/planner.md reports the measured time."""
+    result = search_training(preset("llama3-405b"), cluster("h100-sxm", 16384),
+                             TrainWorkload(seq_len=8192), 2048)
+    best = result.ranked[0]
+    assert best.fits and best.layout.world_size == 16384 and best.layout.tp <= 8
+
+
+def test_step_time_parts_add_up_and_mfu_is_consistent():
+    best = search_training(preset("llama3-70b"), cluster("h100-sxm", 64), WORKLOAD, 256).ranked[0]
+    step = best.step
+    assert step.total == pytest.approx(step.compute + step.communication_exposed + step.bubble)
+    assert best.mfu == pytest.approx(best.model_flops_per_step / step.total / 64 / 989.4e12)
+    assert best.hardware_tflops_per_gpu >= best.tflops_per_gpu
+
+
+@pytest.mark.parametrize("space, message", [
+    (TrainSpace(tp=3), "tp 3 does not divide num_heads 32"),
+    (TrainSpace(tp=16), "does not divide num_kv_heads 8"),
+    (TrainSpace(pp=64), "pp 64 is more than the model's 32 layers"),
+    (TrainSpace(tp=2, pp=2, dp=4, cp=1), "must multiply to the GPU count"),
+    (TrainSpace(dp=8, micro_batch=3), r"not divisible by dp\*micro_batch = 8\*3"),
+    (TrainSpace(ep=2), "needs a mixture-of-experts model"),
+])
+def test_impossible_layouts_say_which_constraint_failed(space, message):
+    with pytest.raises(ConfigError, match=message):
+        search_training(preset("llama3-8b"), cluster("h100-sxm", 8), WORKLOAD, 100, space)
+
+
+def test_expert_parallel_must_divide_experts():
+    with pytest.raises(ConfigError, match="ep 3 does not divide num_experts 8"):
+        search_training(preset("mixtral-8x7b"), cluster("h100-sxm", 24), WORKLOAD, 24,
+                        TrainSpace(ep=3))
+
+
+def test_unknown_names_list_close_matches():
+    with pytest.raises(ConfigError, match="did you mean llama3-8b"):
+        resolve_model("lama3-8b")
+    with pytest.raises(ConfigError, match="did you mean h100"):
+        gpu("h1000")
+
+
+def test_layout_that_does_not_fit_says_by_how_much_and_what_fits():
+    world = cluster("h100-sxm", 16)
+    space = TrainSpace(tp=8, pp=1, zero=0, recompute="none", micro_batch=4)
+    result = search_training(preset("llama3-70b"), world, WORKLOAD, 64, space)
+    assert result.num_fitting == 0
+    estimate = result.ranked[0]
+    advice = training_fit_advice(preset("llama3-70b"), world, WORKLOAD, estimate)
+    over = (estimate.memory.total - estimate.usable_memory) / GiB
+    assert f"{over:.1f} GiB more than" in advice
+    assert "it would fit with --zero 3" in advice
+
+
+def _serve(prompt=1024, output=256, **kwargs):
+    return ServeWorkload(context_len=prompt + output, prompt_len=prompt, output_len=output,
+                         **kwargs)
+
+
+def test_decode_at_batch_one_reads_every_weight():
+    config = preset("llama2-7b")
+    world = cluster("h100-sxm", 1)
+    estimate = evaluate_serving(config, world, ServeLayout(), _serve(batch=1))
+    h100 = world.gpu
+    weights = 2 * 6_738_415_616
+    floor = weights / (h100.memory_bandwidth * h100.efficiency.memory)
+    # The roofline floor plus kernel launches: about 150 tokens/s, as vLLM measures on an H100.
+    assert floor < estimate.tpot_s < 1.3 * floor
+    bigger = evaluate_serving(config, world, ServeLayout(), _serve(batch=32))
+    assert bigger.decode_tokens_per_s > 10 * estimate.decode_tokens_per_s
+
+
+def test_max_concurrent_sequences_is_free_memory_over_kv():
+    config = preset("llama2-13b")
+    estimate = evaluate_serving(config, cluster("h100-sxm", 1), ServeLayout(), _serve())
+    per_sequence = 40 * 2 * 5120 * 2 * 1280
+    free = estimate.usable_memory - estimate.weights - estimate.activations
+    assert estimate.max_concurrent_sequences == int(free // per_sequence)
+
+
+def test_one_h100_versus_two_rtx4090_for_a_13b_model():
+    config = preset("llama2-13b")
+    alone = search_serving(config, cluster("rtx-4090", 1), _serve())
+    assert alone.num_fitting == 0  # 26 GB of bf16 weights do not fit in 24 GB
+    pair = search_serving(config, cluster("rtx-4090", 2), _serve())
+    h100 = search_serving(config, cluster("h100-sxm", 1), _serve())
+    assert pair.ranked[0].fits and h100.ranked[0].fits
+    assert h100.ranked[0].decode_tokens_per_s > pair.ranked[0].decode_tokens_per_s
+
+
+def test_deepseek_r1_on_16_h100():
+    config = preset("deepseek-r1")
+    world = cluster("h100-sxm", 16)
+    fp8 = search_serving(config, world, _serve(weight_dtype="fp8"))
+    assert fp8.num_fitting > 0
+    bf16 = search_serving(config, world, _serve(), ServeSpace(tp=8, pp=2, ep=1))
+    assert bf16.num_fitting == 0  # 1.34 TB of bf16 weights exceed 16 x 80 GiB x 0.9

@@ -1,0 +1,152 @@
+"""`tetrad plan train|serve`: memory, time and the best parallel layout, without torch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True,
+                        help="preset name (llama3-70b, deepseek-r1, ...), HF config.json or folder")
+    parser.add_argument("--gpu", required=True,
+                        help="GPU (h100-sxm, a100-80gb, rtx-4090, ...) or server (dgx-h100)")
+    parser.add_argument("--num-gpus", type=int, required=True)
+    parser.add_argument("--gpus-per-node", type=int, default=None,
+                        help="GPUs sharing NVLink/PCIe (default 8)")
+    parser.add_argument("--nic-gbps", type=float, default=None,
+                        help="network bandwidth per GPU in Gb/s (default: the GPU's reference "
+                             "server, e.g. 400 for DGX H100)")
+    parser.add_argument("--tp", type=int)
+    parser.add_argument("--pp", type=int)
+    parser.add_argument("--ep", type=int)
+    parser.add_argument("--top", type=int, default=5, help="how many layouts to show")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--png", metavar="PATH", help="save a memory-breakdown picture")
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "plan", help="plan memory, time and parallel layout for training or serving",
+        description="Estimate memory, compute and communication; search the best layout. "
+                    "Degrees left out are searched; given ones are evaluated as given.")
+    modes = parser.add_subparsers(dest="mode", required=True, metavar="MODE")
+    train = modes.add_parser("train", help="plan a training run")
+    _common(train)
+    train.add_argument("--dp", type=int)
+    train.add_argument("--cp", type=int)
+    train.add_argument("--vpp", type=int, help="model chunks per pipeline rank (interleaved)")
+    train.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
+    train.add_argument("--offload", action="store_true", help="optimizer state in CPU memory")
+    train.add_argument("--recompute", choices=("none", "selective", "full"))
+    train.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction,
+                       default=None, help="default: on whenever tp > 1")
+    train.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zb"))
+    train.add_argument("--micro-batch", type=int)
+    train.add_argument("--global-batch", type=int,
+                       help="sequences per step (default: about 4M tokens)")
+    train.add_argument("--seq-len", type=int, help="default: min(model context, 4096)")
+    train.add_argument("--dtype", default="bf16", choices=("fp32", "bf16", "fp16", "fp8"))
+    train.add_argument("--tokens", type=float, default=0.0,
+                       help="token budget: adds total FLOPs, days and GPU-hours")
+    train.add_argument("--no-flash-attention", action="store_true",
+                       help="the training code materializes the s x s scores (Megatron before "
+                            "2023): more memory and time")
+    train.add_argument("--dropout", action="store_true",
+                       help="the model uses dropout (GPT-3 era): masks in memory, more time")
+    serve = modes.add_parser("serve", help="plan serving (inference)")
+    _common(serve)
+    serve.add_argument("--dtype", default="bf16",
+                       choices=("fp32", "bf16", "fp16", "fp8", "int8", "int4"),
+                       help="weight format (fp8 carries 128x128 block scales)")
+    serve.add_argument("--kv-dtype", default="bf16", choices=("fp32", "bf16", "fp16", "fp8"))
+    serve.add_argument("--prompt-len", type=int, default=1024)
+    serve.add_argument("--output-len", type=int, default=256)
+    serve.add_argument("--context-len", type=int,
+                       help="longest sequence the KV cache holds (default prompt + output)")
+    serve.add_argument("--batch", type=int, default=0,
+                       help="concurrent sequences per replica (default: as many as fit, <= 256)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tetrad.hardware import cluster
+    from tetrad.presets import resolve_model
+
+    config = resolve_model(args.model)
+    world = cluster(args.gpu, args.num_gpus, args.gpus_per_node, args.nic_gbps)
+    if args.mode == "train":
+        return _train(args, config, world)
+    return _serve(args, config, world)
+
+
+def _train(args, config, world) -> int:
+    from tetrad.planner import TrainSpace, TrainWorkload, plan_training
+    from tetrad.planner.report import (default_global_batch, training_fit_advice,
+                                       training_json, training_text)
+
+    seq_len = args.seq_len or min(config.max_seq_len, 4096)
+    global_batch = args.global_batch or default_global_batch(seq_len)
+    workload = TrainWorkload(seq_len=seq_len, dtype=args.dtype,
+                             flash_attention=not args.no_flash_attention, dropout=args.dropout)
+    space = TrainSpace(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep,
+                       vpp=args.vpp, zero=args.zero, offload=args.offload,
+                       recompute=args.recompute, sequence_parallel=args.sequence_parallel,
+                       schedule=args.schedule, micro_batch=args.micro_batch)
+    result = plan_training(config, world, workload, global_batch, space, args.top)
+    if args.json:
+        print(json.dumps(training_json(config, world, workload, global_batch, result,
+                                       args.tokens), indent=2))
+    else:
+        print(training_text(config, world, workload, global_batch, result, args.tokens))
+        if not result.num_fitting:
+            print()
+            print(training_fit_advice(config, world, workload, result.ranked[0]))
+    if args.png:
+        from tetrad.viz.memory import save_memory_breakdown
+
+        save_memory_breakdown(args.png, [(_label(e.layout.to_dict()), e.memory.as_dict(),
+                                          e.usable_memory) for e in result.ranked],
+                              f"{config.name} on {world.num_gpus} x {world.gpu.name}")
+    return 0 if result.num_fitting else 1
+
+
+def _serve(args, config, world) -> int:
+    from tetrad.planner import ServeSpace, ServeWorkload, plan_serving
+    from tetrad.planner.report import serving_fit_advice, serving_json, serving_text
+
+    workload = ServeWorkload(context_len=args.context_len or args.prompt_len + args.output_len,
+                             prompt_len=args.prompt_len, output_len=args.output_len,
+                             weight_dtype=args.dtype, kv_dtype=args.kv_dtype, batch=args.batch)
+    result = plan_serving(config, world, workload, ServeSpace(args.tp, args.pp, args.ep),
+                          args.top)
+    if args.json:
+        print(json.dumps(serving_json(config, world, workload, result), indent=2))
+    else:
+        print(serving_text(config, world, workload, result))
+        if not result.num_fitting:
+            print()
+            print(serving_fit_advice(config, world, result.ranked[0], workload))
+    if args.png:
+        from tetrad.viz.memory import save_memory_breakdown
+
+        bars = [(_label(e.layout.to_dict()),
+                 {"params": e.weights, "activations": e.activations, "kv_cache": e.kv_cache},
+                 e.usable_memory) for e in result.ranked]
+        save_memory_breakdown(args.png, bars, f"{config.name} serving on {world.num_gpus} x "
+                                              f"{world.gpu.name}")
+    return 0 if result.num_fitting else 1
+
+
+def _label(parallel: dict) -> str:
+    """A short layout name for the picture, e.g. 'tp8 pp2 dp4 zero1 full 1f1b mb1'."""
+    parts = [f"{key}{parallel[key]}" for key in ("tp", "pp", "dp", "cp", "ep", "zero")
+             if key in parallel and (parallel[key] != 1 or key in ("tp", "pp", "dp"))]
+    if "recompute" in parallel:
+        parts.append(f"rc-{parallel['recompute']}")
+    if "schedule" in parallel and parallel["pp"] > 1:
+        parts.append(parallel["schedule"] + (f"/v{parallel['vpp']}" if parallel["vpp"] > 1
+                                             else ""))
+    if "micro_batch" in parallel:
+        parts.append(f"mb{parallel['micro_batch']}")
+    return " ".join(parts)

@@ -1,0 +1,74 @@
+"""The planner: memory, compute and communication of training and serving a transformer, and the
+search for the best parallel layout. Pure Python, no torch: it runs anywhere in milliseconds.
+
+The small API the trainer and the CLI use:
+  predict_training   one layout, given as tetrad's own ParallelConfig: per-rank bytes, per-step
+                     communication bytes and (with a GPU) step time, for the run report
+  plan_training      search (or evaluate) training layouts on a cluster
+  plan_serving       search (or evaluate) serving layouts on a cluster
+"""
+
+from __future__ import annotations
+
+from tetrad.config import ModelConfig, ParallelConfig
+from tetrad.hardware import Cluster, cluster as make_cluster
+from tetrad.planner.layout import TrainLayout, check_training_layout
+from tetrad.planner.model_stats import count_parameters
+from tetrad.planner.precision import TrainingPrecision
+from tetrad.planner.search import (SearchResult, ServeSpace, TrainSpace, search_serving,
+                                   search_training)
+from tetrad.planner.serving import ServeWorkload
+from tetrad.planner.training import TrainWorkload, evaluate_training
+
+__all__ = ["predict_training", "plan_training", "plan_serving", "TrainSpace", "ServeSpace",
+           "TrainWorkload", "ServeWorkload", "SearchResult"]
+
+# Timing needs a GPU; bytes do not. Without one, a nominal GPU runs the model and the times
+# are dropped.
+_NOMINAL_GPU = "h100-sxm"
+
+
+def predict_training(model_config: ModelConfig, parallel_config: ParallelConfig,
+                     micro_batch: int, seq_len: int, num_microbatches: int | None = None,
+                     dtype: str = "fp32", gpu: str | None = None, gpus_per_node: int = 8,
+                     precision: TrainingPrecision | None = None,
+                     flash_attention: bool = True) -> dict:
+    """What one training step of `parallel_config` should cost, per rank.
+
+    Returns {"bytes": {"params", "grads", "optimizer", "activations_peak"} of the fullest rank,
+    "fullest_stage", "comm_bytes" and "comm_payload_bytes" (per step, per collective kind, of a
+    rank of the slowest stage), "step_time_s" and "step_time_breakdown_s" (None without `gpu`),
+    "model_flops_per_step", "hardware_flops_per_step", "num_parameters"}. `precision` overrides
+    the recipe `dtype` implies (e.g. fp32 master params under autocast)."""
+    layout = TrainLayout.from_parallel_config(parallel_config, micro_batch, num_microbatches)
+    workload = TrainWorkload(seq_len=seq_len, dtype=dtype, flash_attention=flash_attention,
+                             recipe=precision)
+    check_training_layout(model_config, layout.world_size, layout, seq_len)
+    # Bytes do not depend on the topology, so without a GPU all ranks share one nominal node.
+    per_node = min(gpus_per_node, layout.world_size) if gpu else layout.world_size
+    world = make_cluster(gpu or _NOMINAL_GPU, layout.world_size, per_node)
+    estimate = evaluate_training(model_config, world, layout, workload)
+    memory = estimate.memory
+    return {
+        "bytes": {"params": memory.params, "grads": memory.grads,
+                  "optimizer": memory.optimizer, "activations_peak": memory.activations},
+        "fullest_stage": estimate.fullest_stage,
+        "comm_bytes": dict(estimate.comm.sent),
+        "comm_payload_bytes": dict(estimate.comm.payload),
+        "step_time_s": estimate.step.total if gpu else None,
+        "step_time_breakdown_s": estimate.step.as_dict() if gpu else None,
+        "model_flops_per_step": estimate.model_flops_per_step,
+        "hardware_flops_per_step": estimate.hardware_flops_per_step,
+        "num_parameters": count_parameters(model_config),
+    }
+
+
+def plan_training(model_config: ModelConfig, cluster: Cluster, workload: TrainWorkload,
+                  global_batch: int, space: TrainSpace = TrainSpace(),
+                  top: int = 5) -> SearchResult:
+    return search_training(model_config, cluster, workload, global_batch, space, top)
+
+
+def plan_serving(model_config: ModelConfig, cluster: Cluster, workload: ServeWorkload,
+                 space: ServeSpace = ServeSpace(), top: int = 5) -> SearchResult:
+    return search_serving(model_config, cluster, workload, space, top)

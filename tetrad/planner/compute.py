@@ -1,0 +1,194 @@
+"""Time of the kernels of one microbatch on one GPU: matmuls, attention, memory-bound element-wise
+work, the LM head and the optimizer step.
+
+Each GEMM takes the roofline of its FLOPs and its bytes plus a fixed kernel overhead (the GPU's
+efficiency profile), so small matmuls run below peak. Flash attention runs at the profile's
+attention efficiency; its backward does 2.5x the forward's matmul work (it recomputes the scores).
+Without flash attention the s x s scores go through HBM: batched GEMMs plus a softmax (and dropout)
+that are bandwidth bound. Norms, residual adds, activations, rotary embedding and MoE token
+permutation are bandwidth bound too; their backward moves about twice the forward's bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from tetrad.config import ModelConfig
+from tetrad.hardware import GPU
+from tetrad.planner.flops import Gemm, attention_core_flops, attention_head_dims, head_gemm, \
+    layer_gemms
+from tetrad.planner.memory import stage_first_layer, stage_layer_counts
+
+BACKWARD_ATTENTION_FACTOR = 2.5  # FlashAttention-2 paper, section 3.1.2: 5 matmuls vs 2
+
+
+@dataclass(frozen=True, slots=True)
+class KernelTimes:
+    """Seconds per microbatch on one GPU."""
+
+    forward: float
+    backward: float
+    recompute: float
+    matmul_forward: float  # the part a tensor-parallel collective can hide behind
+    attention_forward: float  # the part a context-parallel ring can hide behind
+
+    def __add__(self, other: "KernelTimes") -> "KernelTimes":
+        return KernelTimes(*(a + b for a, b in zip(self._tuple(), other._tuple())))
+
+    def scaled(self, factor: float) -> "KernelTimes":
+        return KernelTimes(*(a * factor for a in self._tuple()))
+
+    def _tuple(self) -> tuple[float, ...]:
+        return (self.forward, self.backward, self.recompute, self.matmul_forward,
+                self.attention_forward)
+
+
+ZERO = KernelTimes(0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+def gemm_time(gpu: GPU, gemm: Gemm, compute_dtype: str, act_bytes: float,
+              weight_bytes: float) -> float:
+    """`gemm.count` equal matmuls run as one grouped (or batched) kernel: MoE experts as in
+    Megatron's grouped GEMM and vLLM's fused MoE, attention heads as one batched GEMM."""
+    bytes_moved = gemm.count * ((gemm.m * gemm.k + gemm.m * gemm.n) * act_bytes
+                                + gemm.k * gemm.n * weight_bytes)
+    return gpu.efficiency.matmul_time(gemm.flops, bytes_moved, gpu.peak(compute_dtype),
+                                      gpu.memory_bandwidth)
+
+
+def bandwidth_time(gpu: GPU, bytes_moved: float, num_kernels: int) -> float:
+    profile = gpu.efficiency
+    return (bytes_moved / (gpu.memory_bandwidth * profile.memory)
+            + num_kernels * profile.kernel_overhead_s)
+
+
+@lru_cache(maxsize=4096)
+def attention_times(config: ModelConfig, gpu: GPU, micro_batch: int, seq_len: int, tp: int,
+                    cp: int, flash: bool, dropout: bool, act_bytes: float) -> tuple[float, float]:
+    """(forward, backward) seconds of the attention core (scores, softmax, weighted values)."""
+    heads = -(-config.num_heads // tp)
+    peak = gpu.peak("bf16")  # attention stays 16-bit even in fp8 training (Transformer Engine)
+    overhead = gpu.efficiency.kernel_overhead_s
+    if flash:
+        flops = attention_core_flops(config, seq_len, heads) * micro_batch / cp
+        forward = flops / (peak * gpu.efficiency.attention) + overhead
+        return forward, BACKWARD_ATTENTION_FACTOR * (forward - overhead) + 2 * overhead
+    d_qk, d_v = attention_head_dims(config)
+    queries = seq_len // cp
+    count = micro_batch * heads
+    scores = Gemm(queries, seq_len, d_qk, count)
+    values = Gemm(queries, d_v, seq_len, count)
+    matmuls = sum(gemm_time(gpu, g, "bf16", act_bytes, act_bytes) for g in (scores, values))
+    elements = count * queries * seq_len
+    # Softmax reads the scores and writes probabilities; dropout adds a mask and a copy.
+    softmax_bytes = elements * (2 * act_bytes + (1 + 2 * act_bytes if dropout else 0))
+    forward = matmuls + bandwidth_time(gpu, softmax_bytes, 2 if dropout else 1)
+    backward = 2 * matmuls + bandwidth_time(gpu, 2 * softmax_bytes, 2 if dropout else 1)
+    return forward, backward
+
+
+def _elementwise_bytes(config: ModelConfig, layer: int, tp: int, sequence_parallel: bool,
+                       dropout: bool, act_bytes: float) -> tuple[float, int]:
+    """Forward bytes per token of a block's bandwidth-bound kernels, and their count."""
+    h = config.hidden_size
+    replicated_split = tp if sequence_parallel else 1
+    # Two norms (read + write) and two residual adds (two reads + one write).
+    replicated = (4 * h + 6 * h) * act_bytes + (2 * h * (1 + act_bytes) if dropout else 0)
+    kernels = 4 + (2 if dropout else 0)
+    heads = -(-config.num_heads // tp)
+    if config.position == "rope":
+        if config.attention == "mla":
+            rotated = heads * config.qk_rope_head_dim + config.qk_rope_head_dim
+        else:
+            rotated = (heads + -(-config.num_kv_heads // tp)) * config.head_dim
+        sharded = 2 * rotated * act_bytes
+        kernels += 1
+    else:
+        sharded = 0.0
+    gated = config.mlp == "swiglu"
+    if config.is_moe_layer(layer):
+        ffn = -(-config.moe_ffn_hidden_size // tp)
+        k = config.num_experts_per_token
+        width = k * ffn + ffn * config.num_shared_experts
+        sharded += 4 * k * h * act_bytes / tp  # permute before, un-permute after the experts
+        kernels += 4
+    else:
+        width = -(-config.ffn_hidden_size // tp)
+    sharded += (3 if gated else 2) * width * act_bytes
+    return replicated / replicated_split + sharded, kernels + 1
+
+
+@lru_cache(maxsize=8192)
+def layer_times(config: ModelConfig, gpu: GPU, layer: int, micro_batch: int, seq_len: int,
+                tp: int, cp: int, ep: int, sequence_parallel: bool, recompute: str, flash: bool,
+                dropout: bool, compute_dtype: str, act_bytes: float, weight_bytes: float,
+                group_tokens: int | None = None, expert_tp: int | None = None) -> KernelTimes:
+    """One block, one microbatch (see layer_gemms for the expert-parallel arguments)."""
+    tokens = micro_batch * seq_len // cp
+    matmul = sum(gemm_time(gpu, g, compute_dtype, act_bytes, weight_bytes)
+                 for g in layer_gemms(config, layer, tokens, tp, ep, group_tokens, expert_tp))
+    attention_forward, attention_backward = attention_times(
+        config, gpu, micro_batch, seq_len, tp, cp, flash, dropout, act_bytes)
+    per_token, num_kernels = _elementwise_bytes(config, layer, tp, sequence_parallel, dropout,
+                                                act_bytes)
+    elementwise = bandwidth_time(gpu, per_token * tokens, num_kernels)
+    forward = matmul + attention_forward + elementwise
+    backward = 2 * matmul + attention_backward + 2 * elementwise
+    if recompute == "full":
+        again = forward
+    elif recompute == "selective":
+        again = attention_forward
+    else:
+        again = 0.0
+    return KernelTimes(forward, backward, again, matmul, attention_forward)
+
+
+@lru_cache(maxsize=1024)
+def head_times(config: ModelConfig, gpu: GPU, micro_batch: int, seq_len: int, tp: int, cp: int,
+               compute_dtype: str, act_bytes: float, weight_bytes: float) -> KernelTimes:
+    """The final norm, LM head and cross-entropy (fp32 logits, read and written both ways)."""
+    tokens = micro_batch * seq_len // cp
+    matmul = gemm_time(gpu, head_gemm(config, tokens, tp), compute_dtype, act_bytes, weight_bytes)
+    logits = tokens * -(-config.vocab_size // tp)
+    loss = bandwidth_time(gpu, logits * (act_bytes + 4 + 4), 2)
+    norm = bandwidth_time(gpu, tokens * config.hidden_size * 2 * act_bytes, 1)
+    forward = matmul + loss + norm
+    return KernelTimes(forward, 2 * matmul + loss + 2 * norm, 0.0, matmul, 0.0)
+
+
+def stage_times(config: ModelConfig, gpu: GPU, num_stages: int, stage: int, micro_batch: int,
+                seq_len: int, tp: int, cp: int, ep: int, sequence_parallel: bool, recompute: str,
+                flash: bool, dropout: bool, compute_dtype: str, act_bytes: float,
+                weight_bytes: float) -> KernelTimes:
+    """Kernel time of one microbatch through one pipeline stage (its blocks, plus the LM head on
+    the last stage). Dense and MoE blocks are timed once each and multiplied."""
+    counts = stage_layer_counts(config.num_layers, num_stages)
+    first = stage_first_layer(counts, stage)
+    layers = range(first, first + counts[stage])
+    num_moe = sum(1 for layer in layers if config.is_moe_layer(layer))
+    total = ZERO
+    args = (micro_batch, seq_len, tp, cp, ep, sequence_parallel, recompute, flash, dropout,
+            compute_dtype, act_bytes, weight_bytes)
+    if num_moe:
+        moe_layer = next(layer for layer in layers if config.is_moe_layer(layer))
+        total = total + layer_times(config, gpu, moe_layer, *args).scaled(num_moe)
+    if len(layers) - num_moe:
+        dense_layer = next(layer for layer in layers if not config.is_moe_layer(layer))
+        total = total + layer_times(config, gpu, dense_layer, *args).scaled(len(layers) - num_moe)
+    if stage == num_stages - 1:
+        total = total + head_times(config, gpu, micro_batch, seq_len, tp, cp, compute_dtype,
+                                   act_bytes, weight_bytes)
+    return total
+
+
+def optimizer_time(gpu: GPU, num_params: float, grad_bytes: float, param_bytes: float,
+                   state_bytes: float, offload: bool, host_bandwidth: float) -> float:
+    """Adam over this GPU's shard: read the gradient, read and write master weights and moments,
+    write the 16-bit parameter. With offload the update runs from CPU memory and the gradient and
+    parameter cross PCIe."""
+    moved = num_params * (grad_bytes + 2 * state_bytes + param_bytes)
+    if not offload:
+        return bandwidth_time(gpu, moved, 1)
+    transfer = num_params * (grad_bytes + param_bytes) / gpu.pcie_bandwidth
+    return moved / host_bandwidth + transfer

@@ -1,0 +1,161 @@
+"""A training layout (degrees, ZeRO stage, recomputation, schedule, microbatching) and the checks
+that say which constraint an impossible layout breaks.
+
+The rank grid is Megatron's: tp innermost, then cp, dp and pp outermost; expert parallelism folds
+over dp*cp and does not multiply the world size (tetrad.config.ParallelConfig says the same).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tetrad.config import ModelConfig, ParallelConfig
+from tetrad.errors import ConfigError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+
+
+@dataclass(frozen=True, slots=True)
+class TrainLayout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    vpp: int = 1
+    zero: int = 0
+    offload: bool = False
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+    micro_batch: int = 1
+    num_microbatches: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def global_batch(self) -> int:
+        return self.dp * self.micro_batch * self.num_microbatches
+
+    @property
+    def zero_group(self) -> int:
+        """Ranks that share (and, with ZeRO, shard) the dense parameters' gradients."""
+        return self.dp * self.cp
+
+    @property
+    def expert_zero_group(self) -> int:
+        return self.dp * self.cp // self.ep
+
+    def to_dict(self) -> dict:
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "cp": self.cp, "ep": self.ep,
+                "vpp": self.vpp, "zero": self.zero, "offload": self.offload,
+                "recompute": self.recompute, "sequence_parallel": self.sequence_parallel,
+                "schedule": self.schedule, "micro_batch": self.micro_batch,
+                "num_microbatches": self.num_microbatches}
+
+    @classmethod
+    def from_parallel_config(cls, parallel: ParallelConfig, micro_batch: int,
+                             num_microbatches: int | None = None) -> "TrainLayout":
+        return cls(tp=parallel.tp, pp=parallel.pp, dp=parallel.dp, cp=parallel.cp,
+                   ep=parallel.ep, vpp=parallel.vpp, zero=parallel.zero,
+                   offload=parallel.offload, recompute=parallel.recompute,
+                   sequence_parallel=parallel.sequence_parallel, schedule=parallel.schedule,
+                   micro_batch=micro_batch,
+                   num_microbatches=num_microbatches or parallel.microbatches)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _options(values: list[int]) -> str:
+    return ", ".join(str(v) for v in values[:12]) + (" ..." if len(values) > 12 else "")
+
+
+def valid_tp_degrees(config: ModelConfig, training: bool = True) -> list[int]:
+    """TP splits attention heads; training (Megatron) also needs it to split the KV heads.
+    Serving replicates KV heads when TP exceeds them (vLLM), so only the query heads count."""
+    heads = [d for d in divisors(config.num_heads)]
+    if training and config.attention == "mha":
+        heads = [d for d in heads if config.num_kv_heads % d == 0]
+    return heads
+
+
+def check_tp(config: ModelConfig, tp: int, training: bool = True) -> None:
+    if config.num_heads % tp:
+        raise ConfigError(f"tp {tp} does not divide num_heads {config.num_heads}: use one of "
+                          f"{_options(valid_tp_degrees(config, training))}")
+    if training and config.attention == "mha" and config.num_kv_heads % tp:
+        raise ConfigError(f"tp {tp} does not divide num_kv_heads {config.num_kv_heads} (each TP "
+                          f"rank needs whole KV heads): use one of "
+                          f"{_options(valid_tp_degrees(config, training))}")
+
+
+def check_degrees(config: ModelConfig, tp: int, pp: int, ep: int, training: bool = True) -> None:
+    """The model-shape constraints of the degrees, whatever the GPU count."""
+    check_tp(config, tp, training)
+    if pp > config.num_layers:
+        raise ConfigError(f"pp {pp} is more than the model's {config.num_layers} layers: "
+                          f"use pp <= {config.num_layers}")
+    if ep > 1:
+        if not config.is_moe:
+            raise ConfigError(f"ep {ep} needs a mixture-of-experts model; {config.name} is "
+                              f"dense: use --ep 1")
+        if config.num_experts % ep:
+            raise ConfigError(f"ep {ep} does not divide num_experts {config.num_experts}: "
+                              f"use one of {_options(divisors(config.num_experts))}")
+
+
+def check_training_layout(config: ModelConfig, num_gpus: int, layout: TrainLayout,
+                          seq_len: int) -> None:
+    """Raise ConfigError naming the first constraint the layout breaks and how to fix it."""
+    check_degrees(config, layout.tp, layout.pp, layout.ep)
+    if layout.world_size != num_gpus:
+        raise ConfigError(
+            f"tp*pp*dp*cp = {layout.tp}*{layout.pp}*{layout.dp}*{layout.cp} = "
+            f"{layout.world_size}, but there are {num_gpus} GPUs: the degrees must multiply to "
+            f"the GPU count")
+    if layout.schedule == "interleaved":
+        if layout.pp == 1 or layout.vpp < 2:
+            raise ConfigError("the interleaved schedule needs pp > 1 and --vpp >= 2 "
+                              "(model chunks per pipeline rank)")
+        if layout.pp * layout.vpp > config.num_layers:
+            raise ConfigError(f"pp*vpp = {layout.pp * layout.vpp} chunks is more than the "
+                              f"{config.num_layers} layers: lower --vpp")
+        if layout.num_microbatches < layout.pp:
+            raise ConfigError(f"the interleaved schedule needs at least pp = {layout.pp} "
+                              f"microbatches per step, got {layout.num_microbatches}: raise "
+                              f"--global-batch or lower --micro-batch")
+    elif layout.vpp != 1:
+        raise ConfigError(f"--vpp {layout.vpp} needs --schedule interleaved")
+    if layout.zero_group % layout.ep:
+        raise ConfigError(f"ep {layout.ep} must divide dp*cp = {layout.zero_group} "
+                          f"(experts are spread over the data-parallel ranks)")
+    if layout.cp > 1 and seq_len % (2 * layout.cp):
+        raise ConfigError(f"cp {layout.cp} needs seq_len divisible by 2*cp = {2 * layout.cp} "
+                          f"(each rank takes two balanced chunks of the causal sequence)")
+    if config.position == "learned" and seq_len > config.max_seq_len:
+        raise ConfigError(f"seq_len {seq_len} exceeds the learned position table "
+                          f"({config.max_seq_len}): lower --seq-len")
+    if layout.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"zero must be 0, 1, 2 or 3, got {layout.zero}")
+    if layout.offload and layout.zero == 0:
+        raise ConfigError("--offload needs a ZeRO stage: add --zero 1, 2 or 3")
+    if layout.schedule not in SCHEDULES:
+        raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, "
+                          f"got {layout.schedule!r}")
+    if layout.recompute not in ("none", "selective", "full"):
+        raise ConfigError(f"recompute must be none, selective or full, got {layout.recompute!r}")
+    if layout.micro_batch < 1 or layout.num_microbatches < 1:
+        raise ConfigError("micro batch and number of microbatches must be at least 1")
+
+
+def microbatches_for(global_batch: int, dp: int, micro_batch: int) -> int:
+    """Microbatches per step; raises when the global batch does not split evenly."""
+    if global_batch % (dp * micro_batch):
+        raise ConfigError(
+            f"global batch {global_batch} is not divisible by dp*micro_batch = {dp}*{micro_batch}"
+            f" = {dp * micro_batch}: change --global-batch, --dp or --micro-batch")
+    return global_batch // (dp * micro_batch)

@@ -1,0 +1,268 @@
+"""Bytes per GPU: parameters, gradients, optimizer state, activations and KV cache.
+
+Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation", section 4), written
+per stored tensor so that the same accounting covers GQA, SwiGLU, MoE, MLA, flash attention and no
+dropout: their GPT layer stores 34*s*b*h + 5*a*s^2*b bytes, which this reproduces exactly for GPT
+shapes. Under tensor parallelism the norms' inputs, the inputs of the first matmuls and the dropout
+masks stay replicated unless sequence parallelism splits them too; context parallelism splits the
+sequence. The pipeline's first stage holds the most microbatches in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import lru_cache
+
+from tetrad.config import ModelConfig
+from tetrad.planner.layout import TrainLayout
+from tetrad.planner.model_stats import (embedding_params, head_params, layer_params,
+                                        norm_params, position_params)
+from tetrad.planner.precision import TrainingPrecision
+
+
+@dataclass(frozen=True, slots=True)
+class ActivationOptions:
+    """Properties of the training code, not of the layout, that change what is stored."""
+
+    flash_attention: bool = True  # the s x s score matrix is never stored
+    dropout: bool = False  # GPT-3-era models store a 1-byte mask per dropout
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryBreakdown:
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    kv_cache: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.kv_cache
+
+    def as_dict(self) -> dict[str, float]:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "activations": self.activations, "kv_cache": self.kv_cache, "total": self.total}
+
+
+@lru_cache(maxsize=1024)
+def stage_layer_counts(num_layers: int, num_stages: int) -> tuple[int, ...]:
+    """Layers per pipeline stage: as even as possible; when the count does not divide, the last
+    and first stages (which also hold the LM head and the embedding) take one layer fewer, then
+    the second-to-last and second, and so on."""
+    base = -(-num_layers // num_stages)
+    counts = [base] * num_stages
+    outside_in = [stage for pair in zip(range(num_stages - 1, -1, -1), range(num_stages))
+                  for stage in dict.fromkeys(pair)]
+    for stage in outside_in[:base * num_stages - num_layers]:
+        counts[stage] -= 1
+    return tuple(counts)
+
+
+def stage_first_layer(counts: tuple[int, ...], stage: int) -> int:
+    return sum(counts[:stage])
+
+
+def representative_stages(num_stages: int) -> tuple[int, ...]:
+    """Stages that can be the fullest or slowest: the first (embedding, most in flight), the
+    second (the first with a full share of layers when the first was trimmed) and the last
+    (LM head)."""
+    return tuple(sorted({0, min(1, num_stages - 1), num_stages - 1}))
+
+
+@lru_cache(maxsize=4096)
+def stage_params(config: ModelConfig, num_stages: int, stage: int, tp: int,
+                 ep: int) -> tuple[float, float]:
+    """(dense, expert) parameter elements one GPU of `stage` holds."""
+    counts = stage_layer_counts(config.num_layers, num_stages)
+    first = stage_first_layer(counts, stage)
+    dense = expert = 0.0
+    for layer in range(first, first + counts[stage]):
+        params = layer_params(config, layer)
+        dense += params.tp_sharded / tp + params.replicated
+        expert += params.experts / (ep * tp)
+    if stage == 0:
+        dense += embedding_params(config) / tp + position_params(config)
+    if stage == num_stages - 1:
+        dense += norm_params(config)
+        # A tied head on a separate stage keeps its own copy of the embedding (Megatron).
+        head = head_params(config) or (embedding_params(config) if num_stages > 1 else 0)
+        dense += head / tp
+    return dense, expert
+
+
+def zero_state_bytes(num_params: float, group: int, zero: int, offload: bool,
+                     precision: TrainingPrecision) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes per GPU of `num_params` parameters shared by `group`
+    data-parallel ranks: ZeRO stage 1 shards the optimizer state, 2 also the gradients, 3 also
+    the parameters; offload keeps the optimizer state in CPU memory."""
+    params = num_params * precision.param_bytes / (group if zero >= 3 else 1)
+    grads = num_params * precision.grad_bytes / (group if zero >= 2 else 1)
+    optimizer = (0.0 if offload else
+                 num_params * precision.optimizer_state_bytes / (group if zero >= 1 else 1))
+    return params, grads, optimizer
+
+
+def model_state_bytes(config: ModelConfig, layout: TrainLayout, precision: TrainingPrecision,
+                      stage: int) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes on one GPU of `stage` (ZeRO, Rajbhandari et al. 2020):
+    dense parameters shard over dp*cp, expert parameters over their own group, dp*cp/ep."""
+    dense, expert = stage_params(config, layout.pp, stage, layout.tp, layout.ep)
+    params, grads, optimizer = zero_state_bytes(dense, layout.zero_group, layout.zero,
+                                                layout.offload, precision)
+    expert_params, expert_grads, expert_optimizer = zero_state_bytes(
+        expert, layout.expert_zero_group, layout.zero, layout.offload, precision)
+    params, grads, optimizer = (params + expert_params, grads + expert_grads,
+                                optimizer + expert_optimizer)
+    if layout.zero >= 3:
+        # FSDP gathers one block while prefetching the next: two full blocks in flight.
+        params += 2 * _biggest_layer(config) / layout.tp * precision.param_bytes
+    return params, grads, optimizer
+
+
+@lru_cache(maxsize=256)
+def _biggest_layer(config: ModelConfig) -> int:
+    return max(layer_params(config, layer).total for layer in range(config.num_layers))
+
+
+@lru_cache(maxsize=8192)
+def activation_bytes_per_layer(config: ModelConfig, layer: int, micro_batch: int, seq_len: int,
+                               tp: int, cp: int, sequence_parallel: bool, recompute: str,
+                               options: ActivationOptions, act_bytes: float) -> float:
+    """Bytes one block keeps from its forward for its backward, for one microbatch on one GPU."""
+    tokens = micro_batch * seq_len / cp
+    h = config.hidden_size
+    replicated_split = tp if sequence_parallel else 1
+    if recompute == "full":
+        return tokens * h * act_bytes / replicated_split  # only the block's input
+    mask = 1.0 if options.dropout else 0.0
+    # Inputs of the two norms and of the first matmul of each sub-block, two dropout masks.
+    replicated = 4 * h * act_bytes + 2 * h * mask
+    heads = -(-config.num_heads // tp)
+    if config.attention == "mla":
+        qk_head = config.qk_nope_head_dim + config.qk_rope_head_dim
+        replicated += (2 * config.q_lora_rank + 2 * config.kv_lora_rank
+                       + config.qk_rope_head_dim) * act_bytes
+        sharded = heads * (2 * qk_head + 2 * config.v_head_dim) * act_bytes  # q, k, v, out input
+    else:
+        kv_heads = -(-config.num_kv_heads // tp)
+        # q, k, v for the attention backward, and the output projection's input.
+        sharded = (2 * heads + 2 * kv_heads) * config.head_dim * act_bytes
+    if options.flash_attention:
+        core = heads * 4.0  # the fp32 log-sum-exp per query and head
+    else:
+        # Softmax output, its dropout mask and the dropped-out probabilities, over all s keys.
+        core = heads * seq_len * (act_bytes + mask * (1 + act_bytes))
+    if recompute != "selective":
+        sharded += core
+    gated = 3 if config.mlp == "swiglu" else 2  # stored up-projection output(s) + down input
+    if config.is_moe_layer(layer):
+        ffn = -(-config.moe_ffn_hidden_size // tp)
+        k = config.num_experts_per_token
+        # Per routed copy: expert input, up output(s), down input, expert output for combine.
+        sharded += k * (2 * h * act_bytes / tp + gated * ffn * act_bytes)
+        sharded += config.num_experts * 4 * 2 / tp  # router logits and probabilities, fp32
+        if config.num_shared_experts:
+            sharded += gated * ffn * config.num_shared_experts * act_bytes
+    else:
+        sharded += gated * (-(-config.ffn_hidden_size // tp)) * act_bytes
+    return tokens * (replicated / replicated_split + sharded)
+
+
+def in_flight_microbatches(layout: TrainLayout, stage: int) -> float:
+    """Microbatches (in units of the stage's whole layer set) whose activations `stage` holds at
+    its peak. GPipe keeps all m; 1F1B and ZB-H1 keep p - stage; interleaved 1F1B keeps Megatron's
+    warm-up count of model chunks, 2(p - stage - 1) + (v - 1)p + 1, each 1/v of the stage."""
+    p, m, v = layout.pp, layout.num_microbatches, layout.vpp
+    if layout.schedule == "gpipe":
+        return m
+    if layout.schedule == "interleaved" and p > 1:
+        chunks = min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
+        return chunks / v
+    return min(p - stage, m)
+
+
+@lru_cache(maxsize=16384)
+def _stage_microbatch_activations(config: ModelConfig, num_stages: int, stage: int,
+                                  micro_batch: int, seq_len: int, tp: int, cp: int,
+                                  sequence_parallel: bool, recompute: str,
+                                  options: ActivationOptions,
+                                  act_bytes: float) -> tuple[float, float]:
+    """(bytes one microbatch leaves in the stage's blocks, transient peak of recomputation)."""
+    counts = stage_layer_counts(config.num_layers, num_stages)
+    first = stage_first_layer(counts, stage)
+    args = (micro_batch, seq_len, tp, cp, sequence_parallel)
+    layers = range(first, first + counts[stage])
+    kinds = {config.is_moe_layer(layer): layer for layer in layers}  # one dense, one MoE block
+    stored = sum(activation_bytes_per_layer(config, layer, *args, recompute, options, act_bytes)
+                 * sum(1 for other in layers if config.is_moe_layer(other) == is_moe)
+                 for is_moe, layer in kinds.items())
+    transient = 0.0
+    if recompute == "full" and kinds:
+        # The block being recomputed holds its full activations during its backward.
+        transient = max(activation_bytes_per_layer(config, layer, *args, "none", options,
+                                                   act_bytes) for layer in kinds.values())
+    return stored, transient
+
+
+def stage_activation_bytes(config: ModelConfig, layout: TrainLayout, seq_len: int,
+                           options: ActivationOptions, act_bytes: float, stage: int) -> float:
+    """Peak activation bytes on one GPU of `stage`."""
+    stored, transient = _stage_microbatch_activations(
+        config, layout.pp, stage, layout.micro_batch, seq_len, layout.tp, layout.cp,
+        layout.sequence_parallel, layout.recompute, options, act_bytes)
+    total = stored * in_flight_microbatches(layout, stage) + transient
+    if stage == layout.pp - 1:
+        tokens = layout.micro_batch * seq_len / layout.cp
+        # The head's input, its 16-bit logits and their fp32 copy for the cross-entropy; the
+        # last stage runs each microbatch's backward right after its forward, so only one.
+        split = layout.tp if layout.sequence_parallel else 1
+        total += tokens * (config.hidden_size * act_bytes / split
+                           + config.vocab_size / layout.tp * (act_bytes + 4))
+    return total
+
+
+def training_memory(config: ModelConfig, layout: TrainLayout, precision: TrainingPrecision,
+                    seq_len: int, options: ActivationOptions) -> tuple[MemoryBreakdown, int]:
+    """The fullest GPU's memory and its pipeline stage. The first stage holds the most in-flight
+    activations, the last the LM head and logits; a middle stage can win when the first and last
+    were given fewer layers."""
+    best: tuple[MemoryBreakdown, int] | None = None
+    for stage in representative_stages(layout.pp):
+        params, grads, optimizer = model_state_bytes(config, layout, precision, stage)
+        activations = stage_activation_bytes(config, layout, seq_len, options,
+                                             precision.activation_bytes, stage)
+        breakdown = MemoryBreakdown(params, grads, optimizer, activations)
+        if best is None or breakdown.total > best[0].total:
+            best = (breakdown, stage)
+    assert best is not None
+    return best
+
+
+def peak_bytes_by_zero_stage(config: ModelConfig, layout: TrainLayout,
+                             precision: TrainingPrecision, seq_len: int,
+                             options: ActivationOptions, zeros: tuple[int, ...]) -> list[float]:
+    """training_memory's total for each ZeRO stage in `zeros` of an otherwise equal layout: the
+    activations are computed once (the search's fast path)."""
+    stages = representative_stages(layout.pp)
+    activations = [stage_activation_bytes(config, layout, seq_len, options,
+                                          precision.activation_bytes, stage) for stage in stages]
+    totals = []
+    for zero in zeros:
+        with_zero = dataclasses.replace(layout, zero=zero)
+        totals.append(max(sum(model_state_bytes(config, with_zero, precision, stage)) + act
+                          for stage, act in zip(stages, activations)))
+    return totals
+
+
+def kv_bytes_per_token(config: ModelConfig, kv_bytes: float, tp: int = 1,
+                       num_layers: int | None = None) -> float:
+    """KV-cache bytes one token occupies on one GPU. GQA stores num_kv_heads keys and values per
+    layer, split over TP (replicated when TP exceeds them); MLA stores the compressed latent and
+    the shared rope key, which every TP rank keeps whole."""
+    layers = config.num_layers if num_layers is None else num_layers
+    if config.attention == "mla":
+        return layers * (config.kv_lora_rank + config.qk_rope_head_dim) * kv_bytes
+    kv_heads = -(-config.num_kv_heads // tp)
+    return layers * 2 * kv_heads * config.head_dim * kv_bytes

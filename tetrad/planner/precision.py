@@ -1,0 +1,78 @@
+"""Bytes per element of every number format, and the mixed-precision training recipes.
+
+Quantized weight formats carry scales: fp8 as DeepSeek-V3 ships it (e4m3 with one fp32 scale per
+128x128 block), int4 as GPTQ/AWQ ship it (one fp16 scale and one fp16 zero point per group of 128).
+Only the linear layers' weights are quantized; embeddings, norms, routers and the LM head stay bf16,
+as in those checkpoints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tetrad.errors import ConfigError
+
+ELEMENT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "fp8-e4m3": 1.0,
+                 "fp8-e5m2": 1.0, "int8": 1.0, "int4": 0.5}
+# Scale overhead per element of a quantized weight matrix (int8 uses one scale per output
+# channel, a few bytes per row: negligible).
+BLOCK_SCALE_BYTES = {"fp8": 4 / (128 * 128), "fp8-e4m3": 4 / (128 * 128),
+                     "fp8-e5m2": 4 / (128 * 128), "int4": 2 * 2 / 128}
+# The tensor-core format a matmul runs in for each storage format.
+COMPUTE_DTYPE = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp8": "fp8", "fp8-e4m3": "fp8",
+                 "fp8-e5m2": "fp8", "int8": "int8", "int4": "bf16"}
+
+
+def element_bytes(dtype: str) -> float:
+    if dtype not in ELEMENT_BYTES:
+        raise ConfigError(f"unknown dtype {dtype!r} (known: {', '.join(ELEMENT_BYTES)})")
+    return ELEMENT_BYTES[dtype]
+
+
+def weight_bytes(dtype: str) -> float:
+    """Bytes per weight of a linear layer stored in `dtype`, block scales included."""
+    return element_bytes(dtype) + BLOCK_SCALE_BYTES.get(dtype, 0.0)
+
+
+def unquantized_bytes(dtype: str) -> float:
+    """Bytes per weight of the tensors quantized checkpoints keep in 16 bits."""
+    return element_bytes(dtype) if element_bytes(dtype) >= 2 else 2.0
+
+
+@dataclass(frozen=True)
+class TrainingPrecision:
+    """Bytes per parameter of each training state, and per activation element.
+
+    The default mixed-precision recipe (Megatron, DeepSpeed) keeps 16-bit params and grads, an fp32
+    master copy and two fp32 Adam moments: 2 + 2 + 4 + 4 + 4 = 16 bytes per parameter
+    (ZeRO paper, section 3.1, K = 12). fp32 training has no master copy: 4 + 4 + 8 = 16 too.
+    """
+
+    compute_dtype: str  # matmul format: fp32, bf16, fp16, fp8
+    param_bytes: float
+    grad_bytes: float
+    master_bytes: float  # fp32 master weights; 0 when the params are already fp32
+    optimizer_bytes: float  # Adam's two moments
+    activation_bytes: float
+
+    @property
+    def optimizer_state_bytes(self) -> float:
+        """What ZeRO calls K: master weights plus moments."""
+        return self.master_bytes + self.optimizer_bytes
+
+    @property
+    def bytes_per_parameter(self) -> float:
+        return self.param_bytes + self.grad_bytes + self.optimizer_state_bytes
+
+
+def training_precision(dtype: str, fp32_grads: bool = False) -> TrainingPrecision:
+    """The recipe for `--dtype`: fp32, bf16/fp16 mixed precision, or fp8 (Transformer Engine:
+    fp8 matmuls on bf16 params with fp32 master weights and moments). `fp32_grads` accumulates
+    gradients in fp32 (Megatron's --accumulate-allreduce-grads-in-fp32): 18 bytes/param."""
+    if dtype == "fp32":
+        return TrainingPrecision("fp32", 4, 4, 0, 8, 4)
+    if dtype in ("bf16", "fp16"):
+        return TrainingPrecision(dtype, 2, 4 if fp32_grads else 2, 4, 8, 2)
+    if dtype in ("fp8", "fp8-e4m3", "fp8-e5m2"):
+        return TrainingPrecision("fp8", 2, 4 if fp32_grads else 2, 4, 8, 2)
+    raise ConfigError(f"training dtype must be fp32, bf16, fp16 or fp8, got {dtype!r}")

@@ -1,0 +1,259 @@
+"""The search for the best layout: every valid combination of the degrees and knobs the user left
+open, ranked by throughput among those that fit (and by how little they overshoot, when none does).
+
+Search rules (given values are always used as given):
+  tp      divides the attention heads (and KV heads for training) and fits in a node
+  cp      powers of two that leave each rank at least MIN_CP_TOKENS tokens of the sequence
+  pp      divides the remaining GPUs and is at most the layer count; dp is what is left
+  ep      divides the experts and dp*cp (MoE only)
+  micro batch   divides the per-replica batch, up to MAX_MICRO_BATCH
+  schedule      1F1B, zero bubble and interleaved (vpp up to MAX_VPP, at least a layer per
+                chunk); GPipe only when asked for (it has 1F1B's bubble and more memory)
+  sequence parallel   on whenever tp > 1 (it only saves memory and element-wise work)
+  zero    1-3 with data parallelism (stage 0 moves the same bytes as stage 1 with more memory,
+          so only when asked for), 0 without
+  recompute     the least of none / selective / full that fits (more only adds work)
+  CPU offload only when asked for
+Memory is computed for every candidate; time only for those that fit (or, when none fits, for the
+ones that come closest).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from tetrad.config import ModelConfig
+from tetrad.errors import ConfigError
+from tetrad.hardware import Cluster
+from tetrad.planner.layout import (TrainLayout, check_degrees, check_training_layout, divisors,
+                                   microbatches_for, valid_tp_degrees)
+from tetrad.planner.memory import peak_bytes_by_zero_stage
+from tetrad.planner.serving import (ServeLayout, ServeWorkload, ServingEstimate,
+                                    check_serve_layout, evaluate_serving)
+from tetrad.planner.training import (USABLE_MEMORY_FRACTION, TrainingEstimate, TrainWorkload,
+                                     evaluate_training)
+
+MIN_CP_TOKENS = 2048
+MAX_MICRO_BATCH = 16
+MAX_VPP = 8
+
+
+@dataclass(frozen=True)
+class TrainSpace:
+    """The user's fixed choices; None means searched."""
+
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    cp: int | None = None
+    ep: int | None = None
+    vpp: int | None = None
+    zero: int | None = None
+    offload: bool = False
+    recompute: str | None = None
+    sequence_parallel: bool | None = None
+    schedule: str | None = None
+    micro_batch: int | None = None
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    ranked: list[TrainingEstimate] | list[ServingEstimate]  # best first
+    num_candidates: int
+    num_fitting: int
+
+
+def _choices(given, options):
+    return [given] if given is not None else list(options)
+
+
+def _schedules(config: ModelConfig, pp: int, space: TrainSpace) -> list[tuple[str, int]]:
+    if pp == 1:
+        if space.schedule not in (None, "1f1b", "gpipe") or (space.vpp or 1) > 1:
+            raise ConfigError("--schedule and --vpp need pipeline parallelism (pp > 1)")
+        return [(space.schedule or "1f1b", 1)]
+    if space.schedule is not None and space.schedule != "interleaved":
+        return [(space.schedule, 1)]
+    vpps = [space.vpp] if space.vpp else [v for v in range(2, MAX_VPP + 1)
+                                          if pp * v <= config.num_layers]
+    interleaved = [("interleaved", v) for v in vpps]
+    if space.schedule == "interleaved":
+        return interleaved
+    return [("1f1b", 1), ("zb", 1)] + interleaved
+
+
+def training_layouts(config: ModelConfig, cluster: Cluster, global_batch: int, seq_len: int,
+                     space: TrainSpace):
+    """Every valid layout shape in the space, with ZeRO stage 0 and no recomputation standing
+    in for the choices search_training makes per shape (given values are validated, not
+    silently dropped)."""
+    n = cluster.num_gpus
+    tps = _choices(space.tp, [t for t in valid_tp_degrees(config)
+                              if n % t == 0 and t <= cluster.node_size])
+    cps = _choices(space.cp, [c for c in (2 ** i for i in range(0, 20))
+                              if c == 1 or (seq_len % (2 * c) == 0
+                                            and seq_len // c >= MIN_CP_TOKENS)])
+    for tp in tps:
+        for cp in cps:
+            if n % (tp * cp):
+                continue
+            rest = n // (tp * cp)
+            pps = _choices(space.pp, [p for p in divisors(rest) if p <= config.num_layers])
+            for pp in pps:
+                if rest % pp:
+                    continue
+                dp = rest // pp
+                if (space.dp is not None and dp != space.dp) or global_batch % dp:
+                    continue
+                eps = _choices(space.ep, [e for e in divisors(dp * cp)
+                                          if config.is_moe and config.num_experts % e == 0]
+                               or [1])
+                micro_batches = _choices(space.micro_batch,
+                                         [b for b in divisors(global_batch // dp)
+                                          if b <= MAX_MICRO_BATCH])
+                sequence_parallel = (space.sequence_parallel if space.sequence_parallel
+                                     is not None else tp > 1)
+                for ep in eps:
+                    for schedule, vpp in _schedules(config, pp, space):
+                        for micro_batch in micro_batches:
+                            if global_batch % (dp * micro_batch):
+                                continue
+                            m = global_batch // (dp * micro_batch)
+                            if schedule == "interleaved" and m < pp and (
+                                    space.schedule is None or space.micro_batch is None):
+                                continue  # interleaving needs at least pp microbatches
+                            yield TrainLayout(tp, pp, dp, cp, ep, vpp, 0, space.offload, "none",
+                                              sequence_parallel, schedule, micro_batch, m)
+
+
+def _zero_stages(layout: TrainLayout, space: TrainSpace) -> tuple[int, ...]:
+    """ZeRO stages worth trying. Without data parallelism they are all the same as stage 0; with
+    it, stage 1 moves the same bytes as stage 0 with less memory, so stage 0 only when asked."""
+    if space.zero is not None:
+        return (space.zero,)
+    if layout.zero_group == 1:
+        return (1,) if space.offload else (0,)
+    return (1, 2, 3)
+
+
+def _explain_no_layout(config: ModelConfig, cluster: Cluster, global_batch: int, seq_len: int,
+                       space: TrainSpace) -> None:
+    """Nothing matched the given values: say which constraint they break."""
+    check_degrees(config, space.tp or 1, space.pp or 1, space.ep or 1)
+    model_parallel = (space.tp or 1) * (space.pp or 1) * (space.cp or 1)
+    n = cluster.num_gpus
+    if space.dp is not None and model_parallel * space.dp != n:
+        raise ConfigError(f"tp*pp*dp*cp = {model_parallel * space.dp}, but there are {n} GPUs: "
+                          f"the degrees must multiply to the GPU count")
+    if n % model_parallel:
+        raise ConfigError(f"tp*pp*cp = {model_parallel} does not divide the {n} GPUs: the "
+                          f"degrees must multiply to the GPU count")
+    if space.cp and space.cp > 1 and seq_len % (2 * space.cp):
+        raise ConfigError(f"cp {space.cp} needs seq_len divisible by 2*cp = {2 * space.cp}")
+    dp = space.dp or n // model_parallel
+    microbatches_for(global_batch, dp, space.micro_batch or 1)
+    raise ConfigError(f"no valid layout of {n} GPUs matches the given degrees with global "
+                      f"batch {global_batch}: leave more degrees open or change the batch")
+
+
+def search_training(config: ModelConfig, cluster: Cluster, workload: TrainWorkload,
+                    global_batch: int, space: TrainSpace = TrainSpace(),
+                    top: int = 5) -> SearchResult:
+    """Rank the layouts of `space`. Per layout shape, recomputation is tried from none to full
+    and the search keeps the least that fits (more recomputation only adds work); memory is
+    computed for every candidate, time only for the fitting ones."""
+    usable = cluster.gpu.memory_bytes * USABLE_MEMORY_FRACTION
+    precision, options = workload.precision, workload.activation_options
+    recomputes = _choices(space.recompute, ("none", "selective", "full"))
+    closest: list[tuple[float, TrainLayout]] = []
+    fitting: list[TrainLayout] = []
+    num_candidates = 0
+    for shape in training_layouts(config, cluster, global_batch, workload.seq_len, space):
+        zeros = _zero_stages(shape, space)
+        for recompute in recomputes:
+            layout = dataclasses.replace(shape, recompute=recompute, zero=zeros[0])
+            check_training_layout(config, cluster.num_gpus, layout, workload.seq_len)
+            totals = peak_bytes_by_zero_stage(config, layout, precision, workload.seq_len,
+                                              options, zeros)
+            num_candidates += len(zeros)
+            fits = [zero for zero, total in zip(zeros, totals) if total <= usable]
+            fitting += [dataclasses.replace(layout, zero=zero) for zero in fits]
+            if fits:
+                break
+            closest.append((min(totals), dataclasses.replace(
+                layout, zero=zeros[totals.index(min(totals))])))
+    if not num_candidates:
+        _explain_no_layout(config, cluster, global_batch, workload.seq_len, space)
+    if fitting:
+        estimates = [evaluate_training(config, cluster, layout, workload, count_bytes=False)
+                     for layout in fitting]
+        estimates.sort(key=lambda e: (-e.tokens_per_s, e.memory.total))
+        chosen = _distinct_shapes([e.layout for e in estimates], top)
+    else:
+        chosen = [layout for _, layout in sorted(closest, key=lambda pair: pair[0])[:top]]
+    # The winners again, with their per-collective byte counts.
+    ranked = [evaluate_training(config, cluster, layout, workload) for layout in chosen]
+    return SearchResult(ranked, num_candidates, len(fitting))
+
+
+def _distinct_shapes(layouts: list[TrainLayout], top: int) -> list[TrainLayout]:
+    """The best `top` layouts that differ in more than ZeRO stage and recomputation (variants of
+    one shape that only trade memory for a little speed say little to a reader)."""
+    seen, chosen = set(), []
+    for layout in layouts:
+        shape = (layout.tp, layout.pp, layout.dp, layout.cp, layout.ep, layout.schedule,
+                 layout.vpp, layout.micro_batch)
+        if shape not in seen:
+            seen.add(shape)
+            chosen.append(layout)
+        if len(chosen) == top:
+            break
+    return chosen
+
+
+@dataclass(frozen=True)
+class ServeSpace:
+    tp: int | None = None
+    pp: int | None = None
+    ep: int | None = None
+
+
+def serving_layouts(config: ModelConfig, cluster: Cluster, space: ServeSpace):
+    n = cluster.num_gpus
+    for tp in _choices(space.tp, [t for t in valid_tp_degrees(config, training=False)
+                                  if n % t == 0]):
+        if n % tp:
+            continue
+        for pp in _choices(space.pp, [p for p in divisors(n // tp) if p <= config.num_layers]):
+            if (n // tp) % pp:
+                continue
+            dp = n // (tp * pp)
+            # Experts either split by columns over the TP group (ep 1) or spread whole from
+            # the TP group outward (ep a multiple of tp); ep between 1 and tp is neither.
+            eps = [1]
+            if config.is_moe:
+                eps += [e for e in divisors(tp * dp) if config.num_experts % e == 0
+                        and e % tp == 0 and e > 1]
+            for ep in _choices(space.ep, eps):
+                yield ServeLayout(tp, pp, dp, ep)
+
+
+def search_serving(config: ModelConfig, cluster: Cluster, workload: ServeWorkload,
+                   space: ServeSpace = ServeSpace(), top: int = 5) -> SearchResult:
+    estimates: list[ServingEstimate] = []
+    for layout in serving_layouts(config, cluster, space):
+        check_serve_layout(config, cluster.num_gpus, layout)
+        estimates.append(evaluate_serving(config, cluster, layout, workload))
+    if not estimates:
+        check_degrees(config, space.tp or 1, space.pp or 1, space.ep or 1, training=False)
+        raise ConfigError(f"tp*pp = {(space.tp or 1) * (space.pp or 1)} does not divide the "
+                          f"{cluster.num_gpus} GPUs, or ep {space.ep} cannot spread over them: "
+                          f"change the given degrees")
+    fitting = [e for e in estimates if e.fits]
+    if fitting:
+        fitting.sort(key=lambda e: (-e.decode_tokens_per_s, e.tpot_s))
+        ranked = fitting
+    else:
+        ranked = sorted(estimates, key=lambda e: e.weights + e.activations)
+    return SearchResult(ranked[:top], len(estimates), len(fitting))

@@ -1,0 +1,216 @@
+"""Serving a model: weights and KV cache per GPU, time to first token, time per output token and
+decode throughput, for a layout of tensor, pipeline, expert and data (replica) parallelism.
+
+Prefill is compute bound; decode reads every weight a step touches and each sequence's KV cache
+once per token, so it is bandwidth bound until the batch is large: both fall out of the same
+roofline per kernel (compute.py). With pipeline parallelism the batch is split into pp microbatches
+that occupy the stages in turn (vLLM), so a token takes pp stage-times and the throughput is
+batch / (pp * stage time). Experts are split over `ep` ranks and, where ep < tp, each expert over
+tp / ep ranks; ep > tp spreads experts over replicas (attention data parallel, as in DeepSeek's
+serving). Memory: vLLM's default gpu_memory_utilization (0.9) of each GPU is usable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tetrad.config import ModelConfig
+from tetrad.errors import ConfigError
+from tetrad.hardware import Cluster
+from tetrad.planner import comm
+from tetrad.planner.compute import bandwidth_time, gemm_time, layer_times
+from tetrad.planner.flops import attention_head_dims, head_gemm, layer_gemms
+from tetrad.planner.layout import check_degrees
+from tetrad.planner.memory import (kv_bytes_per_token, representative_stages, stage_first_layer,
+                                   stage_layer_counts)
+from tetrad.planner.model_stats import (embedding_params, head_params, layer_params,
+                                        norm_params, position_params, unquantized_layer_params)
+from tetrad.planner.precision import COMPUTE_DTYPE, element_bytes, unquantized_bytes, weight_bytes
+
+USABLE_MEMORY_FRACTION = 0.9  # vLLM's default gpu_memory_utilization
+MAX_BATCH = 256  # vLLM's default max_num_seqs
+PREFILL_CHUNK = 8192  # tokens per prefill step (vLLM's chunked-prefill budget on large GPUs)
+
+
+@dataclass(frozen=True, slots=True)
+class ServeLayout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+
+    def to_dict(self) -> dict:
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "ep": self.ep}
+
+
+@dataclass(frozen=True)
+class ServeWorkload:
+    context_len: int  # longest sequence (prompt + output) the KV cache must hold
+    prompt_len: int
+    output_len: int
+    weight_dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+    batch: int = 0  # concurrent sequences; 0 means as many as fit (at most MAX_BATCH)
+
+
+@dataclass(frozen=True)
+class ServingEstimate:
+    layout: ServeLayout
+    weights: float  # bytes per GPU, fullest stage
+    activations: float
+    kv_cache: float  # bytes per GPU for `batch` sequences at context_len
+    usable_memory: float
+    max_concurrent_sequences: int  # over all replicas
+    batch: int  # concurrent sequences per replica used for the timings
+    ttft_s: float
+    tpot_s: float
+
+    @property
+    def fits(self) -> bool:
+        return self.max_concurrent_sequences >= self.layout.dp and self.batch >= 1
+
+    @property
+    def total_memory(self) -> float:
+        return self.weights + self.activations + self.kv_cache
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.layout.dp * self.batch / self.tpot_s if self.tpot_s else 0.0
+
+
+def check_serve_layout(config: ModelConfig, num_gpus: int, layout: ServeLayout) -> None:
+    check_degrees(config, layout.tp, layout.pp, layout.ep, training=False)
+    if layout.tp * layout.pp * layout.dp != num_gpus:
+        raise ConfigError(f"tp*pp*dp = {layout.tp}*{layout.pp}*{layout.dp} = "
+                          f"{layout.tp * layout.pp * layout.dp}, but there are {num_gpus} GPUs")
+    if layout.ep > 1 and ((layout.tp * layout.dp) % layout.ep
+                          or (layout.ep % layout.tp and layout.tp % layout.ep)):
+        raise ConfigError(f"ep {layout.ep} must divide tp*dp = {layout.tp * layout.dp} and be a "
+                          f"multiple or divisor of tp {layout.tp}")
+
+
+def model_weight_bytes(config: ModelConfig, dtype: str) -> float:
+    """One copy of the served weights: linear layers in `dtype` (block scales included), the
+    rest in 16 bits."""
+    return weight_bytes_per_gpu(config, ServeLayout(), dtype, 0)
+
+
+def _expert_split(layout: ServeLayout) -> int:
+    """GPUs one expert's weights are spread over: ep ranks each hold whole experts, and below tp
+    the remaining tp / ep ranks split each expert's columns."""
+    return max(layout.ep, layout.tp)
+
+
+def _expert_tp(layout: ServeLayout) -> int:
+    return layout.tp // layout.ep if layout.ep < layout.tp else 1
+
+
+def weight_bytes_per_gpu(config: ModelConfig, layout: ServeLayout, dtype: str,
+                         stage: int) -> float:
+    counts = stage_layer_counts(config.num_layers, layout.pp)
+    first = stage_first_layer(counts, stage)
+    quantized, kept = weight_bytes(dtype), unquantized_bytes(dtype)
+    total = 0.0
+    for layer in range(first, first + counts[stage]):
+        params = layer_params(config, layer)
+        small = unquantized_layer_params(config, layer)
+        matmul_replicated = params.replicated - small
+        total += ((params.tp_sharded / layout.tp + matmul_replicated) * quantized
+                  + params.experts / _expert_split(layout) * quantized + small * kept)
+    if stage == 0:
+        total += (embedding_params(config) / layout.tp + position_params(config)) * kept
+    if stage == layout.pp - 1:
+        head = head_params(config) or (embedding_params(config) if layout.pp > 1 else 0)
+        total += (head / layout.tp + norm_params(config)) * kept
+    return total
+
+
+def _activation_bytes(config: ModelConfig, layout: ServeLayout, batch: int,
+                      prompt_len: int) -> float:
+    """Peak scratch of a forward pass: a prefill chunk's widest intermediates plus fp32 logits
+    for sampling the batch."""
+    tokens = min(PREFILL_CHUNK, max(prompt_len, batch))
+    widest = max(2 * -(-config.ffn_hidden_size // layout.tp),
+                 (config.num_heads + 2 * config.num_kv_heads) * config.head_dim // layout.tp)
+    return (tokens * (4 * config.hidden_size + 2 * widest) * 2
+            + batch * config.vocab_size / layout.tp * 4)
+
+
+def _stage_forward_time(config: ModelConfig, cluster: Cluster, layout: ServeLayout,
+                        workload: ServeWorkload, stage: int, tokens: int, sequences: int,
+                        context: int, decode: bool) -> float:
+    """One forward pass of `tokens` tokens from `sequences` sequences through one stage,
+    communication included."""
+    gpu = cluster.gpu
+    counts = stage_layer_counts(config.num_layers, layout.pp)
+    first = stage_first_layer(counts, stage)
+    compute_dtype = COMPUTE_DTYPE[workload.weight_dtype]
+    wbytes = weight_bytes(workload.weight_dtype)
+    act = 2.0
+    group_tokens = tokens * max(1, layout.ep // layout.tp)
+    tp_group = comm.place_group(cluster, layout.tp, 1)
+    ep_group = comm.place_group(cluster, layout.ep, 1)
+    kv_per_layer = kv_bytes_per_token(config, element_bytes(workload.kv_dtype), layout.tp, 1)
+    d_qk, d_v = attention_head_dims(config)
+    heads = -(-config.num_heads // layout.tp)
+    total = 0.0
+    for layer in range(first, first + counts[stage]):
+        if decode:
+            gemms = layer_gemms(config, layer, tokens, layout.tp, layout.ep, group_tokens,
+                                _expert_tp(layout))
+            total += sum(gemm_time(gpu, g, compute_dtype, act, wbytes) for g in gemms)
+            # Each sequence reads its whole KV cache; MLA attends in the latent space
+            # (weight absorption), 2 * (kv_lora + rope + kv_lora) FLOPs per head and position.
+            width = (2 * config.kv_lora_rank + config.qk_rope_head_dim
+                     if config.attention == "mla" else d_qk + d_v)
+            flops = 2.0 * heads * width * context * sequences
+            total += max(flops / (gpu.peak("bf16") * gpu.efficiency.attention),
+                         bandwidth_time(gpu, kv_per_layer * context * sequences, 1))
+        else:
+            times = layer_times(config, gpu, layer, 1, tokens, layout.tp, 1, layout.ep, True,
+                                "none", True, False, compute_dtype, act, wbytes, group_tokens,
+                                _expert_tp(layout))
+            total += times.forward
+        total += 2 * comm.all_reduce_time(cluster, tp_group, tokens * config.hidden_size * act)
+        if config.is_moe_layer(layer) and layout.ep > layout.tp:
+            # Experts on other replicas: dispatch and combine; each TP rank sends a slice.
+            size = tokens * config.num_experts_per_token * config.hidden_size * act / layout.tp
+            total += 2 * comm.all_to_all_time(cluster, ep_group, size)
+    if stage == layout.pp - 1:
+        # Logits only for each sequence's last position.
+        total += gemm_time(gpu, head_gemm(config, sequences, layout.tp), "bf16", act, 2.0)
+    if layout.pp > 1 and stage < layout.pp - 1:
+        crosses = layout.tp * layout.dp >= cluster.node_size
+        total += comm.p2p_time(cluster, crosses, tokens * config.hidden_size * act)
+    return total
+
+
+def evaluate_serving(config: ModelConfig, cluster: Cluster, layout: ServeLayout,
+                     workload: ServeWorkload) -> ServingEstimate:
+    usable = cluster.gpu.memory_bytes * USABLE_MEMORY_FRACTION
+    kv_per_token = max(
+        kv_bytes_per_token(config, element_bytes(workload.kv_dtype), layout.tp, count)
+        for count in stage_layer_counts(config.num_layers, layout.pp))
+    stages = representative_stages(layout.pp)
+    weights = max(weight_bytes_per_gpu(config, layout, workload.weight_dtype, stage)
+                  for stage in stages)
+    probe_batch = workload.batch or MAX_BATCH
+    activations = _activation_bytes(config, layout, probe_batch, workload.prompt_len)
+    free = usable - weights - activations
+    per_replica = max(0, int(free // (kv_per_token * workload.context_len))) if free > 0 else 0
+    batch = workload.batch or min(per_replica, MAX_BATCH)
+    context = workload.prompt_len + workload.output_len // 2
+    ttft = sum(_stage_forward_time(config, cluster, layout, workload, stage,
+                                   workload.prompt_len, 1, workload.prompt_len, False)
+               for stage in range(layout.pp)) if batch else 0.0
+    tpot = 0.0
+    if batch:
+        in_flight = max(1, -(-batch // layout.pp))
+        stage_time = max(_stage_forward_time(config, cluster, layout, workload, stage,
+                                             in_flight, in_flight, context, True)
+                         for stage in stages)
+        tpot = layout.pp * stage_time
+    return ServingEstimate(layout=layout, weights=weights, activations=activations,
+                           kv_cache=batch * workload.context_len * kv_per_token,
+                           usable_memory=usable, max_concurrent_sequences=per_replica * layout.dp,
+                           batch=batch, ttft_s=ttft, tpot_s=tpot)

@@ -1,0 +1,280 @@
+"""One training layout, evaluated: memory per GPU, step time and its breakdown, throughput, and the
+bytes each collective moves. Everything the search ranks and the run report compares against.
+
+Communication per step (bytes each rank hands to a collective, S = tokens * hidden * act bytes):
+  TP   4 collectives of S per block per microbatch (2 forward, 2 backward; 6 with full
+       recomputation): all-reduces, or all-gather + reduce-scatter pairs with sequence parallelism;
+       2 more around the LM head and embedding.
+  CP   a ring of K/V chunks per block: (cp - 1) chunks forward, twice that backward.
+  EP   dispatch and combine all-to-alls per MoE block: 2 forward, 2 backward.
+  PP   one activation forward and one gradient backward per microbatch per stage boundary.
+  DP   the gradients once per step (all-reduce, or reduce-scatter + parameter all-gather with
+       ZeRO-1), per microbatch with ZeRO-2 (reduce-scatter) and ZeRO-3 (two parameter all-gathers
+       and a reduce-scatter): ZeRO-3's 1.5x volume of ZeRO paper section 7.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from tetrad.config import ModelConfig
+from tetrad.hardware import Cluster
+from tetrad.planner import comm
+from tetrad.planner.comm import CommLedger
+from tetrad.planner.compute import KernelTimes, optimizer_time, stage_times
+from tetrad.planner.flops import attention_head_dims, training_flops_per_sequence
+from tetrad.planner.layout import TrainLayout
+from tetrad.planner.memory import (ActivationOptions, MemoryBreakdown, representative_stages,
+                                   stage_layer_counts, stage_params, training_memory)
+from tetrad.planner.precision import TrainingPrecision, training_precision
+from tetrad.planner.timeline import StepTime, overlapped, pipeline_bubble_ratio
+
+# Memory the framework cannot use for tensors: CUDA context, NCCL buffers, allocator
+# fragmentation (PyTorch's caching allocator typically strands a few percent).
+USABLE_MEMORY_FRACTION = 0.95
+
+
+@dataclass(frozen=True)
+class TrainWorkload:
+    """What is trained and how the training code behaves (not the layout)."""
+
+    seq_len: int
+    dtype: str = "bf16"
+    flash_attention: bool = True
+    dropout: bool = False
+    fp32_grads: bool = False
+    overlap_grad_reduce: bool = True  # DP gradient reduction behind the backward pass
+    overlap_param_gather: bool = True  # ZeRO parameter all-gathers behind the forward pass
+    overlap_tp_comm: bool = False  # TP collectives pipelined with their GEMMs (userbuffers)
+    overlap_p2p: bool = True  # pipeline sends and receives behind compute
+    recipe: TrainingPrecision | None = None  # overrides the recipe `dtype` implies
+
+    @property
+    def precision(self) -> TrainingPrecision:
+        return self.recipe or training_precision(self.dtype, self.fp32_grads)
+
+    @property
+    def activation_options(self) -> ActivationOptions:
+        return ActivationOptions(self.flash_attention, self.dropout)
+
+
+@dataclass(frozen=True)
+class TrainingEstimate:
+    layout: TrainLayout
+    memory: MemoryBreakdown
+    fullest_stage: int
+    usable_memory: float
+    step: StepTime
+    tokens_per_step: int
+    model_flops_per_step: float
+    hardware_flops_per_step: float
+    num_gpus: int
+    peak_flops: float
+    comm: CommLedger = field(compare=False)
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.usable_memory
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step.total
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        return self.model_flops_per_step / self.step.total / self.num_gpus / 1e12
+
+    @property
+    def hardware_tflops_per_gpu(self) -> float:
+        return self.hardware_flops_per_step / self.step.total / self.num_gpus / 1e12
+
+    @property
+    def mfu(self) -> float:
+        return self.tflops_per_gpu * 1e12 / self.peak_flops
+
+
+def _tp_collective_time(cluster: Cluster, layout: TrainLayout, size: float) -> float:
+    group = comm.place_group(cluster, layout.tp, 1)
+    if layout.sequence_parallel:
+        return comm.all_gather_time(cluster, group, size)  # one all-gather or reduce-scatter
+    return comm.all_reduce_time(cluster, group, size)
+
+
+def _microbatch_comm(config: ModelConfig, cluster: Cluster, layout: TrainLayout,
+                     workload: TrainWorkload, kernels: KernelTimes, stage: int,
+                     ledger: CommLedger | None) -> float:
+    """Exposed TP, CP and EP communication of one microbatch on `stage`; records bytes."""
+    act = workload.precision.activation_bytes
+    tokens = layout.micro_batch * workload.seq_len / layout.cp
+    counts = stage_layer_counts(config.num_layers, layout.pp)
+    first = sum(counts[:stage])
+    num_layers = counts[stage]
+    num_moe = sum(1 for layer in range(first, first + num_layers) if config.is_moe_layer(layer))
+    passes = 3 if layout.recompute == "full" else 2  # forward, backward, forward again
+    exposed = 0.0
+    if layout.tp > 1:
+        size = tokens * config.hidden_size * act
+        # Two all-reduces per block and pass, or with sequence parallelism an all-gather and a
+        # reduce-scatter in their place (the same bytes); two more around the head.
+        per_all_reduce = 2 if layout.sequence_parallel else 1
+        num_collectives = per_all_reduce * (2 * passes * num_layers
+                                            + (2 if stage == layout.pp - 1 else 0))
+        tp_time = num_collectives * _tp_collective_time(cluster, layout, size)
+        if workload.overlap_tp_comm:
+            # Chunked GEMMs hide the collective except its first chunk.
+            tp_time = max(tp_time / layout.tp, tp_time - 3 * kernels.matmul_forward)
+        exposed += tp_time
+        if ledger is not None:
+            kinds = (("all_gather", 0.5), ("reduce_scatter", 0.5)) \
+                if layout.sequence_parallel else (("all_reduce", 1.0),)
+            for kind, share in kinds:
+                ledger.add(kind, layout.tp, size, share * num_collectives)
+    if layout.cp > 1:
+        d_qk, d_v = attention_head_dims(config)
+        heads = (-(-config.num_heads // layout.tp) if config.attention == "mla"
+                 else -(-config.num_kv_heads // layout.tp))
+        chunk = tokens * heads * (d_qk + d_v) * act
+        group = comm.place_group(cluster, layout.cp, layout.tp)
+        step = comm.p2p_time(cluster, not group.intra_node, chunk)
+        ring = 3 * (layout.cp - 1) * step * num_layers  # forward K/V, backward K/V and dK/dV
+        exposed += overlapped(ring, kernels.attention_forward * 3.5, True)
+        if ledger is not None:
+            ledger.add("p2p", layout.cp, chunk, 3 * (layout.cp - 1) * num_layers)
+    if layout.ep > 1 and num_moe:
+        size = tokens / layout.tp * config.num_experts_per_token * config.hidden_size * act
+        group = comm.place_group(cluster, layout.ep, layout.tp)
+        num_a2a = 2 * passes * num_moe
+        exposed += num_a2a * comm.all_to_all_time(cluster, group, size)
+        if ledger is not None:
+            ledger.add("all_to_all", layout.ep, size, num_a2a)
+    return exposed
+
+
+def _data_parallel(config: ModelConfig, cluster: Cluster, layout: TrainLayout,
+                   workload: TrainWorkload, stage: int, forward: float, backward: float,
+                   ledger: CommLedger) -> float:
+    """Exposed time of the gradient reduction and ZeRO parameter gathers of one step."""
+    precision = workload.precision
+    dense, expert = stage_params(config, layout.pp, stage, layout.tp, layout.ep)
+    m = layout.num_microbatches
+    exposed = 0.0
+    for elements, size, stride in ((dense, layout.zero_group, layout.tp),
+                                   (expert, layout.expert_zero_group, layout.tp * layout.ep)):
+        if size == 1 or elements == 0:
+            continue
+        group = comm.place_group(cluster, size, stride)
+        grads = elements * precision.grad_bytes
+        params = elements * precision.param_bytes
+        reduce_time = comm.reduce_scatter_time(cluster, group, grads)
+        gather_time = comm.all_gather_time(cluster, group, params)
+        if layout.zero == 0:
+            exposed += overlapped(comm.all_reduce_time(cluster, group, grads), backward,
+                                  workload.overlap_grad_reduce)
+            ledger.add("all_reduce", size, grads)
+        elif layout.zero == 1:
+            exposed += overlapped(reduce_time, backward, workload.overlap_grad_reduce)
+            exposed += overlapped(gather_time, forward, workload.overlap_param_gather)
+            ledger.add("reduce_scatter", size, grads)
+            ledger.add("all_gather", size, params)
+        elif layout.zero == 2:
+            exposed += m * overlapped(reduce_time, backward, workload.overlap_grad_reduce)
+            exposed += overlapped(gather_time, forward, workload.overlap_param_gather)
+            ledger.add("reduce_scatter", size, grads, m)
+            ledger.add("all_gather", size, params)
+        else:
+            exposed += m * overlapped(gather_time, forward, workload.overlap_param_gather)
+            exposed += m * overlapped(gather_time + reduce_time, backward,
+                                      workload.overlap_grad_reduce)
+            ledger.add("all_gather", size, params, 2 * m)
+            ledger.add("reduce_scatter", size, grads, m)
+    return exposed
+
+
+def _pipeline_p2p(config: ModelConfig, cluster: Cluster, layout: TrainLayout,
+                  workload: TrainWorkload, stage: int, ledger: CommLedger) -> float:
+    """Exposed time of the activations and gradients sent between stages; records the bytes
+    `stage` sends: one message forward from each of its v chunks (not from the model's last) and
+    one backward (not from the model's first)."""
+    if layout.pp == 1:
+        return 0.0
+    split = layout.tp if layout.sequence_parallel else 1
+    size = (layout.micro_batch * workload.seq_len / layout.cp * config.hidden_size
+            * workload.precision.activation_bytes / split)
+    crosses = layout.tp * layout.cp * layout.dp >= cluster.node_size
+    one = comm.p2p_time(cluster, crosses, size)
+    m, v = layout.num_microbatches, layout.vpp
+    sends = m * (2 * v - (stage == layout.pp - 1) - (stage == 0))
+    ledger.add("p2p", 2, size, sends)
+    on_critical_path = layout.pp - 1 if workload.overlap_p2p else m * v + layout.pp - 1
+    return 2 * on_critical_path * one
+
+
+@lru_cache(maxsize=16384)
+def _bottleneck(config: ModelConfig, cluster: Cluster, workload: TrainWorkload, tp: int, pp: int,
+                cp: int, ep: int, sequence_parallel: bool, recompute: str,
+                micro_batch: int) -> tuple[int, KernelTimes, float]:
+    """(slowest stage, its kernel times, its exposed TP/CP/EP time) for one microbatch. Keyed by
+    the fields that decide them, so layouts differing in dp, ZeRO or schedule share an entry."""
+    shape = TrainLayout(tp=tp, pp=pp, cp=cp, ep=ep, sequence_parallel=sequence_parallel,
+                        recompute=recompute, micro_batch=micro_batch)
+    precision = workload.precision
+    weight = 1.0 if precision.compute_dtype == "fp8" else precision.param_bytes
+    best: tuple[int, KernelTimes, float] | None = None
+    for stage in representative_stages(pp):
+        kernels = stage_times(config, cluster.gpu, pp, stage, micro_batch, workload.seq_len, tp,
+                              cp, ep, sequence_parallel, recompute, workload.flash_attention,
+                              workload.dropout, precision.compute_dtype,
+                              precision.activation_bytes, weight)
+        exposed = _microbatch_comm(config, cluster, shape, workload, kernels, stage, None)
+        total = kernels.forward + kernels.backward + kernels.recompute + exposed
+        if best is None or total > (best[1].forward + best[1].backward + best[1].recompute
+                                    + best[2]):
+            best = (stage, kernels, exposed)
+    assert best is not None
+    return best
+
+
+def evaluate_training(config: ModelConfig, cluster: Cluster, layout: TrainLayout,
+                      workload: TrainWorkload, count_bytes: bool = True) -> TrainingEstimate:
+    """Memory, time and traffic of one step of `layout` (assumed valid: see layout.py).
+    `count_bytes=False` skips the per-collective byte ledger (the search's fast path)."""
+    precision = workload.precision
+    memory, fullest = training_memory(config, layout, precision, workload.seq_len,
+                                      workload.activation_options)
+    gpu = cluster.gpu
+    stage, kernels, microbatch_comm = _bottleneck(
+        config, cluster, workload, layout.tp, layout.pp, layout.cp, layout.ep,
+        layout.sequence_parallel, layout.recompute, layout.micro_batch)
+    ledger = CommLedger()
+    if count_bytes:
+        _microbatch_comm(config, cluster, layout, workload, kernels, stage, ledger)
+        for kind in ledger.sent:  # per microbatch so far: scale to the step
+            ledger.sent[kind] *= layout.num_microbatches
+            ledger.payload[kind] *= layout.num_microbatches
+    m = layout.num_microbatches
+    per_microbatch_kernels = kernels.forward + kernels.backward + kernels.recompute
+    dense, expert = stage_params(config, layout.pp, fullest, layout.tp, layout.ep)
+    shard = ((dense / layout.zero_group + expert / layout.expert_zero_group)
+             if layout.zero >= 1 else dense + expert)
+    optimizer = optimizer_time(gpu, shard, precision.grad_bytes, precision.param_bytes,
+                               precision.optimizer_state_bytes, layout.offload,
+                               gpu.host_memory_bandwidth)
+    compute = m * per_microbatch_kernels + optimizer
+    dp_exposed = _data_parallel(config, cluster, layout, workload, stage, kernels.forward,
+                                kernels.backward + kernels.recompute, ledger)
+    pp_exposed = _pipeline_p2p(config, cluster, layout, workload, stage, ledger)
+    communication = m * microbatch_comm + dp_exposed + pp_exposed
+    ratio = pipeline_bubble_ratio(layout.schedule, layout.pp, m, layout.vpp)
+    bubble = ratio * m * (per_microbatch_kernels + microbatch_comm)
+    model_flops, hardware_flops = training_flops_per_sequence(config, workload.seq_len,
+                                                              layout.recompute)
+    sequences = layout.global_batch
+    return TrainingEstimate(
+        layout=layout, memory=memory, fullest_stage=fullest,
+        usable_memory=gpu.memory_bytes * USABLE_MEMORY_FRACTION,
+        step=StepTime(compute, communication, bubble),
+        tokens_per_step=sequences * workload.seq_len,
+        model_flops_per_step=model_flops * sequences,
+        hardware_flops_per_step=hardware_flops * sequences, num_gpus=layout.world_size,
+        peak_flops=gpu.peak(precision.compute_dtype), comm=ledger)
