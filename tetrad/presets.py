@@ -1,7 +1,7 @@
 """Named model shapes, and the resolver behind every `--model` argument.
 
-`--model` takes a preset name, an HF-format folder, an HF `config.json`, or a TOML / JSON file of
-ModelConfig fields. Trainable presets are small; the published shapes (llama, gpt3, deepseek, ...)
+`--model` takes a preset name, an HF-format folder, an HF `config.json`, a tetrad checkpoint (a
+step folder or a checkpoint root), or a TOML / JSON file of ModelConfig fields. Trainable presets are small; the published shapes (llama, gpt3, deepseek, ...)
 are for the planner and for building tiny look-alikes with `ModelConfig.replace`.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tetrad.config import ModelConfig, from_dict, load_toml
 from tetrad.errors import ConfigError
-from tetrad.hf_config import model_config_from_hf, read_hf_config
+from tetrad.hf_config import model_config_from_hf, read_hf_config, resolve_checkpoint
 
 PRESETS: dict[str, ModelConfig] = {
     # Trains a step in milliseconds: for tests.
@@ -44,8 +44,10 @@ def preset(name: str) -> ModelConfig:
 
 def resolve_model(spec: str, overrides: dict | None = None) -> ModelConfig:
     """Turn a `--model` argument into a ModelConfig, then apply field overrides."""
-    path = Path(spec)
-    if path.is_dir() or (path.is_file() and path.name == "config.json"):
+    path = resolve_checkpoint(spec)
+    if (path / "model.json").is_file():  # a tetrad checkpoint: its own ModelConfig fields
+        config = from_dict(ModelConfig, json.loads((path / "model.json").read_text()))
+    elif path.is_dir() or (path.is_file() and path.name == "config.json"):
         hf = read_hf_config(path)
         config = (model_config_from_hf(hf, name=path.resolve().parent.name if path.is_file()
                                        else path.resolve().name)

@@ -1,0 +1,103 @@
+"""One training step (forward + backward + AdamW) of tetrad's Transformer against transformers'
+LlamaForCausalLM of the same shape and the same weights, on the same batch, in one process.
+
+    .venv/bin/python benchmarks/bench_vs_hf.py [--steps 5] [--threads 2]
+
+The two models alternate step by step, so that load from other processes on a shared machine
+hits both alike; the median of --steps timed steps follows --warmup untimed ones. Next to wall
+time it prints process CPU time (user + system, all threads), which other processes' load barely
+moves: on a busy machine, compare those. Before timing, the first losses are checked to agree,
+which shows that both models compute the same thing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tetrad.config import ModelConfig
+from tetrad.hf_config import hf_from_model_config
+from tetrad.models.hf import to_hf_state_dict
+from tetrad.models.transformer import Transformer
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--ffn", type=int, default=1376)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8)
+    return parser.parse_args()
+
+
+def train_step(model, logits_of, optimizer, inputs, targets) -> float:
+    optimizer.zero_grad(set_to_none=True)
+    logits = logits_of(model, inputs)
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    config = ModelConfig(name="bench", vocab_size=args.vocab, hidden_size=args.hidden,
+                         num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
+                         ffn_hidden_size=args.ffn, max_seq_len=args.seq)
+    tetrad_model = Transformer(config).train()
+    hf_model = LlamaForCausalLM(LlamaConfig(**hf_from_model_config(config), attention_dropout=0.0,
+                                            attn_implementation="sdpa")).train()
+    hf_model.load_state_dict(to_hf_state_dict(tetrad_model), strict=True)
+
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    runs = {
+        "tetrad": (tetrad_model, lambda model, ids: model(ids)),
+        "transformers": (hf_model, lambda model, ids: model(input_ids=ids, use_cache=False).logits),
+    }
+    optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-4)
+                  for name, (model, _) in runs.items()}
+    wall: dict[str, list[float]] = {name: [] for name in runs}
+    cpu: dict[str, list[float]] = {name: [] for name in runs}
+    losses: dict[str, list[float]] = {name: [] for name in runs}
+    for step in range(args.warmup + args.steps):
+        for name, (model, logits_of) in runs.items():
+            start, start_cpu = time.perf_counter(), time.process_time()
+            losses[name].append(train_step(model, logits_of, optimizers[name], inputs, targets))
+            if step >= args.warmup:
+                wall[name].append(time.perf_counter() - start)
+                cpu[name].append(time.process_time() - start_cpu)
+
+    first = {name: values[0] for name, values in losses.items()}
+    assert abs(first["tetrad"] - first["transformers"]) < 1e-4, f"models differ: {first}"
+    print(f"shape: hidden {args.hidden}, {args.layers} layers, {args.heads} heads / "
+          f"{args.kv_heads} kv, ffn {args.ffn}, vocab {args.vocab}, batch {args.batch} x seq "
+          f"{args.seq}, fp32, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(f"first-step loss: tetrad {first['tetrad']:.6f}, "
+          f"transformers {first['transformers']:.6f}")
+    median = {name: statistics.median(values) for name, values in wall.items()}
+    median_cpu = {name: statistics.median(values) for name, values in cpu.items()}
+    for name, values in wall.items():
+        print(f"{name:>12}: median {median[name] * 1e3:8.1f} ms/step wall (min "
+              f"{min(values) * 1e3:.1f}, max {max(values) * 1e3:.1f}, n={len(values)}), "
+              f"{median_cpu[name] * 1e3:8.1f} ms/step CPU")
+    print(f"ratio tetrad / transformers: {median['tetrad'] / median['transformers']:.3f} wall, "
+          f"{median_cpu['tetrad'] / median_cpu['transformers']:.3f} CPU")
+
+
+if __name__ == "__main__":
+    main()
