@@ -9,9 +9,10 @@ from torch import nn
 from tetrad.errors import ConfigError
 from tetrad.inference.attention import sdpa_paged_attention, tiled_paged_attention
 from tetrad.inference.engine import LLM
-from tetrad.inference.kv_cache import kv_bytes_per_token, parse_bytes, plan_kv_pool
+from tetrad.inference.kv_cache import parse_bytes, plan_kv_pool
 from tetrad.inference.params import RequestRejected, SamplingParams
 from tetrad.models.transformer import Transformer
+from tetrad.planner.memory import kv_bytes_per_token
 from tetrad.presets import resolve_model
 from tetrad.tokenizer import ByteTokenizer
 

@@ -1,5 +1,5 @@
-"""Collective costs, per-strategy communication volumes, the pipeline bubble and the trainer's
-prediction API."""
+"""Collective costs, per-strategy communication volumes, the pipeline bubble (the schedule
+simulator's) and the trainer's prediction API."""
 
 from __future__ import annotations
 
@@ -9,8 +9,11 @@ from tetrad.config import ParallelConfig
 from tetrad.hardware import GB, cluster
 from tetrad.planner import comm, predict_training
 from tetrad.planner.model_stats import count_parameters
-from tetrad.planner.timeline import bubble_fraction_of_step, pipeline_bubble_ratio
+from tetrad.planner.timeline import (bubble_fraction_of_step, closed_form_in_flight,
+                                     closed_form_makespan, pipeline_bubble_ratio,
+                                     pipeline_in_flight)
 from tetrad.presets import preset
+from tetrad.schedules import Durations, build_schedule, peak_in_flight, simulate
 
 
 def test_bubble_closed_forms():
@@ -20,6 +23,55 @@ def test_bubble_closed_forms():
     assert pipeline_bubble_ratio("zb", 8, 32) == pytest.approx(7 / 96)
     assert pipeline_bubble_ratio("1f1b", 1, 32) == 0
     assert bubble_fraction_of_step(7 / 32) == pytest.approx(7 / 39)
+
+
+SHAPES = [(name, pp, 1, m) for name in ("gpipe", "1f1b", "zb") for pp in (2, 4)
+          for m in (1, 3, 4, 8)]
+SHAPES += [("interleaved", pp, vpp, m) for pp in (2, 4) for vpp in (2, 3) for m in (pp, 3 * pp)]
+
+
+@pytest.mark.parametrize("name,pp,vpp,m", SHAPES)
+def test_planner_bubble_and_in_flight_are_the_simulated_ones(name, pp, vpp, m):
+    schedule = build_schedule(name, pp, m, vpp)  # the executor's schedule, sends and receives
+    timeline = simulate(schedule, Durations(forward=1, backward=2))
+    ratio = pipeline_bubble_ratio(name, pp, m, vpp, forward=1, backward=2)
+    assert bubble_fraction_of_step(ratio) == pytest.approx(timeline.bubble_fraction)
+    held = peak_in_flight(schedule, release="W" if name == "zb" else "B")
+    assert pipeline_in_flight(name, pp, m, vpp) == tuple(peak / vpp for peak in held)
+
+
+def test_closed_forms_equal_the_simulation():
+    """What lets schedules beyond MAX_SIMULATED_ACTIONS skip the simulation: the same makespan
+    and in-flight peaks, for durations with W <= F and W <= B - W (the planner's always are)."""
+    durations = [(1, 1, 1), (1, 2, 1), (8, 13, 6), (5, 3, 2), (2, 7, 1)]  # F, B - W, W
+    for name, vpp in (("gpipe", 1), ("1f1b", 1), ("zb", 1), ("interleaved", 2),
+                      ("interleaved", 3)):
+        for pp in (2, 3, 5):
+            for m in range(pp if vpp > 1 else 1, 3 * pp + 1, pp if vpp > 1 else 1):
+                order = build_schedule(name, pp, m, vpp, communication=False)
+                held = peak_in_flight(order, release="W" if name == "zb" else "B")
+                assert closed_form_in_flight(name, pp, m, vpp) == tuple(p / vpp for p in held)
+                for f, b, w in durations:
+                    w = w if name == "zb" else 0
+                    timed = Durations(f, b + w, b, w) if w else Durations(f, b)
+                    assert closed_form_makespan(name, pp, m, vpp, f, b, w) == \
+                        simulate(order, timed).makespan, (name, pp, m, vpp, f, b, w)
+
+
+def test_interleaved_and_zero_bubble_rank_below_1f1b():
+    # The zero-bubble paper's 1:1:1, and planner-like times (W, the forward's matmuls, is less
+    # than half the backward: attention's backward and any recomputation are input gradient).
+    for forward, backward, weight in ((1, 2, 1), (1.0, 2.6, 0.8)):
+        one_f_one_b = pipeline_bubble_ratio("1f1b", 8, 32, 1, forward, backward, weight)
+        assert pipeline_bubble_ratio("interleaved", 8, 32, 2, forward, backward) < one_f_one_b
+        assert pipeline_bubble_ratio("zb", 8, 32, 1, forward, backward, weight) < one_f_one_b
+    bubble = {}
+    for schedule, vpp in (("1f1b", 1), ("interleaved", 2), ("zb", 1)):
+        parallel = ParallelConfig(pp=4, schedule=schedule, vpp=vpp, microbatches=8)
+        bubble[schedule] = predict_training(
+            preset("llama3-8b"), parallel, micro_batch=1, seq_len=4096, dtype="bf16",
+            gpu="h100-sxm")["step_time_breakdown_s"]["bubble"]
+    assert bubble["interleaved"] < bubble["1f1b"] and bubble["zb"] < bubble["1f1b"]
 
 
 def test_ring_all_reduce_inside_a_node():

@@ -14,6 +14,7 @@ import torch
 
 from tetrad.config import ModelConfig
 from tetrad.errors import ConfigError
+from tetrad.planner.memory import kv_bytes_per_token
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -23,11 +24,6 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb
 # of a step and allocator fragmentation need the rest.
 DEVICE_MEMORY_FRACTION = 0.9
 DEFAULT_CPU_KV_MEMORY = 512 * 2**20
-
-
-def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:
-    """K and V of one token in every layer (the planner's serving formula)."""
-    return config.num_layers * 2 * config.num_kv_heads * config.head_dim * dtype_bytes
 
 
 def parse_bytes(value: str | int) -> int:
@@ -71,7 +67,8 @@ class KVPlan:
 def plan_kv_pool(config: ModelConfig, dtype: str, device: torch.device, block_size: int,
                  kv_memory: int | None, swap_memory: int, max_model_len: int) -> KVPlan:
     """Blocks that fit the budget: --kv-memory, capped on a GPU by what the weights leave free."""
-    per_token = kv_bytes_per_token(config, DTYPE_BYTES[dtype])
+    # The planner's formula, so `tetrad plan serve` and the engine size the same pool.
+    per_token = int(kv_bytes_per_token(config, DTYPE_BYTES[dtype]))
     budget = kv_memory if kv_memory is not None else DEFAULT_CPU_KV_MEMORY
     if device.type == "cuda":
         free = int(torch.cuda.mem_get_info(device)[0] * DEVICE_MEMORY_FRACTION)

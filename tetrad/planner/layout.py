@@ -124,10 +124,12 @@ def check_training_layout(config: ModelConfig, num_gpus: int, layout: TrainLayou
         if layout.pp * layout.vpp > config.num_layers:
             raise ConfigError(f"pp*vpp = {layout.pp * layout.vpp} chunks is more than the "
                               f"{config.num_layers} layers: lower --vpp")
-        if layout.num_microbatches < layout.pp:
-            raise ConfigError(f"the interleaved schedule needs at least pp = {layout.pp} "
-                              f"microbatches per step, got {layout.num_microbatches}: raise "
-                              f"--global-batch or lower --micro-batch")
+        if layout.num_microbatches % layout.pp:
+            # Megatron's rule, and tetrad.schedules': forwards cycle through the chunks in
+            # groups of pp microbatches.
+            raise ConfigError(f"the interleaved schedule needs microbatches per step to be a "
+                              f"multiple of pp = {layout.pp}, got {layout.num_microbatches}: "
+                              f"change --global-batch or --micro-batch")
     elif layout.vpp != 1:
         raise ConfigError(f"--vpp {layout.vpp} needs --schedule interleaved")
     if layout.zero_group % layout.ep:

@@ -5,7 +5,8 @@ per stored tensor so that the same accounting covers GQA, SwiGLU, MoE, MLA, flas
 dropout: their GPT layer stores 34*s*b*h + 5*a*s^2*b bytes, which this reproduces exactly for GPT
 shapes. Under tensor parallelism the norms' inputs, the inputs of the first matmuls and the dropout
 masks stay replicated unless sequence parallelism splits them too; context parallelism splits the
-sequence. The pipeline's first stage holds the most microbatches in flight.
+sequence. The pipeline's first stage holds the most microbatches in flight (zero bubble: every
+stage holds as many until their weight gradients).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from tetrad.planner.layout import TrainLayout
 from tetrad.planner.model_stats import (embedding_params, head_params, layer_params,
                                         norm_params, position_params)
 from tetrad.planner.precision import TrainingPrecision
+from tetrad.planner.timeline import pipeline_in_flight
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,15 +174,9 @@ def activation_bytes_per_layer(config: ModelConfig, layer: int, micro_batch: int
 
 def in_flight_microbatches(layout: TrainLayout, stage: int) -> float:
     """Microbatches (in units of the stage's whole layer set) whose activations `stage` holds at
-    its peak. GPipe keeps all m; 1F1B and ZB-H1 keep p - stage; interleaved 1F1B keeps Megatron's
-    warm-up count of model chunks, 2(p - stage - 1) + (v - 1)p + 1, each 1/v of the stage."""
-    p, m, v = layout.pp, layout.num_microbatches, layout.vpp
-    if layout.schedule == "gpipe":
-        return m
-    if layout.schedule == "interleaved" and p > 1:
-        chunks = min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
-        return chunks / v
-    return min(p - stage, m)
+    its peak, from the schedule's action lists (tetrad.planner.timeline.pipeline_in_flight)."""
+    return pipeline_in_flight(layout.schedule, layout.pp, layout.num_microbatches,
+                              layout.vpp)[stage]
 
 
 @lru_cache(maxsize=16384)

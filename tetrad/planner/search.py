@@ -8,7 +8,8 @@ Search rules (given values are always used as given):
   ep      divides the experts and dp*cp (MoE only)
   micro batch   divides the per-replica batch, up to MAX_MICRO_BATCH
   schedule      1F1B, zero bubble and interleaved (vpp up to MAX_VPP, at least a layer per
-                chunk); GPipe only when asked for (it has 1F1B's bubble and more memory)
+                chunk, microbatches a multiple of pp); GPipe only when asked for (it has 1F1B's
+                bubble and more memory)
   sequence parallel   on whenever tp > 1 (it only saves memory and element-wise work)
   zero    1-3 with data parallelism (stage 0 moves the same bytes as stage 1 with more memory,
           so only when asked for), 0 without
@@ -120,9 +121,9 @@ def training_layouts(config: ModelConfig, cluster: Cluster, global_batch: int, s
                             if global_batch % (dp * micro_batch):
                                 continue
                             m = global_batch // (dp * micro_batch)
-                            if schedule == "interleaved" and m < pp and (
+                            if schedule == "interleaved" and m % pp and (
                                     space.schedule is None or space.micro_batch is None):
-                                continue  # interleaving needs at least pp microbatches
+                                continue  # interleaving needs a multiple of pp microbatches
                             yield TrainLayout(tp, pp, dp, cp, ep, vpp, 0, space.offload, "none",
                                               sequence_parallel, schedule, micro_batch, m)
 

@@ -1,36 +1,127 @@
 """How the pieces of a training step add up: compute, exposed communication, pipeline bubble.
 
-The bubble uses closed forms (one function, so a schedule simulator can replace it):
+The bubble and the activations in flight come from the schedule simulator (tetrad.schedules), run
+on the compute order of the very schedule the executor runs, so planner, `tetrad schedule` and
+runtime agree. The simulator takes one duration per kind of action, the same on every stage, so
+the planner gives it the slowest stage's forward F, backward B and, for zero bubble, the part W of
+B that computes weight gradients (the forward's matmuls again; B - W, with any recomputation, is
+the input gradient on the critical path). Durations are rounded to 1/DURATION_GRID of the forward
+so that the thousands of layouts a search evaluates share a few cached simulations.
+
+A simulation costs about 15 microseconds per compute action, so schedules of more than
+MAX_SIMULATED_ACTIONS compute actions (1F1B with pp = 16 and m > 32, say) take the exact
+closed forms below instead; tests/test_planner_comm.py checks them equal to the simulation over
+every small shape. As ratios of idle to busy time on each rank (stage times uniform; ZB-H1 as its
+makespan, each rank busy m (F + B)):
 
   GPipe and 1F1B      (p - 1) / m        Huang et al. 2019; Narayanan et al. 2021, section 2.2
-  interleaved 1F1B    (p - 1) / (v m)    Narayanan et al. 2021, section 2.2.2
-  zero bubble (ZB-H1) (p - 1) / (3 m)    Qi et al. 2023: ZB-H1's bubble is (p - 1)(T_F + T_B - T_W)
-                                         against 1F1B's (p - 1)(T_F + T_B + T_W); with the paper's
-                                         1:1:1 ratio of forward, input-gradient and weight-gradient
-                                         times that is a third of 1F1B's.
+  interleaved 1F1B    (p - 1) / (v m)    Narayanan et al. 2021, section 2.2.2 (m >= p)
+  any of these, m < p (p - 1) / m        too few microbatches to fill the pipeline
+  zero bubble (ZB-H1) makespan = max(m (F + B) + (p - 1)(F + B - 2W),  (m + p - 1)(F + B - W) + W)
+                      Qi et al. 2023: (p - 1)(T_F + T_B - T_W) per rank once m >= p; exact for
+                      W <= F and W <= B - W, which the planner's times always satisfy.
 
-With fewer microbatches than stages every schedule degenerates to (p - 1) / m.
-Each is the idle time *relative to the ideal* (bubble-free) time m * t_microbatch, so the step
-takes (1 + ratio) times the ideal; as a fraction of the step the bubble is ratio / (1 + ratio).
+Activations in flight at each rank's peak, in microbatches of the rank's whole layer set: GPipe m;
+1F1B min(p - r, m); interleaved min(m v, (v - 1) p + 2 (p - r - 1) + 1) chunks of 1/v each; ZB-H1
+min(p, m) on every rank, counted until W, which still needs the saved matmul inputs (the
+zero-bubble paper's p M_B; tetrad's executor holds them that long too).
+
+Bubble ratios are idle time *relative to the ideal* (bubble-free) time m * t_microbatch, so the
+step takes (1 + ratio) times the ideal; as a fraction of the step the bubble is
+ratio / (1 + ratio).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
+from functools import lru_cache
+
+from tetrad.schedules import Durations, Schedule, build_schedule, peak_in_flight, simulate
+from tetrad.schedules.generate import SPLIT_BACKWARD
+
+DURATION_GRID = 32  # ZB-H1's bubble then within 6% of the unrounded times' (the others' is exact)
+MAX_SIMULATED_ACTIONS = 1024  # ~20 ms a simulation: a 16,384-GPU search stays under a second
 
 
-def pipeline_bubble_ratio(schedule: str, pp: int, num_microbatches: int, vpp: int = 1) -> float:
-    """Pipeline idle time divided by the ideal compute time of the step (see the module doc)."""
+def _num_actions(schedule: str, pp: int, num_microbatches: int, vpp: int) -> int:
+    return pp * vpp * num_microbatches * (3 if schedule in SPLIT_BACKWARD else 2)
+
+
+def _grid_units(value: float, forward: float) -> int:
+    return max(1, round(DURATION_GRID * value / forward))
+
+
+def pipeline_bubble_ratio(schedule: str, pp: int, num_microbatches: int, vpp: int = 1,
+                          forward: float = 1.0, backward: float = 2.0,
+                          backward_weight: float | None = None) -> float:
+    """Pipeline idle time divided by the compute time of the step, each rank running one
+    microbatch in `forward` + `backward` (see the module doc). `backward_weight` is the part of
+    the backward a split schedule (zb) defers as W; None: half, as the simulator assumes."""
     if pp == 1:
         return 0.0
-    base = (pp - 1) / num_microbatches
-    if num_microbatches < pp:
-        return base  # too few microbatches to fill the pipeline: no schedule hides the ramp
+    weight = backward / 2 if backward_weight is None else backward_weight
+    split = schedule in SPLIT_BACKWARD
+    # In grid units: the forward is DURATION_GRID; B is the input-gradient part when split.
+    units = (DURATION_GRID, _grid_units(backward - weight if split else backward, forward),
+             _grid_units(weight, forward) if split else 0)
+    return float(_bubble_ratio(schedule, pp, num_microbatches, vpp, *units))
+
+
+@lru_cache(maxsize=8192)
+def _bubble_ratio(schedule: str, pp: int, m: int, vpp: int, forward: int, backward_input: int,
+                  backward_weight: int) -> Fraction:
+    busy = m * (forward + backward_input + backward_weight)
+    if _num_actions(schedule, pp, m, vpp) > MAX_SIMULATED_ACTIONS:
+        return closed_form_makespan(schedule, pp, m, vpp, forward, backward_input,
+                                    backward_weight) / busy - 1
+    durations = (Durations(forward, backward_input + backward_weight, backward_input,
+                           backward_weight) if backward_weight else
+                 Durations(forward, backward_input))
+    return simulate(_compute_order(schedule, pp, m, vpp), durations).makespan / busy - 1
+
+
+def closed_form_makespan(schedule: str, pp: int, m: int, vpp: int, forward: Fraction,
+                         backward_input: Fraction, backward_weight: Fraction) -> Fraction:
+    """The simulated makespan of uniform stages, in closed form (module doc): `backward_input`
+    is the whole backward unless the schedule splits it."""
+    f, b, w = forward, backward_input, backward_weight
+    if schedule in SPLIT_BACKWARD:
+        return max(m * (f + b + w) + (pp - 1) * (f + b - w), (m + pp - 1) * (f + b) + w)
+    return m * (f + b) + (pp - 1) * Fraction(f + b) / (1 if m < pp else vpp)
+
+
+@lru_cache(maxsize=4096)
+def _compute_order(schedule: str, pp: int, m: int, vpp: int) -> Schedule:
+    # Without send/receive actions: under the executor's isend/irecv rule the timeline is the same.
+    return build_schedule(schedule, pp, m, vpp, communication=False)
+
+
+@lru_cache(maxsize=4096)
+def pipeline_in_flight(schedule: str, pp: int, num_microbatches: int,
+                       vpp: int = 1) -> tuple[float, ...]:
+    """Per pipeline rank, the microbatches whose activations it holds at its peak, in units of
+    the rank's whole layer set (an interleaved chunk is 1/vpp of it); zero bubble counts until
+    W. From the schedule's action lists, or the closed forms of the module doc beyond
+    MAX_SIMULATED_ACTIONS."""
+    p, m, v = pp, num_microbatches, vpp
+    if _num_actions(schedule, p, m, v) <= MAX_SIMULATED_ACTIONS:
+        release = "W" if schedule in SPLIT_BACKWARD else "B"
+        return tuple(peak / v for peak in
+                     peak_in_flight(_compute_order(schedule, p, m, v), release))
+    return closed_form_in_flight(schedule, p, m, v)
+
+
+def closed_form_in_flight(schedule: str, pp: int, m: int, vpp: int) -> tuple[float, ...]:
+    """What pipeline_in_flight reads off the action lists, in closed form (module doc)."""
+    if schedule == "gpipe":
+        return (m,) * pp
+    if schedule in SPLIT_BACKWARD:
+        return (min(pp, m),) * pp
     if schedule == "interleaved":
-        return base / vpp
-    if schedule == "zb":
-        return base / 3
-    return base
+        return tuple(min(m * vpp, (vpp - 1) * pp + 2 * (pp - rank - 1) + 1) / vpp
+                     for rank in range(pp))
+    return tuple(min(pp - rank, m) for rank in range(pp))
 
 
 def bubble_fraction_of_step(ratio: float) -> float:

@@ -265,7 +265,11 @@ def evaluate_training(config: ModelConfig, cluster: Cluster, layout: TrainLayout
                                 kernels.backward + kernels.recompute, ledger)
     pp_exposed = _pipeline_p2p(config, cluster, layout, workload, stage, ledger)
     communication = m * microbatch_comm + dp_exposed + pp_exposed
-    ratio = pipeline_bubble_ratio(layout.schedule, layout.pp, m, layout.vpp)
+    # The slowest stage's times for every stage (the simulator takes one duration per kind):
+    # recomputation precedes the input gradient, and zero bubble defers the weight-gradient
+    # matmuls (as long as the forward's). Exposed communication stretches them in proportion.
+    ratio = pipeline_bubble_ratio(layout.schedule, layout.pp, m, layout.vpp, kernels.forward,
+                                  kernels.backward + kernels.recompute, kernels.matmul_forward)
     bubble = ratio * m * (per_microbatch_kernels + microbatch_comm)
     model_flops, hardware_flops = training_flops_per_sequence(config, workload.seq_len,
                                                               layout.recompute)
