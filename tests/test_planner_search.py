@@ -52,6 +52,18 @@ def test_step_time_parts_add_up_and_mfu_is_consistent():
     assert best.hardware_tflops_per_gpu >= best.tflops_per_gpu
 
 
+def test_uneven_stages_are_paced_by_the_fullest_stage():
+    """96 layers on 64 stages leaves some stages 2 layers: per microbatch they cost what 48 stages
+    of 2 layers cost, and 64 stages run more microbatches per pipeline, so they cannot be faster."""
+    def compute_time(pp):
+        space = TrainSpace(tp=2, pp=pp, zero=2, schedule="1f1b", micro_batch=1)
+        result = search_training(preset("gpt3-175b"), cluster("a100-80gb", 1536),
+                                 TrainWorkload(seq_len=2048), 1536, space)
+        return result.ranked[0].step.compute
+
+    assert compute_time(64) > compute_time(48)
+
+
 @pytest.mark.parametrize("space, message", [
     (TrainSpace(tp=3), "tp 3 does not divide num_heads 32"),
     (TrainSpace(tp=16), "does not divide num_kv_heads 8"),

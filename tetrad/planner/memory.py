@@ -66,11 +66,12 @@ def stage_first_layer(counts: tuple[int, ...], stage: int) -> int:
     return sum(counts[:stage])
 
 
-def representative_stages(num_stages: int) -> tuple[int, ...]:
+def representative_stages(num_layers: int, num_stages: int) -> tuple[int, ...]:
     """Stages that can be the fullest or slowest: the first (embedding, most in flight), the
-    second (the first with a full share of layers when the first was trimmed) and the last
-    (LM head)."""
-    return tuple(sorted({0, min(1, num_stages - 1), num_stages - 1}))
+    first of those with the most layers (when layers do not divide evenly, the middle stages
+    carry one more than the ends and set the pipeline's pace) and the last (LM head)."""
+    counts = stage_layer_counts(num_layers, num_stages)
+    return tuple(sorted({0, counts.index(max(counts)), num_stages - 1}))
 
 
 @lru_cache(maxsize=4096)
@@ -225,7 +226,7 @@ def training_memory(config: ModelConfig, layout: TrainLayout, precision: Trainin
     activations, the last the LM head and logits; a middle stage can win when the first and last
     were given fewer layers."""
     best: tuple[MemoryBreakdown, int] | None = None
-    for stage in representative_stages(layout.pp):
+    for stage in representative_stages(config.num_layers, layout.pp):
         params, grads, optimizer = model_state_bytes(config, layout, precision, stage)
         activations = stage_activation_bytes(config, layout, seq_len, options,
                                              precision.activation_bytes, stage)
@@ -241,7 +242,7 @@ def peak_bytes_by_zero_stage(config: ModelConfig, layout: TrainLayout,
                              options: ActivationOptions, zeros: tuple[int, ...]) -> list[float]:
     """training_memory's total for each ZeRO stage in `zeros` of an otherwise equal layout: the
     activations are computed once (the search's fast path)."""
-    stages = representative_stages(layout.pp)
+    stages = representative_stages(config.num_layers, layout.pp)
     activations = [stage_activation_bytes(config, layout, seq_len, options,
                                           precision.activation_bytes, stage) for stage in stages]
     totals = []

@@ -191,7 +191,7 @@ def evaluate_serving(config: ModelConfig, cluster: Cluster, layout: ServeLayout,
     kv_per_token = max(
         kv_bytes_per_token(config, element_bytes(workload.kv_dtype), layout.tp, count)
         for count in stage_layer_counts(config.num_layers, layout.pp))
-    stages = representative_stages(layout.pp)
+    stages = representative_stages(config.num_layers, layout.pp)
     weights = max(weight_bytes_per_gpu(config, layout, workload.weight_dtype, stage)
                   for stage in stages)
     probe_batch = workload.batch or MAX_BATCH

@@ -221,7 +221,7 @@ def _bottleneck(config: ModelConfig, cluster: Cluster, workload: TrainWorkload, 
     precision = workload.precision
     weight = 1.0 if precision.compute_dtype == "fp8" else precision.param_bytes
     best: tuple[int, KernelTimes, float] | None = None
-    for stage in representative_stages(pp):
+    for stage in representative_stages(config.num_layers, pp):
         kernels = stage_times(config, cluster.gpu, pp, stage, micro_batch, workload.seq_len, tp,
                               cp, ep, sequence_parallel, recompute, workload.flash_attention,
                               workload.dropout, precision.compute_dtype,
