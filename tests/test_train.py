@@ -112,3 +112,20 @@ def test_bf16_and_fp16_train(corpus_file):
                        show_progress=False)
         steps = result.report["steps"]
         assert steps[-1]["loss"] < steps[0]["loss"] - 0.5, dtype
+
+
+def test_a_non_finite_gradient_stops_the_run_naming_step_and_parameter(corpus_file, monkeypatch):
+    from tetrad.errors import TetradError
+    from tetrad.train import trainer
+
+    real_build = trainer.build_model
+
+    def build_with_a_poisoned_gradient(model_config, config):
+        model = real_build(model_config, config)
+        model.layers[1].mlp.down.weight.register_hook(lambda grad: grad * float("inf"))
+        return model
+
+    monkeypatch.setattr(trainer, "build_model", build_with_a_poisoned_gradient)
+    with pytest.raises(TetradError, match=r"at step 1, first non-finite gradient in "
+                                          r"layers\.1\.mlp\.down\.weight"):
+        train(tiny_config(corpus_file), show_progress=False)

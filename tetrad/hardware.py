@@ -195,6 +195,16 @@ def gpu(name: str) -> GPU:
     raise ConfigError(f"unknown GPU {name!r} ({hint})")
 
 
+def gpu_from_device_name(device_name: str) -> GPU | None:
+    """The catalog GPU a CUDA device name ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB",
+    "NVIDIA GeForce RTX 4090") is, or None: the catalog key all of whose parts appear in the
+    name, the most specific one when several do."""
+    words = set(device_name.lower().replace("-", " ").replace("_", " ").split())
+    matches = [(len(key.split("-")), key) for key in _lookup_table()
+               if set(key.split("-")) <= words]
+    return _lookup_table()[max(matches)[1]] if matches else None
+
+
 @dataclass(frozen=True)
 class Cluster:
     """`num_gpus` GPUs of one kind in nodes of `gpus_per_node`, NVLink/PCIe inside a node and one

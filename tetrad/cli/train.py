@@ -40,6 +40,18 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--dtype", choices=DTYPES, help="compute precision (autocast)")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest checkpoint in --checkpoint-dir")
+    distributed = parser.add_argument_group(
+        "distributed", "N local worker processes (gloo on CPU, NCCL with a GPU per rank); the "
+        "same command also runs under torchrun, one node or many")
+    distributed.add_argument("--nproc", type=int, help="worker processes to start on this machine")
+    distributed.add_argument("--dp", type=int, help="data-parallel degree")
+    distributed.add_argument("--zero", type=int, choices=(0, 1, 2, 3),
+                             help="0: DDP; 1: shard optimizer state; 2: and gradients; "
+                                  "3: and parameters (FSDP)")
+    distributed.add_argument("--offload", action="store_true",
+                             help="keep the optimizer state and step in host memory (ZeRO 1-3)")
+    distributed.add_argument("--collectives", choices=("backend", "ring"),
+                             help="'ring': tetrad's own ring all-reduce on send/recv")
     parser.set_defaults(run=run)
 
 
@@ -50,9 +62,15 @@ def run(args: argparse.Namespace) -> int:
                  if key not in ("command", "run", "config")}
     config = build_train_config(getattr(args, "config", None), overrides)
 
+    from tetrad.train.launch import is_distributed, launch_training
     from tetrad.train.trainer import train
 
-    result = train(config)
+    if is_distributed(config):
+        result = launch_training(config)
+        if result is None:  # a torchrun rank other than 0: rank 0 reports
+            return 0
+    else:
+        result = train(config)
     steps = result.report["steps"]
     if steps:
         print(f"loss {steps[0]['loss']:.4f} (step {steps[0]['step']}) -> {steps[-1]['loss']:.4f} "

@@ -16,7 +16,9 @@ from tqdm import tqdm
 
 from tetrad.config import ModelConfig, TrainConfig
 from tetrad.errors import ConfigError, TetradError
+from tetrad.hardware import GPU, gpu_from_device_name
 from tetrad.models.transformer import Transformer, count_parameters
+from tetrad.planner import predict_training
 from tetrad.presets import resolve_model
 from tetrad.tokenizer import load_tokenizer
 from tetrad.train import checkpoint as ckpt
@@ -25,7 +27,7 @@ from tetrad.memory import ActivationMeter
 from tetrad.train.metrics import build_report, rank_entry, write_json_atomic
 from tetrad.train.optim import learning_rate
 from tetrad.train.sample import sample_text
-from tetrad.train.strategy import LocalStrategy
+from tetrad.train.strategy import LocalStrategy, planned_precision
 
 VALIDATION_BATCHES = 8
 
@@ -69,10 +71,28 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def check_finite(loss: float, grad_norm: float, step: int, model: torch.nn.Module) -> None:
+def predict(model_config: ModelConfig, config: TrainConfig, gpu: GPU | None) -> dict[str, Any]:
+    """The planner's prediction for this very run, which the report puts next to the
+    measurement: same config, same cost model."""
+    micro_batch = config.batch_size // (config.parallel.dp * config.grad_accum)
+    return predict_training(model_config, config.parallel, micro_batch, config.seq_len,
+                            num_microbatches=config.grad_accum, dtype=config.dtype,
+                            gpu=gpu.name if gpu else None, precision=planned_precision(config))
+
+
+def device_gpu(device: torch.device) -> GPU | None:
+    """The catalog GPU this run is on (for MFU against its peak), None on CPU or unknown GPUs."""
+    return gpu_from_device_name(torch.cuda.get_device_name(device)) if device.type == "cuda" \
+        else None
+
+
+def check_finite(loss: float, grad_norm: float, step: int, model: torch.nn.Module,
+                 loss_scaling: bool) -> None:
+    """Stop on a non-finite loss or gradient, naming the step and the first bad parameter. Under
+    fp16 loss scaling an overflowing gradient is expected now and then: the step is skipped."""
     if not math.isfinite(loss):
         raise TetradError(f"the loss is {loss} at step {step}: lower --lr or use --dtype fp32")
-    if not math.isfinite(grad_norm):
+    if not math.isfinite(grad_norm) and not loss_scaling:
         culprit = next((name for name, p in model.named_parameters()
                         if p.grad is not None and not torch.isfinite(p.grad).all()), "unknown")
         raise TetradError(f"the gradient norm is {grad_norm} at step {step}, first non-finite "
@@ -92,6 +112,9 @@ def train(config: TrainConfig, make_strategy: Callable[..., Any] = LocalStrategy
         strategy.load_state_dict({"model": model_state, **training_state})
         torch.set_rng_state(training_state["rng"])
     meter = ActivationMeter(model)
+    gpu = device_gpu(device)
+    predicted = predict(model_config, config, gpu)
+    peak_flops = gpu.peak(config.dtype) * strategy.world_size if gpu else None
     held: dict[str, int] = {}
     steps: list[dict[str, Any]] = []
     saved, last_saved_step = resume_from, start_step if resume_from else None
@@ -106,7 +129,7 @@ def train(config: TrainConfig, make_strategy: Callable[..., Any] = LocalStrategy
         strategy.finish_gradients()
         held = {k: max(v, held.get(k, 0)) for k, v in strategy.bytes_held().items()}
         grad_norm = strategy.clip_grad_norm(config.grad_clip)
-        check_finite(loss, grad_norm, step + 1, model)
+        check_finite(loss, grad_norm, step + 1, model, loss_scaling=config.dtype == "fp16")
         applied = strategy.step(learning_rate(step, config))
         held = {k: max(v, held.get(k, 0)) for k, v in strategy.bytes_held().items()}
         elapsed = time.perf_counter() - started
@@ -115,8 +138,11 @@ def train(config: TrainConfig, make_strategy: Callable[..., Any] = LocalStrategy
                   "lr": learning_rate(step, config), "applied": applied}
         if aux is not None:
             record["aux_loss"] = aux
+        if peak_flops:
+            record["mfu"] = predicted["model_flops_per_step"] / elapsed / peak_flops
         steps.append(record)
-        progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+        progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}",
+                             **({"mfu": f"{record['mfu']:.1%}"} if peak_flops else {}))
         if config.save_every and (step + 1) % config.save_every == 0:
             saved = save(strategy, config, model_config, tokenizer, step + 1)
             last_saved_step = step + 1
@@ -125,13 +151,16 @@ def train(config: TrainConfig, make_strategy: Callable[..., Any] = LocalStrategy
         saved = save(strategy, config, model_config, tokenizer, config.steps)
     report = build_report(
         config={**config.to_dict(), "model_config": model_config.to_dict()}, steps=steps,
-        ranks=[rank_entry(strategy.rank, strategy.coords, held, meter.peak_bytes,
-                          strategy.comm.totals_per_step() if strategy.comm else None)],
-        predicted={}, num_parameters=count_parameters(model),
+        ranks=strategy.gather(rank_entry(strategy.rank, strategy.coords, held, meter.peak_bytes,
+                                         strategy.comm.totals_per_step() if strategy.comm
+                                         else None)),
+        predicted=predicted, num_parameters=count_parameters(model),
+        device={"type": device.type, "gpu": gpu.name if gpu else None},
         validation_loss=evaluate(model, dataset, config, device))
     if config.report and is_main:
         write_json_atomic(config.report, report)
-    sample = sample_text(model, tokenizer, "\n", config.sample_tokens, config.seq_len,
+    whole = strategy.whole_model()  # collective: sharded parameters become whole here
+    sample = sample_text(whole, tokenizer, "\n", config.sample_tokens, config.seq_len,
                          seed=config.seed) if is_main else ""
     return TrainResult(report=report, checkpoint=saved, sample=sample)
 

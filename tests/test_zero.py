@@ -1,0 +1,322 @@
+"""DDP (ZeRO-0) and ZeRO-1/2/3, with offload and gradient accumulation, on 2 and 4 gloo ranks,
+against the single-process run on the same global batches: losses, final parameters, bytes held
+(counted from the tensors each rank owns) and bytes sent per step, checked against the formulas.
+Torch's own DDP and FSDP2 (fully_shard) run the same steps side by side.
+
+Each world size is one spawned job running every case in turn (starting processes is the slow
+part on a 2-core machine).
+"""
+
+from collections import namedtuple
+from fractions import Fraction
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from dist import run_ranks
+
+from tetrad.config import ParallelConfig, TrainConfig
+from tetrad.models.transformer import Transformer
+from tetrad.parallel.comm import OFF_STEP_TAGS, Comm, CommCounter
+from tetrad.parallel.fsdp import SHARDED
+from tetrad.parallel.mesh import ParallelDims, build_mesh
+from tetrad.presets import resolve_model
+from tetrad.train.optim import build_optimizer, parameter_groups, set_learning_rate
+from tetrad.train.strategy import DataParallelStrategy, LocalStrategy, ZeroStrategy
+
+STEPS, BATCH, SEQ, LR = 5, 8, 16, 3e-3
+BUCKET_BYTES = 64 * 1024  # several buckets for the tiny model, so their order matters
+CPU = torch.device("cpu")
+
+Case = namedtuple("Case", "zero offload grad_accum dtype collectives",
+                  defaults=(False, 1, "fp32", "backend"))
+
+CASES_2 = [Case(0), Case(1), Case(2), Case(3), Case(0, grad_accum=2), Case(1, True, 2),
+           Case(2, True, 2), Case(3, True, 2), Case(3, grad_accum=2), Case(0, collectives="ring"),
+           Case(3, collectives="ring"), Case(3, dtype="bf16"), Case(2, dtype="fp16")]
+CASES_4 = [Case(0, grad_accum=2), Case(1), Case(2, grad_accum=2), Case(3), Case(1, True),
+           Case(3, True, 2)]
+
+
+def tiny_model() -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(resolve_model("tiny"))
+
+
+def token_batches() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 256, (BATCH, SEQ + 1), generator=generator) for _ in range(STEPS)]
+
+
+def train_config(case: Case, dp: int = 1) -> TrainConfig:
+    return TrainConfig(model="tiny", batch_size=BATCH, seq_len=SEQ, lr=LR,
+                       grad_accum=case.grad_accum, dtype=case.dtype, parallel=ParallelConfig(
+                           dp=dp, zero=case.zero, offload=case.offload,
+                           collectives=case.collectives))
+
+
+def train_steps(strategy, grad_accum: int) -> tuple[list[float], dict[str, int]]:
+    """The trainer's step, on random tokens: microbatches, sync, clip, step; the loss is the
+    global-batch mean. Bytes held are the most seen after the sync and after the step."""
+    losses, held = [], {}
+    for batch in token_batches():
+        microbatches = strategy.local_batch(batch).chunk(grad_accum)
+        total = 0.0
+        for index, microbatch in enumerate(microbatches):
+            with strategy.autocast():
+                logits = strategy.model(microbatch[:, :-1])
+                loss = F.cross_entropy(logits.float().flatten(0, 1), microbatch[:, 1:].flatten())
+            strategy.backward(loss / grad_accum, index == grad_accum - 1)
+            total += loss.item() / grad_accum
+        strategy.finish_gradients()
+        held = {k: max(v, held.get(k, 0)) for k, v in strategy.bytes_held().items()}
+        strategy.clip_grad_norm(1.0)
+        strategy.step(LR)
+        held = {k: max(v, held.get(k, 0)) for k, v in strategy.bytes_held().items()}
+        losses.append(strategy.global_mean(total))
+    return losses, held
+
+
+def distributed_strategy(case: Case, mesh, counter: CommCounter, model=None):
+    model = model or tiny_model()
+    make = DataParallelStrategy if case.zero == 0 else ZeroStrategy
+    return make(model, train_config(case, mesh.dims.dp), CPU, mesh,
+                Comm(counter, case.collectives), bucket_bytes=BUCKET_BYTES)
+
+
+def run_case(case: Case, mesh, rank: int) -> dict:
+    counter = CommCounter()
+    strategy = distributed_strategy(case, mesh, counter)
+    losses, held = train_steps(strategy, case.grad_accum)
+    per_step = {tag: {kind: value / counter.steps for kind, value in
+                      counter.totals((tag,)).items() if value}
+                for tag in counter.tags() if tag not in OFF_STEP_TAGS}
+    params = strategy.state_dict()["model"]
+    return {"losses": losses, "held": held, "comm": per_step,
+            "params": params if rank == 0 else None}
+
+
+def check_mechanisms(mesh) -> dict:
+    """Overlap, no_sync, prefetch and resharding, seen from inside backward and forward."""
+    found = {}
+    ddp = distributed_strategy(Case(0, grad_accum=2), mesh, CommCounter())
+    launched = []
+    # embed.weight is registered first, so it sits in the last bucket and its gradient comes
+    # last: when it is ready, every other bucket must already be on the wire.
+    ddp.model.embed.weight.register_post_accumulate_grad_hook(
+        lambda p: launched.append(len(ddp.ddp.handles)))
+    train_steps(ddp, 2)
+    found["ddp_launched"] = launched[:2]
+    found["ddp_buckets"] = len(ddp.ddp.buckets)
+
+    fsdp = distributed_strategy(Case(3), mesh, CommCounter())
+    units = fsdp.engine.units  # embedding, layer 0, layer 1, head
+    seen = []
+    fsdp.model.layers[0].register_forward_pre_hook(
+        lambda module, args: seen.append((units[1].state, units[2].state)))
+    fsdp.model.layers[0].register_forward_hook(
+        lambda module, args, out: seen.append(units[1].full.untyped_storage().nbytes()))
+    train_steps(fsdp, 1)
+    found["fsdp_seen"] = seen[:2]
+    found["unit_bytes"] = [u.full.numel() * u.full.element_size() for u in units]
+    return found
+
+
+def check_fp16_skip(mesh) -> dict:
+    """An fp16 overflow skips the step on every rank and halves the loss scale."""
+    strategy = distributed_strategy(Case(2, dtype="fp16"), mesh, CommCounter())
+    engine = strategy.engine
+    before = [s.master.clone() for s in engine.shards]
+    engine.scaler.scale = 2.0 ** 120  # the scaled loss overflows fp16 gradients
+    batch = strategy.local_batch(token_batches()[0])
+    with strategy.autocast():
+        logits = strategy.model(batch[:, :-1])
+    strategy.backward(F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten()), True)
+    strategy.finish_gradients()
+    skipped = not strategy.step(LR)
+    unchanged = all(torch.equal(a, s.master) for a, s in zip(before, engine.shards))
+    return {"skipped": skipped, "unchanged": unchanged, "scale": engine.scaler.scale}
+
+
+def uneven_expert_batches() -> list[torch.Tensor]:
+    """Rank 1's half repeats one token: its tokens all go to the same experts, so the other
+    experts get no gradient there while rank 0 uses them (ranks must still pair collectives)."""
+    batches = token_batches()[:2]
+    for batch in batches:
+        batch[BATCH // 2:] = 7
+    return batches
+
+
+def check_uneven_experts(mesh) -> dict:
+    losses = {}
+    for zero in (0, 2, 3):
+        torch.manual_seed(0)
+        case = Case(zero, grad_accum=2)
+        strategy = distributed_strategy(case, mesh, CommCounter(),
+                                        Transformer(resolve_model("tiny-moe")))
+        losses[zero] = train_moe_steps(strategy)
+    return losses
+
+
+def train_moe_steps(strategy) -> list[float]:
+    losses = []
+    for batch in uneven_expert_batches():
+        total = 0.0
+        for index, microbatch in enumerate(strategy.local_batch(batch).chunk(2)):
+            logits = strategy.model(microbatch[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1), microbatch[:, 1:].flatten())
+            objective = loss + 0.01 * strategy.model.aux_loss()
+            strategy.backward(objective / 2, index == 1)
+            total += loss.item() / 2
+        strategy.finish_gradients()
+        strategy.clip_grad_norm(1.0)
+        strategy.step(LR)
+        losses.append(strategy.global_mean(total))
+    return losses
+
+
+def torch_native(rank: int, world_size: int, kind: str) -> list[float]:
+    """The same steps with torch.nn.parallel.DistributedDataParallel or FSDP2's fully_shard."""
+    model = tiny_model()
+    if kind == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        from torch.distributed.fsdp import fully_shard
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    config = train_config(Case(0))
+    optimizer = build_optimizer(parameter_groups(model, config.weight_decay), config)
+    losses = []
+    for batch in token_batches():
+        rows = BATCH // world_size
+        local = batch[rank * rows:(rank + 1) * rows]
+        loss = F.cross_entropy(model(local[:, :-1]).flatten(0, 1), local[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        set_learning_rate(optimizer, LR)
+        optimizer.step()
+        optimizer.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world_size)
+    return losses
+
+
+def job(rank: int, world_size: int, cases: list[Case], extras: bool) -> dict:
+    mesh = build_mesh(ParallelDims(dp=world_size), rank, world_size)
+    result = {"cases": [run_case(case, mesh, rank) for case in cases]}
+    if extras:
+        result["mechanisms"] = check_mechanisms(mesh)
+        result["fp16"] = check_fp16_skip(mesh)
+        result["moe"] = check_uneven_experts(mesh)
+        result["torch"] = {kind: torch_native(rank, world_size, kind) for kind in ("ddp", "fsdp")}
+    return result
+
+
+@pytest.fixture(scope="module")
+def references() -> dict:
+    """Single-process runs, by (grad_accum, dtype)."""
+    runs = {}
+    for grad_accum, dtype in [(1, "fp32"), (2, "fp32"), (1, "bf16"), (1, "fp16")]:
+        case = Case(0, grad_accum=grad_accum, dtype=dtype)
+        strategy = LocalStrategy(tiny_model(), train_config(case), CPU)
+        losses, held = train_steps(strategy, grad_accum)
+        runs[grad_accum, dtype] = {"losses": losses, "held": held,
+                                   "params": strategy.state_dict()["model"]}
+    return runs
+
+
+def expected_bytes(case: Case, n: int, phi: int, reference_held: dict) -> dict:
+    """The ZeRO formulas for fp32 (4-byte parameters, gradients and moments)."""
+    if case.zero == 0:
+        return dict(reference_held)  # DDP holds exactly what the single process holds
+    held = {"params": 4 * phi if case.zero < 3 else 4 * phi // n,
+            "grads": 4 * phi if case.zero == 1 else 4 * phi // n,
+            "optimizer": 8 * phi // n}  # two moments; the fp32 master is the parameter shard
+    if case.offload:  # master + moments and an fp32 gradient copy, in host memory
+        held.update(optimizer=0, host_optimizer=12 * phi // n, host_grads=4 * phi // n)
+    return held
+
+
+def expected_comm(case: Case, n: int, phi: int) -> dict:
+    """Bytes per step by tag and kind: ring volumes of fp32 gradients / parameters."""
+    share = Fraction((n - 1) * 4 * phi, n)
+    if case.zero == 0:
+        return {"grads": {"all_reduce": 2 * share}}
+    if case.zero == 3:  # per microbatch: forward + backward all-gather, one reduce-scatter
+        return {"grads": {"reduce_scatter": case.grad_accum * share},
+                "params": {"all_gather": 2 * case.grad_accum * share}}
+    reductions = case.grad_accum if case.zero == 2 else 1  # ZeRO-2 reduces every microbatch
+    return {"grads": {"reduce_scatter": reductions * share}, "params": {"all_gather": share}}
+
+
+def check_cases(cases: list[Case], results: list[dict], references: dict, n: int) -> None:
+    phi = sum(p.numel() for p in tiny_model().parameters())
+    assert phi % (4 * n) == 0  # no padding: the formulas hold to the byte
+    for index, case in enumerate(cases):
+        reference = references[case.grad_accum, case.dtype]
+        rank0 = results[0]["cases"][index]
+        if case.dtype != "fp32":  # mixed precision trains the same model, to its precision
+            assert rank0["losses"] == pytest.approx(reference["losses"], rel=2e-2), case
+            continue
+        assert rank0["losses"] == pytest.approx(reference["losses"], rel=1e-5), case
+        # Adam divides by sqrt(v): a weight whose gradients hover near zero turns rounding-level
+        # differences into visible ones, so the tolerance is a small fraction of one step (LR).
+        for name, value in reference["params"].items():
+            torch.testing.assert_close(rank0["params"][name], value, rtol=1e-4, atol=LR / 30,
+                                       msg=lambda m: f"{case} {name}: {m}")
+        for rank, result in enumerate(results):
+            held = dict(result["cases"][index]["held"])
+            gathered_peak = held.pop("params_gathered_peak", None)
+            assert held == expected_bytes(case, n, phi, reference["held"]), (case, rank)
+            if case.zero == 3:  # a layer and the prefetched next one at most
+                assert 0 < gathered_peak <= 2 * 4 * max(phi_units(), key=int), (case, rank)
+            comm = result["cases"][index]["comm"]
+            theory = expected_comm(case, n, phi)
+            assert {tag: comm[tag] for tag in theory} == theory, (case, rank)
+            # Besides gradients and parameters only scalars move (loss mean, gradient norm).
+            others = sum(sum(v.values()) for tag, v in comm.items() if tag not in theory)
+            assert others <= 32, (case, rank, comm)
+
+
+def phi_units() -> list[int]:
+    """Parameters per ZeRO-3 unit of the tiny model: embedding, each layer, norm + head."""
+    model = tiny_model()
+    count = lambda *modules: sum(p.numel() for m in modules for p in m.parameters())  # noqa
+    return [count(model.embed), *(count(layer) for layer in model.layers),
+            count(model.norm, model.lm_head)]
+
+
+def test_two_ranks(references):
+    results = run_ranks(job, 2, CASES_2, True)
+    check_cases(CASES_2, results, references, 2)
+    for result in results:
+        # Overlap: the last bucket's gradient arrives with every other bucket already launched;
+        # a no_sync microbatch launches nothing.
+        mechanisms = result["mechanisms"]
+        assert mechanisms["ddp_buckets"] > 2
+        assert mechanisms["ddp_launched"] == [0, mechanisms["ddp_buckets"]]
+        # Before layer 0 runs, layer 1 is already being gathered (prefetch), layer 0 is whole;
+        # right after it ran, layer 0's storage is gone.
+        assert mechanisms["fsdp_seen"][0][0] != SHARDED and mechanisms["fsdp_seen"][0][1] != SHARDED
+        assert mechanisms["fsdp_seen"][1] == 0
+        assert mechanisms["unit_bytes"] == [4 * count for count in phi_units()]
+        assert result["fp16"] == {"skipped": True, "unchanged": True, "scale": 2.0 ** 119}
+        for kind in ("ddp", "fsdp"):
+            assert result["torch"][kind] == pytest.approx(references[1, "fp32"]["losses"],
+                                                          rel=1e-5), kind
+    # Experts unused on one rank only: no hang, and the single-process numbers. The first loss
+    # is exact; afterwards top-k routing can flip on rounding-level differences, hence 1e-4.
+    torch.manual_seed(0)
+    local = LocalStrategy(Transformer(resolve_model("tiny-moe")),
+                          train_config(Case(0, grad_accum=2)), CPU)
+    single = train_moe_steps(local)
+    for zero, losses in results[0]["moe"].items():
+        assert losses[0] == pytest.approx(single[0], rel=1e-6), zero
+        assert losses == pytest.approx(single, rel=1e-4), zero
+
+
+def test_four_ranks(references):
+    check_cases(CASES_4, run_ranks(job, 4, CASES_4, False), references, 4)

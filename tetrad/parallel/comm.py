@@ -1,0 +1,256 @@
+"""Every collective the runtime issues goes through `Comm`, which counts the bytes this rank sends.
+
+Counting uses the ring-algorithm volumes for a full tensor of S bytes over a group of N ranks:
+all-reduce 2(N-1)/N*S, reduce-scatter and all-gather (N-1)/N*S, all-to-all (N-1)/N*S (the share a
+rank keeps for itself is not sent), broadcast (N-1)/N*S (a pipelined chain: every rank but the
+last forwards S; averaged over the ranks), point-to-point S. Group-of-one calls send nothing.
+
+With `algorithm="ring"` all-reduce, reduce-scatter and all-gather run on tetrad's own ring over
+send/recv, and the counter records the bytes at each send call instead of the formula, which is
+how the tests check that the formula is what a ring really sends.
+
+Each count carries a tag (what the traffic is for: "grads", "params", "metrics", ...). Tags in
+OFF_STEP_TAGS (the initial broadcast, checkpoints, the end-of-run report) are kept out of the
+per-step numbers of the run report. The autograd-aware operators of tensor and sequence
+parallelism (Megatron's f and g) are to be built on these same calls, so they are counted too.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+from collections import defaultdict
+from fractions import Fraction
+
+import torch
+import torch.distributed as dist
+
+from tetrad.parallel.mesh import Group
+
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "p2p")
+OFF_STEP_TAGS = ("setup", "checkpoint", "report")
+ALGORITHMS = ("backend", "ring")
+
+
+def ring_volume(kind: str, nbytes: int, size: int) -> Fraction:
+    """Bytes one rank sends for a collective over `size` ranks on a tensor of `nbytes` (the full
+    tensor: the input of reduce-scatter, the output of all-gather)."""
+    if size == 1:
+        return Fraction(0)
+    if kind == "all_reduce":
+        return Fraction(2 * (size - 1) * nbytes, size)
+    if kind in ("reduce_scatter", "all_gather", "all_to_all", "broadcast"):
+        return Fraction((size - 1) * nbytes, size)
+    if kind == "p2p":
+        return Fraction(nbytes)
+    raise ValueError(f"unknown collective kind {kind!r}")
+
+
+class CommCounter:
+    """Bytes sent by one rank, by (tag, kind). One per rank, handed to whoever communicates.
+    Fractions keep sums of N-way shares exact; reports round to whole bytes."""
+
+    def __init__(self) -> None:
+        self._bytes: dict[tuple[str, str], Fraction] = defaultdict(Fraction)
+        self.steps = 0
+
+    def record(self, kind: str, nbytes: int | Fraction, tag: str) -> None:
+        assert kind in KINDS, kind
+        self._bytes[tag, kind] += nbytes
+
+    def end_step(self) -> None:
+        self.steps += 1
+
+    def totals(self, tags: tuple[str, ...] | None = None) -> dict[str, Fraction]:
+        """Bytes by kind, over all tags or only `tags`."""
+        totals = {kind: Fraction(0) for kind in KINDS}
+        for (tag, kind), value in self._bytes.items():
+            if tags is None or tag in tags:
+                totals[kind] += value
+        return totals
+
+    def tags(self) -> set[str]:
+        return {tag for tag, _ in self._bytes}
+
+    def totals_per_step(self) -> dict[str, int]:
+        """Mean bytes per optimizer step by kind, leaving out OFF_STEP_TAGS (the run report)."""
+        step_tags = tuple(tag for tag in self.tags() if tag not in OFF_STEP_TAGS)
+        return {kind: round(value / max(self.steps, 1))
+                for kind, value in self.totals(step_tags).items()}
+
+    def reset(self) -> None:
+        self._bytes.clear()
+        self.steps = 0
+
+
+class Handle:
+    """What an async collective returns: wait() before touching its tensors."""
+
+    def __init__(self, work=None):
+        self._work = work
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """`timeout_s` replaces the process group's timeout for this wait (the parameter server
+        waits on peers that may legitimately stay silent longer). On gloo a wait that times out
+        breaks the process group: only for waits whose failure ends the job."""
+        if self._work is not None:
+            if timeout_s is None:
+                self._work.wait()
+            else:
+                self._work.wait(datetime.timedelta(seconds=timeout_s))
+            self._work = None
+
+
+DONE = Handle()
+
+
+class Comm:
+    """The collectives, bound to one rank's counter and the algorithm choice. Tensors are
+    contiguous; reduce-scatter's input is N equal chunks (the caller pads) and its contents are
+    scratch afterwards. Ring collectives are synchronous: their Handle is already done."""
+
+    def __init__(self, counter: CommCounter | None = None, algorithm: str = "backend"):
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+        self.counter = counter if counter is not None else CommCounter()
+        self.algorithm = algorithm
+
+    def _count(self, kind: str, nbytes: int, group: Group, tag: str) -> None:
+        self.counter.record(kind, ring_volume(kind, nbytes, group.size), tag)
+
+    def _sent(self, kind: str, tag: str):
+        return lambda tensor: self.counter.record(kind, tensor.numel() * tensor.element_size(),
+                                                  tag)
+
+    def all_reduce(self, tensor: torch.Tensor, group: Group, tag: str, op: str = "sum",
+                   async_op: bool = False) -> Handle:
+        if group.size == 1:
+            return DONE
+        if self.algorithm == "ring" and op == "sum":
+            ring_all_reduce_(tensor, group, self._sent("all_reduce", tag))
+            return DONE
+        self._count("all_reduce", _nbytes(tensor), group, tag)
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        return Handle(dist.all_reduce(tensor, reduce_op, group=group.handle, async_op=async_op))
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group: Group, tag: str,
+                       async_op: bool = False) -> Handle:
+        """Sum `input` over the group; this rank gets chunk `group.index` in `output`. `output`
+        may be that chunk of `input` itself (in place)."""
+        assert input.numel() == output.numel() * group.size, (input.shape, output.shape)
+        if group.size == 1:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input.view_as(output))
+            return DONE
+        if self.algorithm == "ring":
+            chunks = list(input.view(-1).chunk(group.size))
+            ring_reduce_scatter_(chunks, group, self._sent("reduce_scatter", tag))
+            if output.data_ptr() != chunks[group.index].data_ptr():
+                output.copy_(chunks[group.index].view_as(output))
+            return DONE
+        self._count("reduce_scatter", _nbytes(input), group, tag)
+        return Handle(dist.reduce_scatter_single(output, input, group=group.handle,
+                                                 async_op=async_op))
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: Group, tag: str,
+                   async_op: bool = False) -> Handle:
+        """Concatenate every rank's `input` into `output`; `input` may be this rank's chunk of
+        `output` (in place)."""
+        assert output.numel() == input.numel() * group.size, (input.shape, output.shape)
+        if group.size == 1:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input.view_as(output))
+            return DONE
+        if self.algorithm == "ring":
+            chunks = list(output.view(-1).chunk(group.size))
+            if chunks[group.index].data_ptr() != input.data_ptr():
+                chunks[group.index].copy_(input.view(-1))
+            ring_all_gather_(chunks, group, self._sent("all_gather", tag))
+            return DONE
+        self._count("all_gather", _nbytes(output), group, tag)
+        return Handle(dist.all_gather_single(output, input, group=group.handle,
+                                             async_op=async_op))
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, group: Group, tag: str,
+                   output_splits: list[int] | None = None,
+                   input_splits: list[int] | None = None) -> None:
+        """Chunk i of `input` (along dim 0, sizes `input_splits`) goes to group rank i."""
+        if group.size == 1:
+            output.copy_(input)
+            return
+        rows = input_splits or [input.shape[0] // group.size] * group.size
+        row_bytes = _nbytes(input) // max(input.shape[0], 1)
+        self.counter.record("all_to_all", (sum(rows) - rows[group.index]) * row_bytes, tag)
+        dist.all_to_all_single(output, input, output_splits, input_splits, group=group.handle)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Group, tag: str) -> None:
+        """Copy group rank `src`'s tensor to every rank of the group."""
+        if group.size == 1:
+            return
+        self._count("broadcast", _nbytes(tensor), group, tag)
+        dist.broadcast(tensor, group=group.handle, group_src=src)
+
+    def send(self, tensor: torch.Tensor, dst: int, group: Group, tag: str) -> Handle:
+        """Send to group rank `dst` (async: wait before reusing `tensor`)."""
+        self.counter.record("p2p", _nbytes(tensor), tag)
+        return Handle(dist.isend(tensor, group=group.handle, group_dst=dst))
+
+    def recv(self, tensor: torch.Tensor, src: int, group: Group) -> Handle:
+        """Receive from group rank `src`; only the sender counts the bytes."""
+        return Handle(dist.irecv(tensor, group=group.handle, group_src=src))
+
+    def all_gather_object(self, value, group: Group, tag: str) -> list:
+        """Every rank's picklable `value`, in group order (small metadata, e.g. the report)."""
+        if group.size == 1:
+            return [value]
+        self._count("all_gather", len(pickle.dumps(value)) * group.size, group, tag)
+        values = [None] * group.size
+        dist.all_gather_object(values, value, group=group.handle)
+        return values
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+# The ring algorithms. Ranks sit on a ring (index i sends to i+1, receives from i-1); a tensor is
+# cut into N chunks. Reduce-scatter: at step s, rank r passes its running sum of chunk r-s-1 to
+# the right and adds what arrives from the left into chunk r-s-2; after N-1 steps chunk r holds
+# the full sum on rank r. All-gather: rank r forwards chunk r-s at step s, so after N-1 steps every
+# rank has every chunk. Each step moves S/N bytes per rank, hence the (N-1)/N*S volumes.
+
+def _exchange(outgoing: torch.Tensor, incoming: torch.Tensor, group: Group, sent) -> None:
+    right, left = (group.index + 1) % group.size, (group.index - 1) % group.size
+    # Post both before waiting: with blocking sends every rank would wait on its left neighbour.
+    works = [dist.isend(outgoing, group=group.handle, group_dst=right),
+             dist.irecv(incoming, group=group.handle, group_src=left)]
+    sent(outgoing)
+    for work in works:
+        work.wait()
+
+
+def ring_reduce_scatter_(chunks: list[torch.Tensor], group: Group, sent) -> None:
+    """In place: afterwards chunks[group.index] is the sum of that chunk over the group (the
+    other chunks hold partial sums). `sent(tensor)` is called for every tensor sent."""
+    size, index = group.size, group.index
+    scratch = torch.empty_like(max(chunks, key=torch.numel))
+    for step in range(size - 1):
+        outgoing = chunks[(index - step - 1) % size]
+        target = chunks[(index - step - 2) % size]
+        incoming = scratch[:target.numel()]
+        _exchange(outgoing, incoming, group, sent)
+        target.add_(incoming)
+
+
+def ring_all_gather_(chunks: list[torch.Tensor], group: Group, sent) -> None:
+    """In place: chunks[group.index] is this rank's; afterwards every chunk is filled."""
+    size, index = group.size, group.index
+    for step in range(size - 1):
+        _exchange(chunks[(index - step) % size], chunks[(index - step - 1) % size], group, sent)
+
+
+def ring_all_reduce_(tensor: torch.Tensor, group: Group, sent) -> None:
+    """Sum over the group in place: a ring reduce-scatter, then a ring all-gather of the sums."""
+    chunks = list(tensor.view(-1).tensor_split(group.size))
+    ring_reduce_scatter_(chunks, group, sent)
+    ring_all_gather_(chunks, group, sent)

@@ -1,0 +1,126 @@
+"""Data parallelism, ZeRO stage 0 (DDP): every rank holds the whole model and optimizer, and the
+gradients are averaged over the data-parallel group before the step.
+
+Gradients live in a few flat buckets (parameters in reverse registration order, the order
+backward tends to produce them), and each parameter's .grad is a view into its bucket, so autograd
+accumulates straight into the buffer that gets all-reduced (torch DDP's gradient_as_bucket_view).
+A post-accumulate-grad hook counts the parameters of a bucket whose gradient is final; when the
+last one arrives the bucket's all-reduce starts asynchronously while backward goes on with the
+earlier layers. Only the last microbatch of a step communicates: the others just accumulate
+locally (DDP's no_sync).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from tetrad.parallel.comm import Comm, Handle
+from tetrad.parallel.mesh import Group
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
+
+
+def bucket_params(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+    """Greedy buckets of about `bucket_bytes`, in reverse registration order (about the order
+    backward produces gradients). A parameter never straddles two buckets."""
+    buckets: list[list[nn.Parameter]] = [[]]
+    size = 0
+    for param in reversed(params):
+        if size >= bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(param)
+        size += param.numel() * param.element_size()
+    return buckets
+
+
+class LaunchInOrder:
+    """Counts the gradients that arrive for each bucket and starts a bucket's collective once it
+    is complete *and* every earlier bucket has started. Ranks must issue collectives in the same
+    order; arrival order can differ between ranks (a parameter unused on one rank never
+    arrives), bucket order cannot. `finish()` starts whatever is left, in order."""
+
+    def __init__(self, sizes: list[int], launch: Callable[[int], None]):
+        self.sizes, self.launch = sizes, launch
+        self.counts = [0] * len(sizes)
+        self.next = 0
+
+    def arrived(self, bucket: int) -> None:
+        self.counts[bucket] += 1
+        while self.next < len(self.sizes) and self.counts[self.next] == self.sizes[self.next]:
+            self.next += 1
+            self.launch(self.next - 1)
+
+    def finish(self) -> None:
+        while self.next < len(self.sizes):
+            self.next += 1
+            self.launch(self.next - 1)
+        self.counts = [0] * len(self.sizes)
+        self.next = 0
+
+
+@torch.no_grad()
+def broadcast_parameters(model: nn.Module, comm: Comm, group: Group) -> None:
+    """Start every replica from rank 0's weights (whatever each process's seed did)."""
+    for tensor in [*model.parameters(), *model.buffers()]:
+        comm.broadcast(tensor.data, 0, group, "setup")
+
+
+class DataParallel:
+    """Bucketed, overlapped gradient all-reduce for a replicated model (ZeRO-0). The optimizer
+    stays the caller's: after `finish()` every .grad holds the average over the group."""
+
+    def __init__(self, model: nn.Module, group: Group, comm: Comm,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        self.group, self.comm = group, comm
+        broadcast_parameters(model, comm, group)
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.buckets = bucket_params(params, bucket_bytes)
+        self.grads: list[torch.Tensor] = []
+        self.handles: list[Handle] = []
+        self.order = LaunchInOrder([len(b) for b in self.buckets], self._launch)
+        self._sync = False
+        for index, bucket in enumerate(self.buckets):
+            grad = torch.zeros(sum(p.numel() for p in bucket), dtype=bucket[0].dtype,
+                               device=bucket[0].device)
+            self.grads.append(grad)
+            offset = 0
+            for param in bucket:
+                param.grad = grad[offset:offset + param.numel()].view_as(param)
+                param.register_post_accumulate_grad_hook(self._hook(index))
+                offset += param.numel()
+
+    def _hook(self, index: int):
+        def on_gradient_ready(param: nn.Parameter) -> None:
+            if self._sync:  # otherwise not the last microbatch: keep accumulating locally
+                self.order.arrived(index)
+        return on_gradient_ready
+
+    def _launch(self, index: int) -> None:
+        grad = self.grads[index]
+        # Average = sum of (grad / N): dividing first keeps fp16 sums in range.
+        grad.div_(self.group.size)
+        self.handles.append(self.comm.all_reduce(grad, self.group, "grads", async_op=True))
+
+    def prepare_backward(self, is_last_microbatch: bool) -> None:
+        self._sync = is_last_microbatch
+
+    def finish(self) -> None:
+        """Wait for every bucket. One whose parameters got no gradient this step (unused) is
+        reduced now, so every rank ends with the same averaged gradients."""
+        self.order.finish()
+        for handle in self.handles:
+            handle.wait()
+        self.handles = []
+        self._sync = False
+
+    def zero_grad(self) -> None:
+        """In place: the .grad views must keep pointing into the buckets."""
+        for grad in self.grads:
+            grad.zero_()
+
+    def grad_bytes(self) -> int:
+        return sum(grad.numel() * grad.element_size() for grad in self.grads)

@@ -1,0 +1,256 @@
+"""ZeRO-3 / FSDP: parameters sharded too. Each rank keeps 1/N of every unit (the embedding, each
+transformer layer, the final norm + head) and materializes a whole unit only while it computes:
+
+    forward:  all-gather unit k just before its forward (and start gathering unit k+1: prefetch),
+              free it right after;
+    backward: all-gather it again when the gradient reaches its output (prefetch unit k-1), and
+              when the gradient has gone through it to its input, reduce-scatter its parameters'
+              gradients into this rank's gradient shard and free the unit.
+
+Every collective fires at a point of the graph that exists on every rank (a unit's output, a
+unit's input, the end of backward), never on "all gradients of the unit arrived": with MoE an
+expert may get no tokens on one rank, and collectives issued in a different order on different
+ranks pair up wrong. A parameter without a gradient contributes zeros. Units whose input needs
+no gradient (the embedding) reduce at the end of backward.
+
+A unit's whole parameters live in one flat buffer whose storage is resized to zero when freed and
+back when gathered; the parameters stay views of it, so autograd's saved references see the
+refilled data in backward (FSDP2's technique). Per microbatch the traffic is two all-gathers and
+one reduce-scatter of the model: 3(N-1)/N*Phi bytes, 1.5x DDP's all-reduce.
+
+The optimizer side (fp32 master shards, host offload, loss scaling, clipping, checkpoints) is the
+ShardedEngine of ZeRO-1/2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from tetrad.parallel.comm import Comm, Handle
+from tetrad.parallel.data_parallel import broadcast_parameters
+from tetrad.parallel.mesh import Group
+from tetrad.parallel.zero import ShardedEngine, named_decays
+from tetrad.parallel.zero_optimizer import FlatShard, nbytes
+
+SHARDED, GATHERING, GATHERED = "sharded", "gathering", "gathered"
+
+
+def transformer_units(model: nn.Module) -> list[tuple[list[nn.Module], list[nn.Parameter]]]:
+    """(modules, parameters) of each unit in forward order. With tied embeddings the embedding
+    matrix is also the output projection, so embedding, final norm and head form one root unit
+    around the whole forward (FSDP's root), gathered from the first layer to the last."""
+    layers = [([layer], list(layer.parameters())) for layer in model.layers]
+    embeds = [m for m in (model.embed, model.pos_embed) if m is not None]
+    if model.lm_head is None:
+        root = [p for m in (*embeds, model.norm) for p in m.parameters()]
+        return [([model], root), *layers]
+    return [(embeds, [p for m in embeds for p in m.parameters()]), *layers,
+            ([model.norm, model.lm_head],
+             [p for m in (model.norm, model.lm_head) for p in m.parameters()])]
+
+
+def in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward runs `callback` once the gradient has passed
+    through the whole unit (its parameters' gradients are accumulated by then: autograd runs
+    gradient accumulation as soon as it is ready, before the nodes further down the graph)."""
+
+    @staticmethod
+    def forward(ctx, callback, *tensors):
+        ctx.callback = callback
+        return tuple(tensor.view_as(tensor) for tensor in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
+
+
+@dataclass
+class Unit:
+    index: int
+    shard: FlatShard
+    full: torch.Tensor  # compute dtype [numel]; parameters are views; storage 0 while sharded
+    param_shard: torch.Tensor  # [numel / N]
+    grad_shard: torch.Tensor  # [numel / N], accumulated over microbatches
+    state: str = SHARDED
+    handle: Handle | None = None
+    reduced: bool = False  # this microbatch's gradients are on their way to the shard
+    hooks: list = field(default_factory=list)
+
+
+class FullyShardedDataParallel(ShardedEngine):
+    """ZeRO stage 3 of `model`, in place: its parameters become views of per-unit buffers."""
+
+    def __init__(self, model: nn.Module, group: Group, comm: Comm, param_groups: list[dict],
+                 betas: tuple[float, float], eps: float,
+                 compute_dtype: torch.dtype = torch.float32, offload: bool = False,
+                 units: list[tuple[list[nn.Module], list[nn.Parameter]]] | None = None):
+        super().__init__(group, comm, compute_dtype, offload, betas, eps)
+        broadcast_parameters(model, comm, group)
+        names = named_decays(model, param_groups)
+        self.units: list[Unit] = []
+        self.live_bytes = self.peak_live_bytes = 0
+        self.pending: tuple[Unit, torch.Tensor, Handle] | None = None
+        shard32s = []
+        with torch.no_grad():
+            for index, (modules, params) in enumerate(units or transformer_units(model)):
+                shard = FlatShard.build([(*names[id(p)], p) for p in params if p.requires_grad],
+                                        group)
+                lo, hi = shard.shard_range
+                flat32 = shard.flatten([p.detach() for p in shard.params], torch.float32)
+                shard32s.append(flat32[lo:hi].clone())
+                full = flat32.to(compute_dtype, copy=True)
+                unit = Unit(index, shard, full, full[lo:hi].clone(),
+                            torch.zeros(hi - lo, dtype=compute_dtype, device=full.device))
+                for param, view in zip(shard.params, shard.views(full)):
+                    param.data = view
+                self._hook_modules(unit, modules)
+                full.untyped_storage().resize_(0)
+                self.units.append(unit)
+                self.shards.append(shard)
+        self._init_optimizer(shard32s)
+
+    def _param_shards(self) -> list[torch.Tensor]:
+        return [unit.param_shard for unit in self.units]
+
+    def _grad_shards(self) -> list[torch.Tensor]:
+        return [unit.grad_shard for unit in self.units]
+
+    # Gathering and freeing.
+    def _start_gather(self, unit: Unit) -> None:
+        if unit.state != SHARDED:
+            return
+        unit.full.untyped_storage().resize_(nbytes(unit.full))
+        # The collective writes into storage autograd saved for backward; that is intended (the
+        # data is the same weights), so keep the version counter from flagging it.
+        with torch.autograd._unsafe_preserve_version_counter(unit.full):
+            unit.handle = self.comm.all_gather(unit.full, unit.param_shard, self.group, "params",
+                                               async_op=True)
+        unit.state = GATHERING
+        self.live_bytes += nbytes(unit.full)
+        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
+
+    def _gathered(self, unit: Unit) -> None:
+        self._start_gather(unit)
+        if unit.state == GATHERING:
+            unit.handle.wait()
+            unit.handle, unit.state = None, GATHERED
+
+    def _free(self, unit: Unit) -> None:
+        if unit.state == SHARDED:
+            return
+        if unit.state == GATHERING:
+            unit.handle.wait()
+            unit.handle = None
+        unit.full.untyped_storage().resize_(0)
+        unit.state = SHARDED
+        self.live_bytes -= nbytes(unit.full)
+
+    # Hooks.
+    def _hook_modules(self, unit: Unit, modules: list[nn.Module]) -> None:
+        # A forward that runs inside backward (activation recomputation) must neither prefetch
+        # units backward is done with nor free a unit whose backward is about to run.
+        def before_forward(module, args):
+            self._gathered(unit)
+            if in_backward():
+                return None
+            if unit.index + 1 < len(self.units):
+                self._start_gather(self.units[unit.index + 1])
+            if module is modules[0] and torch.is_grad_enabled():
+                needs_grad = [i for i, a in enumerate(args)
+                              if isinstance(a, torch.Tensor) and a.requires_grad]
+                if needs_grad:
+                    wrapped = PostBackward.apply(lambda: self._reduce(unit),
+                                                 *(args[i] for i in needs_grad))
+                    args = list(args)
+                    for i, tensor in zip(needs_grad, wrapped):
+                        args[i] = tensor
+                    return tuple(args)
+            return None
+
+        def after_forward(module, args, output):
+            if torch.is_grad_enabled():
+                for tensor in (output if isinstance(output, tuple) else (output,)):
+                    if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                        tensor.register_hook(lambda grad: self._before_backward(unit))
+            if module is modules[-1] and not in_backward():
+                self._free(unit)
+
+        for module in modules:
+            unit.hooks.append(module.register_forward_pre_hook(before_forward))
+            unit.hooks.append(module.register_forward_hook(after_forward))
+
+    def _before_backward(self, unit: Unit) -> None:
+        self._gathered(unit)
+        if unit.index > 0:
+            self._start_gather(self.units[unit.index - 1])
+
+    def _reduce(self, unit: Unit) -> None:
+        """The unit's backward is done: flatten its gradients, free it, reduce-scatter."""
+        if unit.reduced:
+            return
+        unit.reduced = True
+        shard = unit.shard
+        grads = shard.flatten([p.grad if p.grad is not None else torch.zeros_like(p)
+                               for p in shard.params], self.compute_dtype)
+        for param in shard.params:
+            param.grad = None
+        self._free(unit)
+        self._retire()  # at most one unit's full gradient in flight
+        grads.div_(self.group.size)
+        lo, hi = shard.shard_range
+        handle = self.comm.reduce_scatter(grads[lo:hi], grads, self.group, "grads",
+                                          async_op=True)
+        self.pending = (unit, grads, handle)
+
+    def _retire(self) -> None:
+        if self.pending is not None:
+            unit, grads, handle = self.pending
+            handle.wait()
+            lo, hi = unit.shard.shard_range
+            unit.grad_shard.add_(grads[lo:hi])
+            self.pending = None
+
+    # ShardedEngine.
+    def _prepare_backward(self, is_last_microbatch: bool) -> None:
+        pass  # every microbatch reduce-scatters: unsharded gradients are never kept
+
+    def _after_backward(self) -> None:
+        for unit in reversed(self.units):  # the units no input gradient reached, in order
+            self._reduce(unit)
+        self._retire()
+        for unit in self.units:
+            unit.reduced = False
+            self._free(unit)
+
+    def _finish_reduction(self) -> None:
+        pass  # done after each backward
+
+    def _publish_params(self) -> None:
+        pass  # the next forward gathers the updated shards
+
+    def _zero_grads(self) -> None:
+        for unit in self.units:
+            unit.grad_shard.zero_()
+        self.peak_live_bytes = self.live_bytes
+
+    def _device_bytes(self) -> dict[str, int]:
+        return {"params": sum(nbytes(u.param_shard) for u in self.units) + self.live_bytes,
+                "grads": sum(nbytes(u.grad_shard) for u in self.units),
+                "params_gathered_peak": self.peak_live_bytes}
+
+    def gather_full_model(self) -> None:
+        """Make every parameter whole for good and drop the hooks (collective): for using the
+        model on one rank alone afterwards, e.g. sampling text at the end of a run."""
+        for unit in self.units:
+            self._gathered(unit)
+            for hook in unit.hooks:
+                hook.remove()
+            unit.hooks = []

@@ -1,0 +1,295 @@
+"""ZeRO stages 1 and 2 (Rajbhandari et al., 2020), and the engine all sharded stages share.
+
+Parameters sit in flat buckets (data_parallel.bucket_params); each rank owns 1/N of every bucket
+and keeps fp32 master weights and AdamW moments for that slice only.
+
+- ZeRO-1 shards the optimizer state. Gradients are full-size bucket buffers (.grad views, as in
+  DDP); on the last microbatch each complete bucket is reduce-scattered in place, so this rank's
+  slice holds the averaged gradient it needs (the rest of the buffer is scratch).
+- ZeRO-2 shards the gradients too: a bucket's full gradient exists only while it is being filled
+  and reduce-scattered, every microbatch (as DeepSpeed does: keeping full gradients across
+  accumulation would undo the saving); the slices accumulate in a buffer of numel/N.
+
+After the step each rank all-gathers the updated slices of every bucket. A reduce-scatter plus an
+all-gather moves what one all-reduce moves, so ZeRO-1/2 cost DDP's 2(N-1)/N*Phi bytes per step.
+
+Mixed precision: with bf16/fp16 the model's parameters and gradients are in that dtype, the
+master weights fp32; with fp16 the loss is scaled and a step whose gradients overflow is skipped.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from tetrad.parallel.comm import Comm, Handle
+from tetrad.parallel.data_parallel import (DEFAULT_BUCKET_BYTES, LaunchInOrder, bucket_params,
+                                           broadcast_parameters)
+from tetrad.parallel.mesh import Group
+from tetrad.parallel.zero_optimizer import (FlatShard, LossScaler, ShardedAdamW, clip_shards,
+                                            gather_state, global_grad_norm, nbytes,
+                                            scatter_state)
+
+
+class ShardedEngine:
+    """The optimizer side of every ZeRO stage: loss scaling, fp32 gradients of the shard, global
+    norm and clipping, the sharded AdamW step, checkpoints, bytes held. A stage provides the
+    shards, how gradients reach them, and what happens to parameters after the step."""
+
+    def __init__(self, group: Group, comm: Comm, compute_dtype: torch.dtype, offload: bool,
+                 betas: tuple[float, float], eps: float):
+        self.group, self.comm = group, comm
+        self.compute_dtype, self.offload = compute_dtype, offload
+        self.betas, self.eps = betas, eps
+        self.scaler = LossScaler() if compute_dtype == torch.float16 else None
+        self.shards: list[FlatShard] = []
+        self.optimizer: ShardedAdamW | None = None
+        self.grad_norm = 0.0
+
+    # What a stage implements.
+    def _grad_shards(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def _param_shards(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def _prepare_backward(self, is_last_microbatch: bool) -> None:
+        raise NotImplementedError
+
+    def _after_backward(self) -> None:
+        raise NotImplementedError
+
+    def _finish_reduction(self) -> None:
+        raise NotImplementedError
+
+    def _publish_params(self) -> None:
+        raise NotImplementedError
+
+    def _zero_grads(self) -> None:
+        raise NotImplementedError
+
+    def _device_bytes(self) -> dict[str, int]:
+        raise NotImplementedError
+
+    # Shared.
+    def _init_optimizer(self, shard32s: list[torch.Tensor]) -> None:
+        for shard, shard32, param_shard in zip(self.shards, shard32s, self._param_shards()):
+            shard.init_optimizer(shard32, param_shard, self.offload)
+        self.optimizer = ShardedAdamW(self.shards, self.betas, self.eps)
+
+    def backward(self, loss: torch.Tensor, is_last_microbatch: bool) -> None:
+        self._prepare_backward(is_last_microbatch)
+        (loss * self.scaler.scale if self.scaler else loss).backward()
+        self._after_backward()
+
+    def finish_gradients(self) -> None:
+        """Averaged, unscaled fp32 gradients of this rank's shards, and their global norm."""
+        self._finish_reduction()
+        inv_scale = 1.0 / self.scaler.scale if self.scaler else None
+        for shard, grad in zip(self.shards, self._grad_shards()):
+            shard.set_main_grad(grad, inv_scale)
+        self.grad_norm = global_grad_norm(self.shards, self.comm, self.group,
+                                          self._grad_shards()[0].device)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        if max_norm > 0 and math.isfinite(self.grad_norm):
+            clip_shards(self.shards, self.grad_norm, max_norm)
+        return self.grad_norm
+
+    @torch.no_grad()
+    def step(self, lr: float) -> bool:
+        """Update the shards and republish the parameters. With fp16, a step whose gradients
+        overflowed is skipped (False) and the loss scale backs off."""
+        found_inf = not math.isfinite(self.grad_norm)
+        if self.scaler is not None:
+            self.scaler.update(found_inf)
+            if found_inf:
+                for shard in self.shards:
+                    shard.main_grad = None
+                self._zero_grads()
+                return False
+        self.optimizer.step(lr)
+        for shard, param_shard in zip(self.shards, self._param_shards()):
+            if shard.master is not param_shard:  # fp32 master -> compute dtype (host -> device)
+                param_shard.copy_(shard.master)
+        self._publish_params()
+        self._zero_grads()
+        return True
+
+    def bytes_held(self) -> dict[str, int]:
+        held = self._device_bytes()
+        optimizer = sum(s.optimizer_bytes(p) for s, p in zip(self.shards, self._param_shards()))
+        fp32_grads = sum(nbytes(s.main_grad) for s, g in zip(self.shards, self._grad_shards())
+                         if s.main_grad is not None and s.main_grad is not g
+                         and s.host_grad is None)
+        held["grads"] += fp32_grads
+        if self.offload:
+            held["optimizer"] = 0
+            held["host_optimizer"] = optimizer
+            held["host_grads"] = sum(nbytes(s.host_grad) for s in self.shards)
+        else:
+            held["optimizer"] = optimizer
+        return held
+
+    def state_dict(self) -> dict:
+        """Whole tensors by parameter name, gathered from every rank (collective)."""
+        def gather(kind: str) -> dict[str, torch.Tensor]:
+            return gather_state(self.shards, [getattr(s, kind) for s in self.shards], self.comm,
+                                self.group, self._param_shards()[0].device)
+
+        return {"model": gather("master"),
+                "optimizer": {"step": self.optimizer.step_count, "exp_avg": gather("exp_avg"),
+                              "exp_avg_sq": gather("exp_avg_sq")},
+                "scaler": self.scaler.state_dict() if self.scaler else None}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        optimizer = state.get("optimizer")
+        for shard, param_shard in zip(self.shards, self._param_shards()):
+            scatter_state(shard, state["model"], shard.master)
+            if shard.master is not param_shard:
+                param_shard.copy_(shard.master)
+            if optimizer:
+                scatter_state(shard, optimizer["exp_avg"], shard.exp_avg)
+                scatter_state(shard, optimizer["exp_avg_sq"], shard.exp_avg_sq)
+        if optimizer:
+            self.optimizer.step_count = optimizer["step"]
+        if self.scaler and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self._publish_params()
+
+
+def named_decays(model: nn.Module, param_groups: list[dict]) -> dict[int, tuple[str, float]]:
+    """id(parameter) -> (name, weight decay of its optimizer group)."""
+    decay = {id(p): group["weight_decay"] for group in param_groups for p in group["params"]}
+    return {id(p): (name, decay[id(p)]) for name, p in model.named_parameters()
+            if p.requires_grad}
+
+
+class ZeroDataParallel(ShardedEngine):
+    """ZeRO stage 1 or 2 on a replicated model."""
+
+    def __init__(self, model: nn.Module, group: Group, comm: Comm, stage: int,
+                 param_groups: list[dict], betas: tuple[float, float], eps: float,
+                 compute_dtype: torch.dtype = torch.float32, offload: bool = False,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        assert stage in (1, 2), stage
+        super().__init__(group, comm, compute_dtype, offload, betas, eps)
+        self.stage = stage
+        broadcast_parameters(model, comm, group)
+        names = named_decays(model, param_groups)
+        buckets = bucket_params([p for p in model.parameters() if p.requires_grad],
+                                bucket_bytes)
+        self.flat_params: list[torch.Tensor] = []  # compute dtype [numel]; params are views
+        self.param_shards: list[torch.Tensor] = []  # this rank's slice of each
+        self.flat_grads: list[torch.Tensor | None] = []  # stage 1: always; stage 2: while filling
+        self.grad_shards: list[torch.Tensor] = []
+        self.handles: list[Handle] = []
+        self.pending: list[int] = []  # stage 2: buckets whose reduce-scatter is in flight
+        shard32s = []
+        with torch.no_grad():
+            for index, bucket in enumerate(buckets):
+                shard = FlatShard.build([(*names[id(p)], p) for p in bucket], group)
+                lo, hi = shard.shard_range
+                flat32 = shard.flatten([p.detach() for p in bucket], torch.float32)
+                shard32s.append(flat32[lo:hi].clone())
+                flat = flat32.to(compute_dtype)
+                for param, view, offset in zip(bucket, shard.views(flat), shard.offsets):
+                    param.data = view
+                    param.register_post_accumulate_grad_hook(self._hook(index, offset))
+                self.shards.append(shard)
+                self.flat_params.append(flat)
+                self.param_shards.append(flat[lo:hi])
+                if stage == 1:
+                    grads = torch.zeros_like(flat)
+                    for param, view in zip(bucket, shard.views(grads)):
+                        param.grad = view
+                    self.flat_grads.append(grads)
+                    self.grad_shards.append(grads[lo:hi])
+                else:
+                    self.flat_grads.append(None)
+                    self.grad_shards.append(torch.zeros(hi - lo, dtype=compute_dtype,
+                                                        device=flat.device))
+        self._init_optimizer(shard32s)
+        self.order = LaunchInOrder([len(b) for b in buckets], self._launch)
+        self._sync = False
+
+    def _param_shards(self) -> list[torch.Tensor]:
+        return self.param_shards
+
+    def _grad_shards(self) -> list[torch.Tensor]:
+        return self.grad_shards
+
+    def _hook(self, index: int, offset: int):
+        def on_gradient_ready(param: nn.Parameter) -> None:
+            if self.stage == 2:
+                # Move the fresh gradient into the bucket being filled and drop it: a full-size
+                # gradient must not outlive its bucket's reduce-scatter.
+                shard = self.shards[index]
+                if self.flat_grads[index] is None:
+                    self.flat_grads[index] = torch.zeros(shard.numel, dtype=param.grad.dtype,
+                                                         device=param.grad.device)
+                self.flat_grads[index][offset:offset + param.numel()].copy_(param.grad.view(-1))
+                param.grad = None
+            if self._sync:
+                self.order.arrived(index)
+        return on_gradient_ready
+
+    def _launch(self, index: int) -> None:
+        if self.stage == 2:
+            self._retire_pending()  # at most one bucket's full gradient in flight
+            if self.flat_grads[index] is None:  # no parameter of it was used this microbatch
+                self.flat_grads[index] = torch.zeros(self.shards[index].numel,
+                                                     dtype=self.compute_dtype,
+                                                     device=self.grad_shards[index].device)
+            self.pending.append(index)
+        grads = self.flat_grads[index]
+        lo, hi = self.shards[index].shard_range
+        grads.div_(self.group.size)
+        self.handles.append(self.comm.reduce_scatter(grads[lo:hi], grads, self.group, "grads",
+                                                     async_op=True))
+
+    def _retire_pending(self) -> None:
+        for handle in self.handles:
+            handle.wait()
+        self.handles = []
+        for index in self.pending:
+            lo, hi = self.shards[index].shard_range
+            self.grad_shards[index].add_(self.flat_grads[index][lo:hi])
+            self.flat_grads[index] = None
+        self.pending = []
+
+    def _prepare_backward(self, is_last_microbatch: bool) -> None:
+        # ZeRO-2 reduces every microbatch; ZeRO-1 only the last (no_sync before it).
+        self._sync = self.stage == 2 or is_last_microbatch
+
+    def _after_backward(self) -> None:
+        if self.stage == 2:
+            self.order.finish()
+            self._retire_pending()
+
+    def _finish_reduction(self) -> None:
+        if self.stage == 2:
+            return  # every microbatch's reduce-scatter finished in _after_backward
+        self.order.finish()
+        for handle in self.handles:
+            handle.wait()
+        self.handles = []
+        self._sync = False
+
+    def _publish_params(self) -> None:
+        handles = [self.comm.all_gather(flat, piece, self.group, "params", async_op=True)
+                   for flat, piece in zip(self.flat_params, self._param_shards())]
+        for handle in handles:
+            handle.wait()
+
+    def _zero_grads(self) -> None:
+        for grads in (self.flat_grads if self.stage == 1 else self.grad_shards):
+            grads.zero_()
+
+    def _device_bytes(self) -> dict[str, int]:
+        grads = (self.flat_grads if self.stage == 1 else self.grad_shards)
+        return {"params": sum(nbytes(f) for f in self.flat_params),
+                "grads": sum(nbytes(g) for g in grads)}

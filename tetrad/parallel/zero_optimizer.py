@@ -1,0 +1,214 @@
+"""The pieces every ZeRO stage shares: flat parameter buffers cut into N shards, AdamW on this
+rank's shard (fp32 master weights, optionally in host memory), dynamic loss scaling, the global
+gradient norm, and checkpoints gathered from / scattered to the shards.
+
+A FlatShard is one flat buffer of parameters (a bucket for ZeRO-1/2, a unit for ZeRO-3), padded
+to a multiple of N elements so that every rank owns exactly numel/N of it: rank i owns
+[i*numel/N, (i+1)*numel/N). A shard cuts parameters anywhere; weight decay is applied per
+parameter segment, so the update is element for element torch's AdamW (single-tensor path).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from tetrad.parallel.comm import Comm
+from tetrad.parallel.mesh import Group
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A separate copy in host memory (pinned when a GPU will copy to and from it). On a CPU-only
+    machine this is still a distinct buffer: offload is a real second copy, never an alias."""
+    pin = torch.cuda.is_available()
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
+                       pin_memory=pin).copy_(tensor)
+
+
+def nbytes(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+
+@dataclass
+class FlatShard:
+    """Parameters laid out in one flat buffer, and this rank's 1/N of it."""
+
+    names: list[str]
+    params: list[nn.Parameter]
+    weight_decays: list[float]
+    offsets: list[int]  # element offset of each parameter in the flat buffer
+    numel: int  # padded to a multiple of the group size
+    index: int  # this rank's shard
+    size: int  # number of shards
+    master: torch.Tensor | None = None  # fp32 [numel / size]: may alias the compute-dtype shard
+    exp_avg: torch.Tensor | None = None
+    exp_avg_sq: torch.Tensor | None = None
+    main_grad: torch.Tensor | None = None  # fp32 gradient of the shard, set before the step
+    host_grad: torch.Tensor | None = None  # with offload: the host buffer main_grad lives in
+    decay_segments: list[tuple[int, int, float]] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, named_params: list[tuple[str, float, nn.Parameter]], group: Group
+              ) -> "FlatShard":
+        """From (name, weight decay, parameter) triples, in buffer order."""
+        offsets, total = [], 0
+        for _, _, param in named_params:
+            offsets.append(total)
+            total += param.numel()
+        numel = -(-total // group.size) * group.size
+        flat = cls([n for n, _, _ in named_params], [p for _, _, p in named_params],
+                   [wd for _, wd, _ in named_params], offsets, numel, group.index, group.size)
+        lo, hi = flat.shard_range
+        for offset, param, decay in zip(offsets, flat.params, flat.weight_decays):
+            start, end = max(lo, offset), min(hi, offset + param.numel())
+            if start < end and decay != 0.0:
+                flat.decay_segments.append((start - lo, end - lo, decay))
+        return flat
+
+    @property
+    def shard_numel(self) -> int:
+        return self.numel // self.size
+
+    @property
+    def shard_range(self) -> tuple[int, int]:
+        return self.index * self.shard_numel, (self.index + 1) * self.shard_numel
+
+    def flatten(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """Tensors shaped like the parameters -> one padded flat buffer [numel]."""
+        flat = torch.zeros(self.numel, dtype=dtype, device=self.params[0].device)
+        for offset, tensor in zip(self.offsets, tensors):
+            flat[offset:offset + tensor.numel()].copy_(tensor.reshape(-1))
+        return flat
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """One flat buffer [numel] -> views shaped like the parameters."""
+        return [flat[offset:offset + param.numel()].view_as(param)
+                for offset, param in zip(self.offsets, self.params)]
+
+    def init_optimizer(self, shard32: torch.Tensor, shard_param: torch.Tensor,
+                       offload: bool) -> None:
+        """fp32 master of the shard and AdamW moments. In fp32 without offload the master *is*
+        the shard of the parameters (no second copy), as the ZeRO formulas assume."""
+        if offload:
+            self.master = host_copy(shard32)
+        else:
+            self.master = shard_param if shard_param.dtype == torch.float32 else shard32
+        self.exp_avg = torch.zeros_like(self.master)
+        self.exp_avg_sq = torch.zeros_like(self.master)
+        if offload:
+            self.host_grad = torch.zeros_like(self.master)
+
+    def set_main_grad(self, grad_shard: torch.Tensor, inv_scale: float | None) -> None:
+        """The fp32 gradient the optimizer reads, unscaled: the shard itself when it already is
+        fp32 on the right side, otherwise a copy (into host memory with offload)."""
+        if self.host_grad is not None:
+            self.main_grad = self.host_grad.copy_(grad_shard)
+        elif grad_shard.dtype == torch.float32:
+            self.main_grad = grad_shard
+        else:
+            self.main_grad = grad_shard.float()
+        if inv_scale is not None:
+            self.main_grad.mul_(inv_scale)
+
+    def optimizer_bytes(self, shard_param: torch.Tensor) -> int:
+        separate_master = 0 if self.master is shard_param else nbytes(self.master)
+        return separate_master + nbytes(self.exp_avg) + nbytes(self.exp_avg_sq)
+
+
+class ShardedAdamW:
+    """AdamW on the shards this rank owns, op for op torch.optim.AdamW's single-tensor path, so
+    every element gets the update the single-process run gives it. Runs wherever the master
+    weights live: in host memory with offload (the host-side step of ZeRO-Offload)."""
+
+    def __init__(self, shards: list[FlatShard], betas: tuple[float, float], eps: float):
+        self.shards = shards
+        self.beta1, self.beta2 = betas
+        self.eps = eps
+        self.step_count = 0
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        self.step_count += 1
+        bias_correction1 = 1 - self.beta1 ** float(self.step_count)
+        bias_correction2 = 1 - self.beta2 ** float(self.step_count)
+        step_size = lr / bias_correction1
+        bias_correction2_sqrt = bias_correction2 ** 0.5
+        for shard in self.shards:
+            master, grad = shard.master, shard.main_grad
+            for start, end, decay in shard.decay_segments:
+                master[start:end].mul_(1 - lr * decay)
+            shard.exp_avg.lerp_(grad, 1 - self.beta1)
+            shard.exp_avg_sq.mul_(self.beta2).addcmul_(grad, grad, value=1 - self.beta2)
+            denom = (shard.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
+            master.addcdiv_(shard.exp_avg, denom, value=-step_size)
+            shard.main_grad = None
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16 (torch.amp.GradScaler's policy): multiply the loss by
+    `scale` so small gradients survive fp16; on inf/nan skip the step and halve the scale, after
+    `growth_interval` clean steps double it."""
+
+    def __init__(self, scale: float = 2.0 ** 16, growth_interval: int = 2000):
+        self.scale = scale
+        self.growth_interval = growth_interval
+        self.clean_steps = 0
+
+    def update(self, found_inf: bool) -> None:
+        if found_inf:
+            self.scale *= 0.5
+            self.clean_steps = 0
+        else:
+            self.clean_steps += 1
+            if self.clean_steps == self.growth_interval:
+                self.scale *= 2.0
+                self.clean_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self.clean_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.clean_steps = state["scale"], state["clean_steps"]
+
+
+def global_grad_norm(shards: list[FlatShard], comm: Comm, group: Group,
+                     device: torch.device) -> float:
+    """L2 norm of the whole gradient from the shards: each rank squares its part, one scalar
+    all-reduce (on `device`, where the backend communicates) sums them. inf/nan (an fp16
+    overflow anywhere) propagates to every rank."""
+    local = torch.zeros((), dtype=torch.float64, device=device)
+    for shard in shards:
+        local += shard.main_grad.double().square().sum().to(device)
+    comm.all_reduce(local, group, "grad_norm")
+    return math.sqrt(local.item()) if math.isfinite(local.item()) else float("inf")
+
+
+def clip_shards(shards: list[FlatShard], total_norm: float, max_norm: float) -> None:
+    """torch.nn.utils.clip_grad_norm_'s rule (coefficient capped at 1, applied always)."""
+    coefficient = min(max_norm / (total_norm + 1e-6), 1.0)
+    for shard in shards:
+        shard.main_grad.mul_(coefficient)
+
+
+def gather_state(shards: list[FlatShard], local: list[torch.Tensor], comm: Comm, group: Group,
+                 device: torch.device) -> dict[str, torch.Tensor]:
+    """Whole per-parameter tensors (by name, in host memory) from each shard's piece `local[i]`,
+    gathered on `device` (where the backend communicates; offloaded pieces live on the host):
+    for checkpoints, which hold whole tensors whatever the layout."""
+    state = {}
+    for shard, piece in zip(shards, local):
+        full = torch.empty(shard.numel, dtype=piece.dtype, device=device)
+        comm.all_gather(full, piece.to(device).contiguous(), group, "checkpoint")
+        for name, view in zip(shard.names, shard.views(full)):
+            state[name] = view.to("cpu", copy=True)
+    return state
+
+
+def scatter_state(shard: FlatShard, full: dict[str, torch.Tensor], target: torch.Tensor) -> None:
+    """This rank's piece of whole per-parameter tensors into `target` [shard_numel]."""
+    lo, hi = shard.shard_range
+    flat = shard.flatten([full[name] for name in shard.names], torch.float32)
+    target.copy_(flat[lo:hi])

@@ -1,0 +1,222 @@
+"""Starting the processes of a distributed run: `spawn` runs a function on N local workers (what
+`tetrad train --nproc N` and the multi-rank tests use); under torchrun (one node or many) the
+same worker code runs in the processes torchrun started. The layout is checked before any process
+starts, so bad input costs one line, not a traceback per rank.
+
+A failing worker takes the whole job down at once: its traceback travels to the parent, which
+kills the other workers (they would otherwise sit in a collective waiting for the dead rank) and
+raises WorkerFailed naming the rank. Collectives time out too, so nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import multiprocessing
+import os
+import queue
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from tetrad.config import TrainConfig
+from tetrad.errors import ConfigError, TetradError
+
+HOST = "127.0.0.1"
+COLLECTIVE_TIMEOUT_S = 300.0  # a collective waiting longer than this means a rank is gone
+
+
+class WorkerFailed(TetradError):
+    """A worker raised or died; the message names its rank and carries its error."""
+
+
+def local_device(local_rank: int, local_world_size: int) -> torch.device:
+    """cuda:local_rank when every rank on this machine can have a GPU of its own, else the CPU
+    for all of them (one backend per job: gloo cannot talk to NCCL)."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size:
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_worker(rank: int, world_size: int, local_rank: int, local_world_size: int,
+                timeout_s: float, store: dist.Store | None = None) -> torch.device:
+    """One thread per worker (the cores are shared), NCCL on a GPU of its own, gloo otherwise."""
+    torch.set_num_threads(1)
+    device = local_device(local_rank, local_world_size)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if store is None:  # started by torchrun: rendezvous from its MASTER_ADDR / MASTER_PORT
+        dist.init_process_group(backend, init_method="env://", rank=rank,
+                                world_size=world_size, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
+    return device
+
+
+def started_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ)
+
+
+def torchrun_ranks() -> tuple[int, int, int, int]:
+    """(rank, world_size, local_rank, local_world_size) as torchrun sets them."""
+    world_size = int(os.environ["WORLD_SIZE"])
+    return (int(os.environ["RANK"]), world_size, int(os.environ.get("LOCAL_RANK", 0)),
+            int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+
+
+def _worker(fn: Callable, rank: int, world_size: int, port: int, timeout_s: float,
+            args: tuple, results: multiprocessing.Queue) -> None:
+    try:
+        store = dist.TCPStore(HOST, port, is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+        init_worker(rank, world_size, rank, world_size, timeout_s, store)
+        value = fn(rank, world_size, *args)
+        buffer = io.BytesIO()
+        torch.save(value, buffer)  # tensors travel as bytes, not as shared-memory handles
+        results.put((rank, "ok", buffer.getvalue()))
+    except BaseException as error:  # noqa: BLE001 - everything must reach the parent
+        message = (f"{type(error).__name__}: {error}" if isinstance(error, TetradError)
+                   else traceback.format_exc())
+        results.put((rank, "error", message))
+        raise SystemExit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn: Callable, nprocs: int, args: tuple = (), timeout_s: float | None = None,
+          collective_timeout_s: float = COLLECTIVE_TIMEOUT_S) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `nprocs` fresh processes (spawn start method) joined
+    in one process group, and return each rank's return value in rank order. `fn` must be
+    importable by name. Raises WorkerFailed as soon as one worker fails, and after `timeout_s`
+    (None: no limit on the whole job; the collective timeout still catches a hang)."""
+    context = multiprocessing.get_context("spawn")
+    # The parent hosts the rendezvous store on a free port: no port guessing, no races.
+    store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=collective_timeout_s))
+    results = context.Queue()
+    workers = [context.Process(target=_worker, daemon=True,
+                               args=(fn, rank, nprocs, store.port, collective_timeout_s, args,
+                                     results))
+               for rank in range(nprocs)]
+    for worker in workers:
+        worker.start()
+    try:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        values = _collect(workers, results, deadline)
+    except BaseException:
+        _stop(workers, grace_s=0)
+        raise
+    _stop(workers, grace_s=10)  # they are tearing their process groups down
+    return values
+
+
+def _collect(workers: list, results: multiprocessing.Queue, deadline: float | None
+             ) -> list[Any]:
+    values: dict[int, Any] = {}
+    while len(values) < len(workers):
+        try:
+            rank, status, payload = results.get(timeout=0.2)
+        except queue.Empty:
+            dead = [rank for rank, worker in enumerate(workers)
+                    if rank not in values and worker.exitcode not in (None, 0)]
+            if dead:
+                # Its error report may still be in flight: give it a moment to arrive.
+                try:
+                    rank, status, payload = results.get(timeout=2.0)
+                except queue.Empty:
+                    raise WorkerFailed(f"rank {dead[0]} died with exit code "
+                                       f"{workers[dead[0]].exitcode} and no error report") from None
+            elif deadline is not None and time.monotonic() > deadline:
+                missing = [rank for rank in range(len(workers)) if rank not in values]
+                raise WorkerFailed(f"timed out waiting for ranks {missing}")
+            else:
+                continue
+        if status == "error":
+            raise WorkerFailed(f"rank {rank} failed: {payload.strip()}")
+        values[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+    return [values[rank] for rank in range(len(workers))]
+
+
+def _stop(workers: list, grace_s: float) -> None:
+    """Let workers exit for `grace_s`, terminate what is still running (after a failure: the
+    ranks stuck waiting for the failed one), then reap."""
+    deadline = time.monotonic() + grace_s
+    for worker in workers:
+        worker.join(timeout=max(0.0, deadline - time.monotonic()))
+    for worker in workers:
+        if worker.is_alive():
+            worker.terminate()
+    for worker in workers:
+        worker.join(timeout=5)
+        if worker.is_alive():
+            worker.kill()
+            worker.join()
+
+
+def check_layout(config: TrainConfig, world_size: int) -> None:
+    """What can be wrong with a distributed run's layout, as one ConfigError saying the fix."""
+    from tetrad.parallel.mesh import ParallelDims
+
+    parallel = config.parallel
+    dims = ParallelDims.from_config(parallel)
+    if world_size != dims.world_size:
+        raise ConfigError(
+            f"{world_size} processes but dp {dims.dp} x pp {dims.pp} x cp {dims.cp} x tp "
+            f"{dims.tp} = {dims.world_size}: make --nproc (or torchrun's world size) the product "
+            f"of the degrees, e.g. --dp {world_size // (dims.pp * dims.cp * dims.tp) or 1}")
+    if dims.world_size != dims.dp or dims.ep > 1:
+        raise ConfigError("tetrad train parallelizes over data only (--dp, --zero) so far: "
+                          "set --tp, --pp, --cp and --ep to 1")
+    if config.batch_size % (dims.dp * config.grad_accum):
+        raise ConfigError(
+            f"--batch-size {config.batch_size} does not split into dp {dims.dp} x grad-accum "
+            f"{config.grad_accum} equal microbatches: make it a multiple of "
+            f"{dims.dp * config.grad_accum}")
+
+
+def is_distributed(config: TrainConfig) -> bool:
+    """Whether a run needs worker processes (ZeRO needs a process group even on one rank)."""
+    return config.nproc > 1 or config.parallel.zero > 0 or started_by_torchrun()
+
+
+def train_worker(rank: int, world_size: int, config: TrainConfig):
+    """One rank of `tetrad train`: its mesh, its byte counter, the trainer. Rank 0 returns the
+    TrainResult (report with every rank's entry, checkpoint, sample), the others None."""
+    from functools import partial
+
+    from tetrad.parallel.comm import Comm, CommCounter
+    from tetrad.parallel.mesh import ParallelDims, build_mesh
+    from tetrad.train.strategy import build_strategy
+    from tetrad.train.trainer import train
+
+    mesh = build_mesh(ParallelDims.from_config(config.parallel), rank, world_size)
+    collectives = Comm(CommCounter(), config.parallel.collectives)
+    result = train(config, partial(build_strategy, mesh=mesh, collectives=collectives),
+                   show_progress=rank == 0)
+    return result if rank == 0 else None
+
+
+def launch_training(config: TrainConfig):
+    """Run `config` on config.nproc local workers, or as this process's rank under torchrun.
+    Returns rank 0's TrainResult (None on the other torchrun ranks)."""
+    if started_by_torchrun():
+        rank, world_size, local_rank, local_world_size = torchrun_ranks()
+        check_layout(config, world_size)
+        init_worker(rank, world_size, local_rank, local_world_size, COLLECTIVE_TIMEOUT_S)
+        try:
+            return train_worker(rank, world_size, config)
+        finally:
+            dist.destroy_process_group()
+    from tetrad.train.trainer import prepare
+
+    check_layout(config, config.nproc)
+    prepare(config)  # model, tokenizer and checkpoint problems: one line, no workers started
+    return spawn(train_worker, config.nproc, (config,))[0]
