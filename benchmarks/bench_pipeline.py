@@ -1,0 +1,130 @@
+"""Pipeline step time: tetrad's executor against torch.distributed.pipelining on the same stages.
+
+    .venv/bin/python benchmarks/bench_pipeline.py [--pp 2] [--microbatches 8] [--steps 6]
+
+Each rank builds the same Transformer, cuts it with tetrad's partitioner, and runs one forward
+and backward of the global batch per step (no optimizer step: both would run the same AdamW),
+once with tetrad's PipelineExecutor and once with torch's PipelineStage and ScheduleGPipe /
+Schedule1F1B on the very same stage modules, alternating step by step so load from other
+processes hits both alike. A step is timed between two barriers; the median of --steps timed
+steps follows --warmup untimed ones. Before timing, the first losses are checked to agree.
+Ranks are gloo processes with --threads threads each (on a GPU machine: NCCL, one GPU per rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tetrad.config import ModelConfig
+from tetrad.models.transformer import Transformer
+from tetrad.parallel.comm import Comm
+from tetrad.parallel.mesh import ParallelDims, build_mesh
+from tetrad.parallel.pipeline import PipelineExecutor
+from tetrad.train.launch import spawn
+
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--ffn", type=int, default=688)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6)
+    return parser.parse_args()
+
+
+def timed(fn) -> tuple[float, object]:
+    dist.barrier()
+    started = time.perf_counter()
+    value = fn()
+    dist.barrier()
+    return time.perf_counter() - started, value
+
+
+def bench_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
+    from torch.distributed import pipelining
+
+    torch.set_num_threads(args.threads)
+    config = ModelConfig(name="bench", vocab_size=args.vocab, hidden_size=args.hidden,
+                         num_layers=args.layers, num_heads=args.heads,
+                         ffn_hidden_size=args.ffn, max_seq_len=args.seq)
+    mesh = build_mesh(ParallelDims(pp=world_size), rank, world_size)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(args.vocab, (args.batch, args.seq + 1), generator=generator)
+    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    results = {}
+    for name, torch_name in SCHEDULES.items():
+        torch.manual_seed(0)
+        executor = PipelineExecutor.from_model(Transformer(config), mesh, Comm(), name,
+                                               args.microbatches, seq_len=args.seq)
+        module = executor.stages[rank]
+        stage = pipelining.PipelineStage(module, rank, world_size, executor.device,
+                                         group=mesh["pp"].handle)
+        loss_fn = lambda logits, target: F.cross_entropy(logits.flatten(0, 1), target.flatten())  # noqa: E731
+        schedule = getattr(pipelining, torch_name)(stage, args.microbatches, loss_fn=loss_fn)
+
+        def torch_step() -> float:
+            losses: list = []
+            if rank == 0:
+                schedule.step(inputs)
+            elif rank == world_size - 1:
+                schedule.step(target=targets, losses=losses)
+            else:
+                schedule.step()
+            return sum(loss.item() for loss in losses) / args.microbatches
+
+        times = {"tetrad": [], "torch": []}
+        idle = []
+        for step in range(args.warmup + args.steps):
+            seconds, stats = timed(lambda: executor.step(tokens))
+            executor.module.zero_grad(set_to_none=True)
+            torch_seconds, torch_loss = timed(torch_step)
+            module.zero_grad(set_to_none=True)
+            if step == 0 and rank == world_size - 1 and abs(torch_loss - stats.loss) > 1e-4 * abs(
+                    stats.loss):
+                raise AssertionError(f"{name}: losses differ, tetrad {stats.loss} vs torch "
+                                     f"{torch_loss}")
+            if step >= args.warmup:
+                times["tetrad"].append(seconds)
+                times["torch"].append(torch_seconds)
+                idle.append(stats.idle_fraction)
+        results[name] = {"tetrad_s": statistics.median(times["tetrad"]),
+                         "torch_s": statistics.median(times["torch"]),
+                         "idle_fraction": statistics.median(idle)}
+    return results
+
+
+def main() -> None:
+    args = parse_args()
+    per_rank = spawn(bench_rank, args.pp, (args,), timeout_s=3600, collective_timeout_s=600)
+    tokens = args.batch * args.seq
+    print(f"pp={args.pp} microbatches={args.microbatches} batch={args.batch}x{args.seq} "
+          f"hidden={args.hidden} layers={args.layers} vocab={args.vocab} "
+          f"threads/rank={args.threads}; forward+backward per step, median of {args.steps}")
+    print(f"{'schedule':<9}{'tetrad s':>10}{'torch s':>10}{'tetrad/torch':>14}{'tok/s tetrad':>14}"
+          f"  idle fraction per rank (tetrad)")
+    for name in SCHEDULES:
+        tetrad = max(r[name]["tetrad_s"] for r in per_rank)
+        reference = max(r[name]["torch_s"] for r in per_rank)
+        idle = " ".join(f"{r[name]['idle_fraction']:.2f}" for r in per_rank)
+        print(f"{name:<9}{tetrad:>10.3f}{reference:>10.3f}{tetrad / reference:>14.2f}"
+              f"{tokens / tetrad:>14,.0f}  {idle}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,313 @@
+"""One executor for every pipeline schedule: it walks this rank's action list from
+tetrad.schedules in order and knows nothing of which schedule made it (docs/pipeline.md):
+
+    RECV_*  irecv into a fresh buffer; the compute that reads the tensor waits on the handle
+    SEND_*  isend; every send is waited on before the step ends
+    F       forward of one (stage, microbatch); the last stage adds the loss / microbatches
+    B       the full backward; with a split backward (zero bubble) only the gradient of the
+            stage input, by autograd.grad with the graph retained for W
+    W       the deferred weight gradient: autograd.grad of the retained graph with respect to the
+            stage's parameters, accumulated into .grad
+
+Every send and receive goes through Comm, so the bytes count as p2p under the "activations" tag.
+
+The split backward is exact but not free: W walks the retained graph from the stage output
+again, so the activation gradients inside a stage are computed twice (B + W cost about 1.5 fused
+backwards). torch.distributed.pipelining's stage_backward_weight avoids that by capturing the
+gradients at the nodes where weights enter; tetrad keeps the simple form until it is measured to
+matter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tetrad.errors import ConfigError
+from tetrad.memory import ActivationMeter
+from tetrad.models.transformer import Transformer
+from tetrad.parallel.comm import Comm
+from tetrad.parallel.mesh import Group, Mesh
+from tetrad.parallel.pipeline.partition import Partition, partition
+from tetrad.parallel.pipeline.stage import PipelineStage, build_stages, embedding_group
+from tetrad.schedules import Action, Schedule, build_schedule
+
+ACTIVATION_TAG = "activations"
+
+
+@dataclass
+class StepStats:
+    """What one pipeline step measured on this rank."""
+
+    loss: float  # mean loss over the global batch, the same number on every rank
+    aux_loss: float | None  # MoE load-balance loss summed over all stages (None when dense)
+    p2p_bytes: int  # activations and input gradients this rank sent
+    compute_s: float  # inside F, B and W (loss included)
+    wait_s: float  # blocked on receives, and on the sends at the end of the step
+    step_s: float
+    peak_activation_bytes: int  # saved for backward, every in-flight microbatch at once
+    peak_in_flight: int  # most (stage, microbatch) pairs holding activations at once
+
+    @property
+    def idle_fraction(self) -> float:
+        """Share of the step this rank was not computing: the measured bubble (waits plus
+        communication bookkeeping), next to the simulator's prediction."""
+        return max(0.0, 1.0 - self.compute_s / self.step_s) if self.step_s > 0 else 0.0
+
+
+@dataclass
+class _Step:
+    """Tensors of one step in flight, keyed by (stage, microbatch) or (direction, stage, mb)."""
+
+    microbatches: list[tuple[torch.Tensor, torch.Tensor]]  # (inputs, targets) [mb_batch, seq]
+    activation_shape: tuple[int, int, int]  # [mb_batch, seq, hidden]: every tensor on the wire
+    loss_scale: float
+    loss: torch.Tensor
+    aux: torch.Tensor
+    inputs: dict = field(default_factory=dict)  # stage input (a leaf that collects its gradient)
+    roots: dict = field(default_factory=dict)  # (output or None, scalar objective or None)
+    deferred: dict = field(default_factory=dict)  # (outputs, grads) kept for W
+    outgoing: dict = field(default_factory=dict)  # tensors made, waiting for their SEND
+    incoming: dict = field(default_factory=dict)  # (buffer, handle) posted, waiting for compute
+    sends: list = field(default_factory=list)  # (tensor, handle): the tensor lives until sent
+
+
+class PipelineExecutor:
+    """This rank's stages of a pipeline, and the one loop that runs any schedule over them."""
+
+    def __init__(self, stages: dict[int, PipelineStage], schedule: Schedule, pp_group: Group,
+                 comm: Comm, embedding_group: Group | None = None,
+                 partition: Partition | None = None,
+                 autocast: Callable[[], ContextManager] = contextlib.nullcontext):
+        if pp_group.size != schedule.pp:
+            raise ConfigError(f"the schedule is for pp={schedule.pp} but the pipeline group has "
+                              f"{pp_group.size} ranks: build the schedule with pp={pp_group.size}")
+        owned = set(range(pp_group.index, schedule.num_stages, schedule.pp))
+        assert set(stages) == owned, (sorted(stages), sorted(owned))
+        self.stages, self.schedule, self.group, self.comm = stages, schedule, pp_group, comm
+        self.embedding_group, self.partition, self.autocast = embedding_group, partition, autocast
+        self.actions = schedule.actions[pp_group.index]
+        self.module = nn.ModuleList(stages[s] for s in sorted(stages))
+        self.config = self.module[0].config
+        first_parameter = next(self.module.parameters())
+        self.dtype, self.device = first_parameter.dtype, first_parameter.device
+        self.meter = ActivationMeter(self.module)
+        self.tied_weight = None
+        if embedding_group is not None:
+            holder = stages[0] if 0 in stages else stages[schedule.num_stages - 1]
+            self.tied_weight = holder.embed.weight
+        self._run = {"F": self._forward, "B": self._backward, "W": self._weight,
+                     "SEND_F": self._send, "SEND_B": self._send,
+                     "RECV_F": self._recv, "RECV_B": self._recv}
+
+    @classmethod
+    def from_model(cls, model: Transformer, mesh: Mesh, comm: Comm, schedule: str = "1f1b",
+                   microbatches: int = 0, vpp: int = 1, stage_layers: Sequence[int] | None = None,
+                   seq_len: int | None = None,
+                   autocast: Callable[[], ContextManager] = contextlib.nullcontext
+                   ) -> "PipelineExecutor":
+        """Cut `model` (built with the same seed on every rank) into mesh.dims.pp * vpp stages
+        and keep this rank's. Collective over the world when embeddings are tied (it creates the
+        embedding groups). microbatches 0 means pp; seq_len (for balancing) defaults to the
+        model's max_seq_len."""
+        pp = mesh.dims.pp
+        plan = build_schedule(schedule, pp, microbatches or pp, vpp)
+        cut = partition(model.config, pp * vpp, seq_len, stage_layers)
+        tied = (embedding_group(mesh.dims, mesh.rank)
+                if model.config.tie_embeddings and pp > 1 else None)
+        return cls(build_stages(model, cut, pp, mesh.coords["pp"]), plan, mesh["pp"], comm,
+                   tied, cut, autocast)
+
+    # The step -------------------------------------------------------------------------------
+
+    def step(self, tokens: torch.Tensor, loss_scale: float = 1.0) -> StepStats:
+        """Forward and backward of the global batch `tokens` [batch, seq_len + 1] (inputs and
+        their next-token targets; every rank passes the same batch, the first and last stages
+        read it). Gradients accumulate into .grad of this rank's parameters, a tied embedding's
+        summed over its two ranks; the caller runs the optimizer. `loss_scale` multiplies the
+        objective before backward (fp16 loss scaling); the reported loss is unscaled."""
+        num_microbatches = self.schedule.microbatches
+        if tokens.shape[0] % num_microbatches:
+            raise ConfigError(f"a batch of {tokens.shape[0]} sequences does not split into "
+                              f"{num_microbatches} equal microbatches: make the batch size a "
+                              f"multiple of {num_microbatches} or change --microbatches")
+        started = self._clock()
+        self._compute_s = self._wait_s = 0.0
+        self._sent_bytes = self._in_flight = self._peak_in_flight = 0
+        self.meter.peak_bytes = 0
+        tokens = tokens.to(self.device)
+        zero = torch.zeros((), device=self.device)
+        # Copies, not views of the batch: what a microbatch saves for backward (its ids, its
+        # targets) is then its own memory, as a received activation is, freed with it.
+        microbatches = [(window[:, :-1].clone(), window[:, 1:].clone())
+                        for window in tokens.chunk(num_microbatches)]
+        state = _Step(microbatches,
+                      (tokens.shape[0] // num_microbatches, tokens.shape[1] - 1,
+                       self.config.hidden_size), loss_scale, zero, zero.clone())
+        for action in self.actions:
+            self._run[action.kind](action, state)
+        self._wait(*(handle for _, handle in state.sends))
+        assert not (state.inputs or state.roots or state.deferred or state.outgoing
+                    or state.incoming), "the schedule left work undone"
+        if self.tied_weight is not None:
+            self.comm.all_reduce(self.tied_weight.grad, self.embedding_group, "grads")
+        # The loss lives on the last stage, load-balance losses on every stage: one sum gives
+        # every rank both.
+        metrics = torch.stack([state.loss, state.aux])
+        self.comm.all_reduce(metrics, self.group, "metrics")
+        loss, aux = metrics.tolist()
+        return StepStats(loss, aux if self.config.is_moe else None, self._sent_bytes,
+                         self._compute_s, self._wait_s, self._clock() - started,
+                         self.meter.peak_bytes, self._peak_in_flight)
+
+    def _forward(self, action: Action, state: _Step) -> None:
+        key = (action.stage, action.microbatch)
+        stage = self.stages[action.stage]
+        inputs, targets = state.microbatches[action.microbatch]
+        x = inputs if stage.is_first else self._received(state, "F", key)
+        if not stage.is_first:
+            x.requires_grad_()
+            state.inputs[key] = x
+        num_microbatches = len(state.microbatches)
+        started = self._clock()
+        with self.meter.measure(), self.autocast():
+            out = stage(x)
+            objective = None
+            if stage.is_last:
+                objective = F.cross_entropy(out.float().flatten(0, 1), targets.flatten())
+                state.loss += objective.detach() / num_microbatches
+            aux = stage.aux_loss()
+            if aux is not None:
+                state.aux += aux.detach() / num_microbatches
+                term = self.config.router_aux_loss_coef * aux
+                objective = term if objective is None else objective + term
+        if objective is not None:  # as the trainer: objective / microbatches, then the scale
+            objective = objective / num_microbatches
+            if state.loss_scale != 1.0:
+                objective = objective * state.loss_scale
+        state.roots[key] = (None if stage.is_last else out, objective)
+        if not stage.is_last:
+            state.outgoing["F", *key] = out.detach()
+        self._compute_s += self._clock() - started
+        self.meter.hold(key)
+        self._in_flight += 1
+        self._peak_in_flight = max(self._peak_in_flight, self._in_flight)
+
+    def _backward(self, action: Action, state: _Step) -> None:
+        key = (action.stage, action.microbatch)
+        out, objective = state.roots.pop(key)
+        outputs, grads = [], []
+        if out is not None:
+            outputs.append(out)
+            grads.append(self._received(state, "B", key))
+        if objective is not None:
+            outputs.append(objective)
+            grads.append(None)  # a scalar: d objective / d objective = 1
+        x = state.inputs.get(key)  # None on the first stage: token ids have no gradient
+        started = self._clock()
+        if not self.schedule.split_backward:
+            torch.autograd.backward(outputs, grads)
+            state.inputs.pop(key, None)
+            self._release(key)
+        else:
+            if x is not None:
+                (x.grad,) = torch.autograd.grad(outputs, [x], grads, retain_graph=True)
+                del state.inputs[key]
+            state.deferred[key] = (outputs, grads)
+        if x is not None:
+            state.outgoing["B", *key] = x.grad
+        self._compute_s += self._clock() - started
+
+    def _weight(self, action: Action, state: _Step) -> None:
+        key = (action.stage, action.microbatch)
+        outputs, grads = state.deferred.pop(key)
+        started = self._clock()
+        params = [p for p in self.stages[action.stage].parameters() if p.requires_grad]
+        # allow_unused: an expert that no token of this microbatch reached has no gradient.
+        for param, grad in zip(params, torch.autograd.grad(outputs, params, grads,
+                                                           allow_unused=True)):
+            if grad is None:
+                continue
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad += grad
+        self._compute_s += self._clock() - started
+        self._release(key)
+
+    def _send(self, action: Action, state: _Step) -> None:
+        tensor = state.outgoing.pop((action.kind[-1], action.stage, action.microbatch))
+        tensor = tensor.contiguous()
+        assert tuple(tensor.shape) == state.activation_shape and tensor.dtype == self.dtype, (
+            action, tensor.shape, tensor.dtype)  # the receiver's buffer has this shape and dtype
+        state.sends.append((tensor, self.comm.send(tensor, action.peer, self.group,
+                                                   ACTIVATION_TAG)))
+        self._sent_bytes += tensor.numel() * tensor.element_size()
+
+    def _recv(self, action: Action, state: _Step) -> None:
+        buffer = torch.empty(state.activation_shape, dtype=self.dtype, device=self.device)
+        state.incoming[action.kind[-1], action.stage, action.microbatch] = (
+            buffer, self.comm.recv(buffer, action.peer, self.group))
+
+    def _received(self, state: _Step, direction: str, key: tuple[int, int]) -> torch.Tensor:
+        buffer, handle = state.incoming.pop((direction, *key))
+        self._wait(handle)
+        return buffer
+
+    def _wait(self, *handles) -> None:
+        started = self._clock()
+        for handle in handles:
+            handle.wait()
+        self._wait_s += self._clock() - started
+
+    def _clock(self) -> float:
+        """Now, once the device has finished what was queued: CUDA kernels and NCCL waits return
+        to the host before the work is done, so unsynchronized timings would count launches."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _release(self, key: tuple[int, int]) -> None:
+        self.meter.release(key)
+        self._in_flight -= 1
+
+    # What a training strategy needs around the step ------------------------------------------
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters, each once (what its optimizer steps)."""
+        return list(self.module.parameters())
+
+    def named_parameters(self) -> dict[str, nn.Parameter]:
+        """By the full model's names: the ranks' dicts together are the single-process model's
+        (the tied embedding appears on both of its ranks, equal)."""
+        return {name: param for stage in self.module for name, param in stage.named_parameters()}
+
+    def owned_parameters(self) -> list[nn.Parameter]:
+        """Parameters counted once over the pipeline: the last rank's copy of a tied embedding
+        is left out, as it is the same parameter as the first rank's."""
+        if self.embedding_group is None or self.embedding_group.index == 0:
+            return self.parameters()
+        return [p for p in self.parameters() if p is not self.tied_weight]
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Norm of the whole model's gradient (over the pipeline group, the tied embedding once);
+        scale every gradient by max_norm / norm when larger (0 means no clipping). Returns the
+        norm before clipping, as torch.nn.utils.clip_grad_norm_ on the single-process model."""
+        norms = [torch.linalg.vector_norm(p.grad) for p in self.owned_parameters()
+                 if p.grad is not None]
+        square = (torch.stack(norms).square().sum() if norms
+                  else torch.zeros((), device=self.device))
+        self.comm.all_reduce(square, self.group, "metrics")
+        total = square.sqrt()
+        if max_norm > 0:
+            factor = (max_norm / (total + 1e-6)).clamp(max=1.0)
+            for param in self.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(factor)
+        return float(total)

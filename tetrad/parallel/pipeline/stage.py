@@ -1,0 +1,85 @@
+"""A pipeline stage: a slice of a tetrad Transformer that one rank runs.
+
+Every rank builds the full model with the same seed and keeps only its stages' modules, so the
+initialization equals the single-process model's without shipping any weights. Parameter names
+stay those of the full model (`layers.5.attn.qkv.weight`), so a rank's state dict is a piece of
+the single-process one and a checkpoint is the union of the ranks' pieces.
+
+Tied embeddings: the first stage embeds with the weight the last stage's head multiplies by. On
+two ranks each holds a copy, initialized equal; after the backward their gradients are summed over
+the two ranks (an all-reduce over `embedding_group`, Megatron's embedding group), so both copies
+take the same optimizer step and stay equal bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tetrad.models.transformer import Transformer
+from tetrad.parallel.mesh import Group, ParallelDims
+from tetrad.parallel.pipeline.partition import Partition
+
+
+class PipelineStage(nn.Module):
+    """Stage `index` of `num_stages`: the blocks `layers` of `model`; the first stage also embeds
+    (token and learned positions), the last applies the final norm and the output head. Rotary
+    tables carry no parameters and are recomputed on every stage."""
+
+    def __init__(self, model: Transformer, index: int, num_stages: int, layers: range):
+        super().__init__()
+        config = model.config
+        self.config = config
+        self.index, self.num_stages = index, num_stages
+        self.is_first, self.is_last = index == 0, index == num_stages - 1
+        holds_embedding = self.is_first or (self.is_last and config.tie_embeddings)
+        self.embed = model.embed if holds_embedding else None
+        self.pos_embed = model.pos_embed if self.is_first else None
+        self.rotary = model.rotary
+        self.layers = nn.ModuleDict({str(layer): model.layers[layer] for layer in layers})
+        self.norm = model.norm if self.is_last else None
+        self.lm_head = model.lm_head if self.is_last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """First stage: token ids [batch, seq]; later stages: hidden states [batch, seq, hidden].
+        Returns hidden states, or logits [batch, seq, vocab] on the last stage. The operations
+        are Transformer.forward's, in its order, so the numbers match the single-process model."""
+        positions = torch.arange(x.shape[1], device=x.device)
+        if self.is_first:
+            x = self.embed(x)
+            if self.pos_embed is not None:
+                x = x + self.pos_embed(positions)
+        rope = self.rotary(positions) if self.rotary is not None else None
+        for layer in self.layers.values():
+            x = layer(x, rope)
+        if self.is_last:
+            x = self.norm(x)
+            x = x @ self.embed.weight.t() if self.lm_head is None else self.lm_head(x)
+        return x
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """Sum of this stage's MoE load-balance losses from its last forward, or None (dense)."""
+        losses = [layer.aux_loss for layer in self.layers.values() if layer.aux_loss is not None]
+        return torch.stack(losses).sum() if losses else None
+
+
+def build_stages(model: Transformer, partition: Partition, pp: int, pp_index: int
+                 ) -> dict[int, PipelineStage]:
+    """The stages pipeline rank `pp_index` holds: s = pp_index, pp_index + pp, ... (Megatron's
+    interleaved placement, as tetrad.schedules assumes), keyed by stage index."""
+    return {stage: PipelineStage(model, stage, partition.num_stages, partition.layers(stage))
+            for stage in range(pp_index, partition.num_stages, pp)}
+
+
+def embedding_group(dims: ParallelDims, rank: int) -> Group | None:
+    """The first and last rank of this rank's pipeline group, which hold the two copies of a tied
+    embedding; None on the ranks in between. Collective: every rank calls it (new_group must see
+    every pair on every rank, in the same order), and only when embeddings are tied and pp > 1."""
+    mine = None
+    for ranks in dims.group_ranks("pp"):
+        pair = (ranks[0], ranks[-1])
+        handle = dist.group.WORLD if dims.world_size == 2 else dist.new_group(list(pair))
+        if rank in pair:
+            mine = Group("embedding", pair, pair.index(rank), handle)
+    return mine
