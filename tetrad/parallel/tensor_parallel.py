@@ -1,0 +1,382 @@
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) and sequence parallelism (Korthikanti et
+al. 2022) for a tetrad Transformer. docs/tensor_parallel.md has the tables and the numbers.
+
+Every rank builds the full model with the same seed; `parallelize_tensor` then keeps this rank's
+slice of each matmul (sliced from the full weights, so the start equals the single-process model)
+and returns a module whose parameter names are the full model's. Over the tp ranks of a group:
+
+  attention  split by heads: qkv column-parallel, each of q, k, v sliced on its own; out
+             row-parallel. With fewer kv heads than ranks, each kv head is replicated on the
+             tp / num_kv_heads ranks whose q heads read it; their gradients are summed over those
+             ranks, so the copies stay equal.
+  MLP        up column-parallel (gate and up sliced on their own), down row-parallel.
+  vocabulary the embedding and an untied head split by vocabulary rows; a tied head multiplies by
+             the embedding's own shard. The loss is vocab-parallel (tetrad.parallel.vocab_parallel):
+             full logits never exist on one rank.
+  MoE        experts stay whole and every tp rank computes the whole MoE layer (the same numbers
+             on each): experts are spread by expert parallelism, not cut by tp, and sharding
+             them would need the router's gradient summed across ranks too.
+  replicated norms, row-parallel biases, learned positions.
+
+The operators between them are tetrad.parallel.tp_operators': f (identity forward, all-reduce
+backward) into a column-parallel layer, g (all-reduce forward, identity backward) out of a
+row-parallel one. With --sequence-parallel the stretch between the layers (norms, residual adds)
+holds a sequence shard [b, s/tp, h] and the pair becomes all-gather / reduce-scatter along the
+sequence: the same bytes (an all-reduce is a reduce-scatter plus an all-gather), and the
+activations the norms keep are 1/tp each.
+
+Traffic per microbatch, each of one [b, s, h] activation: per dense layer 2 all-reduces forward
+(g after attention and after the MLP) and 2 backward (f before each), one forward after the
+embedding and one backward at the head's input; per MoE layer only attention's. The loss adds two
+forward all-reduces over the tokens (the max logit; the sum of exponentials with the target
+logit). Under SP each all-reduce is a reduce-scatter/all-gather pair, and an MoE layer gathers its
+input forward and its output gradient backward. Once per step `finish_gradients` all-reduces the
+gradients each rank holds only part of: replicated kv rows, and under SP the replicated
+parameters applied to a sequence shard.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tetrad.config import ModelConfig
+from tetrad.errors import ConfigError
+from tetrad.models.moe import MoE
+from tetrad.models.transformer import Transformer
+from tetrad.parallel.comm import Comm
+from tetrad.parallel.mesh import Group, Mesh
+from tetrad.parallel.tp_operators import (GatherFromSequence, ScatterToSequence,
+                                          TensorParallel)
+from tetrad.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
+
+# The layers. Each remembers which rows (or columns) of the full weight every rank holds:
+# `indices[r]` for rank r, along `dim`, which is what gathering a whole checkpoint needs.
+
+class ColumnParallelLinear(nn.Module):
+    """A linear layer whose output features are split: this rank keeps rows `indices[index]` of
+    the full nn.Linear's weight and bias. Its input enters through f (or g_seq); its output
+    [..., rows] stays split, for a row-parallel layer or the vocab-parallel loss to consume."""
+
+    dim = 0
+
+    def __init__(self, full: nn.Linear, indices: list[torch.Tensor], tp: TensorParallel):
+        super().__init__()
+        self.tp, self.indices = tp, indices
+        rows = indices[tp.index]
+        self.weight = nn.Parameter(full.weight.detach()[rows].clone())
+        self.bias = None if full.bias is None else nn.Parameter(full.bias.detach()[rows].clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.tp.enter(x), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """A linear layer whose input features are split: this rank keeps columns `indices[index]` of
+    the full weight, reads a column-parallel layer's split output, and its partial products are
+    summed by g (or g_bar_seq). The bias is whole on every rank and added once, after the sum."""
+
+    dim = 1
+
+    def __init__(self, full: nn.Linear, indices: list[torch.Tensor], tp: TensorParallel):
+        super().__init__()
+        self.tp, self.indices = tp, indices
+        self.weight = nn.Parameter(full.weight.detach()[:, indices[tp.index]].clone())
+        self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.tp.leave(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+def keep_moe_whole(moe: MoE, tp: TensorParallel) -> None:
+    """An MoE layer under sequence parallelism, its experts kept whole: hooks around its forward
+    gather the sequence first (every tp rank routes every token through whole experts, the same
+    computation everywhere) and keep this rank's shard of the output. Backward gathers the output
+    gradient, so the router's and experts' gradients are whole and equal on every rank, and keeps
+    the shard of the input gradient. Hooks leave the module (and whatever else wraps it) as it is.
+    Without SP nothing is needed: the input is already the same on every rank."""
+
+    def gather(module: nn.Module, args: tuple) -> tuple:
+        return (GatherFromSequence.apply(args[0], tp, False), *args[1:])
+
+    def keep_shard(module: nn.Module, args: tuple, output: tuple) -> tuple:
+        out, aux_loss = output
+        return ScatterToSequence.apply(out, tp), aux_loss
+
+    moe.register_forward_pre_hook(gather)
+    moe.register_forward_hook(keep_shard)
+
+
+def _sections(*ranges: tuple[int, int]) -> torch.Tensor:
+    return torch.cat([torch.arange(start, stop) for start, stop in ranges])
+
+
+def kv_heads_of(config: ModelConfig, tp: int, index: int) -> range:
+    """The kv heads rank `index` needs: its own share, or (kv heads < tp) the one head its q heads
+    read, held by tp / num_kv_heads neighbouring ranks."""
+    if config.num_kv_heads >= tp:
+        per_rank = config.num_kv_heads // tp
+        return range(index * per_rank, (index + 1) * per_rank)
+    head = index // (tp // config.num_kv_heads)
+    return range(head, head + 1)
+
+
+def qkv_rows(config: ModelConfig, tp: int, index: int) -> torch.Tensor:
+    """Rows of the fused [q; k; v] weight for rank `index`: its q heads, then its kv heads' k and
+    v rows, so the local weight is again [q; k; v] and Attention.forward splits it as before."""
+    d, q_heads = config.head_dim, config.num_heads // tp
+    kv = kv_heads_of(config, tp, index)
+    k_start, v_start = config.q_size, config.q_size + config.kv_size
+    return _sections((index * q_heads * d, (index + 1) * q_heads * d),
+                     (k_start + kv.start * d, k_start + kv.stop * d),
+                     (v_start + kv.start * d, v_start + kv.stop * d))
+
+
+def up_rows(ffn: int, gated: bool, tp: int, index: int) -> torch.Tensor:
+    """Rows of the MLP's up weight: [gate; up] sliced section by section, so the local weight is
+    again [gate; up] and MLP.forward's chunk(2) pairs each gate with its own up."""
+    per_rank = ffn // tp
+    own = (index * per_rank, (index + 1) * per_rank)
+    return _sections(own, (ffn + own[0], ffn + own[1])) if gated else _sections(own)
+
+
+def even_split(size: int, tp: int) -> list[torch.Tensor]:
+    per_rank = size // tp
+    return [torch.arange(r * per_rank, (r + 1) * per_rank) for r in range(tp)]
+
+
+def _fits(config: ModelConfig, tp: int) -> bool:
+    kv = config.num_kv_heads
+    dense = any(not config.is_moe_layer(layer) for layer in range(config.num_layers))
+    return (config.num_heads % tp == 0 and (kv % tp == 0 if kv >= tp else tp % kv == 0)
+            and config.vocab_size % tp == 0 and not (dense and config.ffn_hidden_size % tp))
+
+
+def check_tensor_parallel(config: ModelConfig, tp: int, sequence_parallel: bool = False,
+                          seq_len: int | None = None) -> None:
+    """Raise ConfigError, before anything starts, when `config` cannot be split over `tp` ranks."""
+    if tp == 1 or (_fits(config, tp) and not (sequence_parallel and seq_len and seq_len % tp)):
+        return
+    valid = [t for t in range(1, config.num_heads + 1) if _fits(config, t)]
+    hint = f"; tp values that fit this model: {', '.join(map(str, valid))}"
+    kv = config.num_kv_heads
+    if config.num_heads % tp:
+        raise ConfigError(f"tp {tp} does not divide num_heads {config.num_heads}: attention is "
+                          f"split by heads{hint}")
+    if kv >= tp and kv % tp or kv < tp and tp % kv:
+        raise ConfigError(f"tp {tp} and num_kv_heads {kv} do not fit: tp must divide the kv heads "
+                          f"or be a multiple of them (each kv head then replicated on "
+                          f"tp / num_kv_heads ranks){hint}")
+    if config.vocab_size % tp:
+        padded = -(-config.vocab_size // tp) * tp
+        raise ConfigError(f"tp {tp} does not divide vocab_size {config.vocab_size}: pad the "
+                          f"vocabulary to {padded} (a multiple of tp){hint}")
+    if not _fits(config, tp):
+        raise ConfigError(f"tp {tp} does not divide ffn_hidden_size {config.ffn_hidden_size}: "
+                          f"the MLP is split by its hidden units{hint}")
+    raise ConfigError(f"--sequence-parallel splits the sequence over tp {tp} ranks, but seq_len "
+                      f"{seq_len} is not a multiple of {tp}: change --seq-len or drop "
+                      f"--sequence-parallel")
+
+
+def parallelize_tensor(model: Transformer, mesh_or_group: Mesh | Group, comm: Comm,
+                       sequence_parallel: bool = False, seq_len: int | None = None
+                       ) -> "TensorParallelTransformer":
+    """Split `model` (built with the same seed on every rank) over the tp group: its layers are
+    replaced in place by their parallel versions, and the returned module runs it (`model`'s own
+    forward no longer applies). `seq_len`, when given, is checked against SP up front."""
+    group = mesh_or_group["tp"] if isinstance(mesh_or_group, Mesh) else mesh_or_group
+    check_tensor_parallel(model.config, group.size, sequence_parallel, seq_len)
+    return TensorParallelTransformer(model, TensorParallel(group, comm, sequence_parallel))
+
+
+def _shard_block(block: nn.Module, config: ModelConfig, tp: TensorParallel) -> None:
+    size, d = tp.size, config.head_dim
+    attn = block.attn
+    attn.qkv = ColumnParallelLinear(attn.qkv, [qkv_rows(config, size, r) for r in range(size)], tp)
+    attn.out = RowParallelLinear(attn.out, even_split(config.q_size, size), tp)
+    attn.num_heads = config.num_heads // size
+    attn.num_kv_heads = len(kv_heads_of(config, size, tp.index))
+    attn.q_size, attn.kv_size = attn.num_heads * d, attn.num_kv_heads * d
+    if block.is_moe:
+        if tp.sequence_parallel:
+            keep_moe_whole(block.mlp, tp)
+        return
+    mlp = block.mlp
+    ffn = mlp.ffn_hidden_size
+    mlp.up = ColumnParallelLinear(mlp.up, [up_rows(ffn, mlp.gated, size, r) for r in range(size)],
+                                  tp)
+    mlp.down = RowParallelLinear(mlp.down, even_split(ffn, size), tp)
+    mlp.ffn_hidden_size = ffn // size
+
+
+class TensorParallelTransformer(nn.Module):
+    """This rank's share of a Transformer under tensor (and sequence) parallelism. forward gives
+    this rank's vocabulary slice of the logits; `loss` turns it into the global mean
+    cross-entropy. Parameter names are the full model's; `full_state_dict` reassembles them."""
+
+    def __init__(self, model: Transformer, tp: TensorParallel):
+        super().__init__()
+        config = model.config
+        self.config, self.tp = config, tp
+        for block in model.layers:
+            _shard_block(block, config, tp)
+        vocab = even_split(config.vocab_size, tp.size)
+        self.embed = VocabParallelEmbedding(model.embed, vocab, tp)
+        self.pos_embed, self.rotary, self.layers, self.norm = (model.pos_embed, model.rotary,
+                                                               model.layers, model.norm)
+        self.lm_head = (None if model.lm_head is None
+                        else ColumnParallelLinear(model.lm_head, vocab, tp))
+
+        # Gradient bookkeeping, by the full model's parameter names: how each split parameter is
+        # laid out over the ranks (dim, rows of the full tensor per rank).
+        self.shards: dict[str, tuple[int, list[torch.Tensor]]] = {}
+        for prefix, module in self.named_modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear,
+                                   VocabParallelEmbedding)):
+                self.shards[f"{prefix}.weight"] = (module.dim, module.indices)
+                if isinstance(module, ColumnParallelLinear) and module.bias is not None:
+                    self.shards[f"{prefix}.bias"] = (0, module.indices)
+        # Under SP every replicated parameter outside an MoE layer sees only a sequence shard.
+        whole_moe = {id(p) for m in self.modules() if isinstance(m, MoE) for p in m.parameters()}
+        self.partial_params = [p for name, p in self.named_parameters() if tp.sequence_parallel
+                               and name not in self.shards and id(p) not in whole_moe]
+        # Rows several ranks hold (replicated kv heads): (param, local rows, their slots in the
+        # union of shared rows, the union's size). And what this rank counts in the gradient
+        # norm, where a row held by several ranks counts on the first: name -> positions along
+        # the split dim, None for all.
+        self.shared_rows = []
+        self.owned: dict[str, torch.Tensor | None] = {}
+        for name, param in self.named_parameters():
+            if name in self.shards:
+                dim, indices = self.shards[name]
+                owned, shared = _overlaps(indices, tp.index, param.device)
+                self.owned[name] = owned
+                if shared is not None:
+                    assert dim == 0, name  # only column-parallel rows are ever replicated
+                    self.shared_rows.append((param, *shared))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [batch, seq] -> this rank's logits [batch, seq, vocab / tp]. The operations
+        are Transformer.forward's, in its order."""
+        seq = input_ids.shape[-1]
+        if seq > self.config.max_seq_len:
+            raise ConfigError(f"sequence of {seq} tokens is longer than max_seq_len "
+                              f"{self.config.max_seq_len}")
+        if self.tp.sequence_parallel and seq % self.tp.size:
+            raise ConfigError(f"--sequence-parallel needs the sequence length ({seq}) to be a "
+                              f"multiple of tp ({self.tp.size})")
+        positions = torch.arange(seq, device=input_ids.device)
+        x = self.embed(input_ids)  # [b, s, h], or [b, s/tp, h] under SP
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(self.tp.sequence_shard(positions, 0)
+                                   if self.tp.sequence_parallel else positions)
+        rope = self.rotary(positions) if self.rotary is not None else None  # whole sequence
+        for layer in self.layers:
+            x = layer(x, rope)
+        x = self.norm(x)
+        if self.lm_head is None:
+            return self.tp.enter(x) @ self.embed.weight.t()
+        return self.lm_head(x)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over every token: F.cross_entropy(full logits, targets) without
+        gathering the logits. logits: [batch, seq, vocab / tp]; targets: [batch, seq]."""
+        return vocab_parallel_cross_entropy(logits, targets, self.tp)
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """Sum of the MoE layers' load-balance losses from the last forward (equal on every tp
+        rank), or None (dense)."""
+        losses = [layer.aux_loss for layer in self.layers if layer.aux_loss is not None]
+        return torch.stack(losses).sum() if losses else None
+
+    def finish_gradients(self) -> None:
+        """After the last microbatch's backward: sum over the tp group the gradients each rank
+        holds only part of (replicated kv rows; under SP the replicated parameters, which saw
+        only this rank's tokens). One all-reduce, tag "grads"; none when nothing is partial.
+        Gradients are updated in place (they may be views into a data-parallel bucket), so run
+        it after the data-parallel reduction has finished: the two sums commute."""
+        if not (self.partial_params or self.shared_rows):
+            return
+        for param in [*self.partial_params, *(shared[0] for shared in self.shared_rows)]:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        pieces = [p.grad for p in self.partial_params]
+        for param, local, slots, num_shared in self.shared_rows:
+            union = param.new_zeros((num_shared, *param.shape[1:]))
+            pieces.append(union.index_copy_(0, slots, param.grad[local]))
+        flat = torch.cat([piece.reshape(-1) for piece in pieces])
+        self.tp.comm.all_reduce(flat, self.tp.group, "grads")
+        sums = iter(flat.split([piece.numel() for piece in pieces]))
+        for param in self.partial_params:
+            param.grad.copy_(next(sums).view_as(param))
+        for param, local, slots, num_shared in self.shared_rows:
+            param.grad[local] = next(sums).view(num_shared, *param.shape[1:])[slots]
+
+    def local_grad_square(self) -> torch.Tensor:
+        """Sum of squared gradients this rank owns: summed over the tp group it is the whole
+        model's squared gradient norm."""
+        total = torch.zeros((), device=self.embed.weight.device)
+        for name, param in self.named_parameters():
+            if param.grad is None:
+                continue
+            if name not in self.shards:  # replicated: equal on every rank, counted on the first
+                if self.tp.index == 0:
+                    total += param.grad.square().sum()
+                continue
+            owned = self.owned[name]
+            grad = param.grad if owned is None else \
+                param.grad.index_select(self.shards[name][0], owned)
+            total += grad.square().sum()
+        return total
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """The whole model's gradient norm (all-reduced over tp, tag "metrics"); gradients scaled
+        by max_norm / norm when larger (0: no clipping). Returns the norm before clipping, as
+        torch.nn.utils.clip_grad_norm_ on the single-process model."""
+        square = self.local_grad_square()
+        self.tp.comm.all_reduce(square, self.tp.group, "metrics")
+        total = square.sqrt()
+        if max_norm > 0:
+            factor = (max_norm / (total + 1e-6)).clamp(max=1.0)
+            for param in self.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(factor)
+        return float(total)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter whole, by the full model's names, in its layout: what the single-process
+        model's named_parameters hold. Collective over the tp group (tag "checkpoint")."""
+        full = {}
+        for name, param in self.named_parameters():
+            value = param.detach()
+            if name in self.shards:
+                dim, indices = self.shards[name]
+                pieces = value.new_empty((self.tp.size, *value.shape))
+                self.tp.comm.all_gather(pieces.view(-1), value.reshape(-1), self.tp.group,
+                                        "checkpoint")
+                shape = list(value.shape)
+                shape[dim] = int(torch.cat(indices).max()) + 1
+                whole = value.new_empty(shape)
+                for rank, rows in enumerate(indices):  # replicated rows are equal: any copy does
+                    whole.index_copy_(dim, rows.to(value.device), pieces[rank])
+                value = whole
+            full[name] = value.clone()
+        return full
+
+
+def _overlaps(indices: list[torch.Tensor], index: int, device: torch.device):
+    """For rank `index` of a split parameter: the positions of its rows that no lower rank holds
+    (None: all of them), and (positions of its rows another rank also holds, their slots in the
+    sorted union of such rows, the union's size), or None when it shares no row."""
+    mine = indices[index]
+    earlier = torch.cat(indices[:index]) if index else mine[:0]
+    owned = (~torch.isin(mine, earlier)).nonzero().flatten()
+    rows, counts = torch.cat(indices).unique(return_counts=True)
+    union = rows[counts > 1]
+    local = torch.isin(mine, union).nonzero().flatten()
+    shared = (None if not local.numel() else
+              (local.to(device), torch.searchsorted(union, mine[local]).to(device), union.numel()))
+    return None if len(owned) == len(mine) else owned.to(device), shared
