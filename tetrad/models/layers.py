@@ -76,19 +76,25 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                              bias=config.qkv_bias or config.bias)
         self.out = nn.Linear(self.q_size, config.hidden_size, bias=config.bias)
+        # softmax(QK^T)V over this call's tokens. Parallel runtimes swap it from outside: ring
+        # attention (tetrad.parallel.context_parallel), a recomputed core (parallel.recompute).
+        self.core: Callable = causal_attention
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 attend: Callable | None = None) -> torch.Tensor:
         """`attend(q, k, v)` replaces causal attention over this call's tokens: the serving engine
         passes attention over its paged KV cache."""
-        batch, seq, _ = x.shape
-        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv(x)
+        # The shape comes from the projection, not from x: under sequence parallelism x is this
+        # rank's sequence shard and the projection gathers the whole sequence.
+        batch, seq, _ = qkv.shape
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        y = (attend or causal_attention)(q, k, v)  # [batch, heads, seq, head_dim]
+        y = (attend or self.core)(q, k, v)  # [batch, heads, seq, head_dim]
         return self.out(y.transpose(1, 2).reshape(batch, seq, self.q_size))
 
 

@@ -7,6 +7,8 @@ loss is Switch Transformer's: num_experts * sum_e(fraction of routed slots to e 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,6 +23,9 @@ class Router(nn.Module):
         self.top_k = config.num_experts_per_token
         self.num_experts = config.num_experts
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        # Context parallelism splits each sequence over ranks; it sets this to average the
+        # routed fractions over them, so the loss balances whole sequences as on one device.
+        self.reduce_fraction: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [tokens, hidden] -> (weights [tokens, k], experts [tokens, k], aux_loss [])."""
@@ -29,6 +34,8 @@ class Router(nn.Module):
         weights = weights / weights.sum(dim=-1, keepdim=True)
         routed = F.one_hot(experts, self.num_experts).sum(dim=1).float()  # [tokens, experts]
         fraction_routed = routed.mean(dim=0) / self.top_k
+        if self.reduce_fraction is not None:
+            fraction_routed = self.reduce_fraction(fraction_routed)
         aux_loss = self.num_experts * (fraction_routed * probs.mean(dim=0)).sum()
         return weights.to(x.dtype), experts, aux_loss
 

@@ -1,0 +1,241 @@
+"""Expert parallelism: each MoE layer's experts divided over the ep ranks, tokens sent to their
+experts and back by all-to-all (GShard; Megatron's all-to-all token dispatcher).
+
+Placement. ep is folded over the dp*cp ranks (tetrad.parallel.mesh): ep rank j owns experts
+j*E/ep .. (j+1)*E/ep - 1 of every MoE layer; each expert shard is replicated over the edp =
+dp*cp/ep ranks of its expert-data-parallel group. The router and the shared experts are
+replicated like every non-expert weight.
+
+One MoE layer on one rank, for its own tokens:
+  route     the replicated router picks k experts per token, exactly as on one device (the
+            load-balance loss included: it is computed from this rank's tokens, as the
+            single-process model computes it for the same tokens)
+  capacity  optional (capacity_factor): each expert takes at most
+            ceil(capacity_factor * tokens * k / E) of this rank's (token, expert) slots, the
+            earliest tokens first (Switch Transformer's per-group capacity, applied at the source
+            before dispatch as in Megatron); a dropped slot contributes nothing, its token goes on
+            through the residual (and the shared experts). Without it routing is dropless.
+  splits    the slots, sorted by expert (hence by owner rank), give how many rows go to each
+            rank; one all-to-all of the per-expert counts tells every owner what it receives
+  dispatch  all-to-all of the slot rows [slots, hidden] with those uneven splits
+  experts   each local expert runs on its rows from every source
+  combine   the reverse all-to-all brings each row home; it is weighted by its routing weight and
+            added to its token's output
+Backward runs the two all-to-alls in reverse (the autograd function below). A slot is sent once
+per chosen expert, so the bytes a rank sends per layer and step are
+2 * (slots it sends to other ranks + slots it receives from other ranks) * hidden * bytes
+(dispatch and combine, forward and backward), plus the count exchange.
+
+Gradients. An owner's expert gradient already holds every ep rank's contribution (the tokens
+of all of them passed through it), so it is not averaged over the ep group; it is summed over
+the edp group (the expert's replicas) and divided by dp*cp, the mean the trainer takes of every
+replicated gradient: both then equal the single-process gradient of the mean loss.
+
+The trainer's side (docs/context_expert_parallel.md): build the full model with the same seed on
+every rank (loading a checkpoint into it first), call `apply_expert_parallel`, feed each rank its
+own data-parallel rows, average `replicated_parameters()` gradients over dp*cp as usual, call
+`reduce_expert_gradients()` after backward, clip with `clip_grad_norm`, save with
+`full_state_dict()`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tetrad.config import ModelConfig
+from tetrad.errors import ConfigError
+from tetrad.models.moe import MoE
+from tetrad.models.transformer import Transformer
+from tetrad.parallel.comm import Comm
+from tetrad.parallel.mesh import Group, Mesh
+
+TOKENS_TAG = "experts"  # dispatch and combine
+SPLITS_TAG = "expert_splits"  # the per-expert counts exchanged before each dispatch
+
+
+def check_expert_parallel(config: ModelConfig, ep: int,
+                          capacity_factor: float | None = None) -> None:
+    """What can be wrong with expert parallelism for this model."""
+    if ep > 1 and not config.is_moe:
+        raise ConfigError(f"--ep {ep} needs a mixture-of-experts model (num_experts > 0), but "
+                          f"{config.name} is dense: set --ep 1")
+    if config.is_moe and config.num_experts % ep:
+        choices = [d for d in range(1, config.num_experts + 1) if config.num_experts % d == 0]
+        raise ConfigError(f"ep {ep} does not divide num_experts {config.num_experts}: choose ep "
+                          f"among {', '.join(map(str, choices))}")
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise ConfigError(f"capacity factor must be positive, got {capacity_factor}: use None "
+                          f"for dropless routing")
+
+
+def expert_capacity(num_tokens: int, top_k: int, num_experts: int,
+                    capacity_factor: float) -> int:
+    """Slots one expert takes from one rank's `num_tokens` tokens."""
+    return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
+
+
+def within_capacity(slot_expert: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
+    """slot_expert [slots] (slot t*k + j is token t's j-th choice) -> bool [slots]: whether the
+    slot is among the first `capacity` of its expert, in slot order."""
+    one_hot = F.one_hot(slot_expert, num_experts)  # [slots, experts]
+    place = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # the slot's place in its expert's queue
+    return place < capacity
+
+
+class _AllToAll(torch.autograd.Function):
+    """All-to-all with uneven splits; its gradient goes back by the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x, exchange, output_splits: list[int], input_splits: list[int]):
+        ctx.exchange, ctx.splits = exchange, (output_splits, input_splits)
+        return exchange(x, output_splits, input_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return ctx.exchange(grad.contiguous(), input_splits, output_splits), None, None, None
+
+
+class ExpertParallelMoE(nn.Module):
+    """A MoE layer holding only this ep rank's experts. Parameter names stay the single-process
+    ones (router.gate.weight, experts.{global index}.*, shared.*)."""
+
+    def __init__(self, moe: MoE, group: Group, comm: Comm, capacity_factor: float | None = None):
+        super().__init__()
+        self.group, self.comm, self.capacity_factor = group, comm, capacity_factor
+        self.router, self.shared = moe.router, moe.shared
+        self.num_experts = len(moe.experts)
+        self.num_local = self.num_experts // group.size
+        first = group.index * self.num_local
+        self.experts = nn.ModuleDict({str(e): moe.experts[e]
+                                      for e in range(first, first + self.num_local)})
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])  # [tokens, hidden]
+        weights, experts, aux_loss = self.router(tokens)  # [tokens, k] each
+        top_k = experts.shape[1]
+        slot_expert = experts.reshape(-1)  # [tokens * k]
+        kept = torch.arange(slot_expert.numel(), device=x.device)
+        if self.capacity_factor is not None:
+            capacity = expert_capacity(tokens.shape[0], top_k, self.num_experts,
+                                       self.capacity_factor)
+            kept = kept[within_capacity(slot_expert, self.num_experts, capacity)]
+        # Sorted by expert, the slots are sorted by owner: rank j's experts are contiguous.
+        order = kept[torch.argsort(slot_expert[kept], stable=True)]  # [sent slots]
+        send_counts = torch.bincount(slot_expert[order], minlength=self.num_experts)
+        send_counts = send_counts.view(self.group.size, self.num_local)  # [owner, its expert]
+        recv_counts = torch.empty_like(send_counts)  # [source, local expert]
+        self.comm.all_to_all(recv_counts, send_counts, self.group, SPLITS_TAG)
+        input_splits = send_counts.sum(1).tolist()
+        output_splits = recv_counts.sum(1).tolist()
+        received = _AllToAll.apply(tokens[order // top_k], self._exchange, output_splits,
+                                   input_splits)  # [received slots, hidden]: by source, expert
+        outputs = self._run_experts(received, recv_counts)
+        returned = _AllToAll.apply(outputs, self._exchange, input_splits, output_splits)
+        contribution = returned * weights.reshape(-1)[order].unsqueeze(-1)  # [sent, hidden]
+        out = torch.zeros_like(tokens).index_add(0, order // top_k, contribution)
+        if self.shared is not None:
+            out = out + self.shared(tokens)
+        return out.view(shape), aux_loss
+
+    def _run_experts(self, received: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
+        """Each source's rows come grouped by expert; gather every expert's rows from all
+        sources, run the expert once, and put the outputs back in the received order."""
+        local = torch.arange(self.num_local, device=received.device)
+        row_expert = local.repeat(self.group.size).repeat_interleave(recv_counts.flatten())
+        by_expert = torch.argsort(row_expert, stable=True)
+        pieces = received[by_expert].split(recv_counts.sum(0).tolist())
+        # An expert no row reached is skipped, as on one device: its gradient stays None.
+        outputs = torch.cat([expert(piece) if piece.shape[0] else piece
+                             for expert, piece in zip(self.experts.values(), pieces)])
+        return outputs[torch.argsort(by_expert)]
+
+    def _exchange(self, x: torch.Tensor, output_splits: list[int],
+                  input_splits: list[int]) -> torch.Tensor:
+        out = x.new_empty((sum(output_splits), x.shape[1]))
+        self.comm.all_to_all(out, x.contiguous(), self.group, TOKENS_TAG, output_splits,
+                             input_splits)
+        return out
+
+
+class ExpertParallel:
+    """What expert parallelism did to a model, and the gradient handling the trainer calls."""
+
+    def __init__(self, model: Transformer, mesh: Mesh, comm: Comm,
+                 capacity_factor: float | None = None):
+        self.model, self.mesh, self.comm = model, mesh, comm
+        self.layers: dict[int, ExpertParallelMoE] = {}
+        for index, block in enumerate(model.layers):
+            if block.is_moe:
+                block.mlp = ExpertParallelMoE(block.mlp, mesh["ep"], comm, capacity_factor)
+                self.layers[index] = block.mlp
+        expert_ids = {id(p) for p in self.expert_parameters()}
+        self._replicated = [p for p in model.parameters() if id(p) not in expert_ids]
+
+    def expert_parameters(self) -> list[nn.Parameter]:
+        """This rank's experts' parameters: reduced over edp by reduce_expert_gradients."""
+        return [p for layer in self.layers.values() for p in layer.experts.parameters()]
+
+    def replicated_parameters(self) -> list[nn.Parameter]:
+        """Everything else: averaged over dp*cp by the data-parallel strategy, as without EP."""
+        return self._replicated
+
+    def reduce_expert_gradients(self) -> None:
+        """After the last backward of a step: sum each expert gradient over its edp replicas,
+        divide by dp*cp. A replica no token reached has a zero gradient here, not None."""
+        size = self.mesh["dp_cp"].size
+        for param in self.expert_parameters():
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            self.comm.all_reduce(param.grad, self.mesh["edp"], "grads")
+            param.grad /= size
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """The whole model's gradient norm (replicated weights once, every expert once, over the
+        ep group), as torch.nn.utils.clip_grad_norm_ on one device; scales the gradients down to
+        max_norm when larger (0: no clipping). Call after the gradients are reduced."""
+        def square(params):
+            norms = [torch.linalg.vector_norm(p.grad) for p in params if p.grad is not None]
+            return (torch.stack(norms).square().sum() if norms
+                    else torch.zeros((), device=self.model.embed.weight.device))
+
+        experts = square(self.expert_parameters())
+        self.comm.all_reduce(experts, self.mesh["ep"], "metrics")
+        total = (square(self._replicated) + experts).sqrt()
+        if max_norm > 0:
+            factor = (max_norm / (total + 1e-6)).clamp(max=1.0)
+            for param in self.model.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(factor)
+        return float(total)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The single-process model's state dict, every expert gathered from its owner
+        (collective over the ep group): for checkpoints and for using the model on one rank."""
+        state = self.model.state_dict()
+        group = self.mesh["ep"]
+        for index, layer in self.layers.items():
+            for local, (name, expert) in enumerate(layer.experts.items()):
+                for key, value in expert.state_dict().items():
+                    gathered = value.new_empty(group.size * value.numel())
+                    self.comm.all_gather(gathered, value.reshape(-1), group, "checkpoint")
+                    gathered = gathered.view(group.size, *value.shape)  # [owner, ...]
+                    del state[f"layers.{index}.mlp.experts.{name}.{key}"]
+                    for owner in range(group.size):
+                        expert_index = owner * layer.num_local + local
+                        state[f"layers.{index}.mlp.experts.{expert_index}.{key}"] = (
+                            gathered[owner])
+        return state
+
+
+def apply_expert_parallel(model: Transformer, mesh: Mesh, comm: Comm,
+                          capacity_factor: float | None = None) -> ExpertParallel:
+    """Keep this rank's experts of `model` (the full model, built with the same seed on every
+    rank) and dispatch tokens to the others' over mesh["ep"]. capacity_factor None: dropless."""
+    check_expert_parallel(model.config, mesh.dims.ep, capacity_factor)
+    return ExpertParallel(model, mesh, comm, capacity_factor)
