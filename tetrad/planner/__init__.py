@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from tetrad.config import ModelConfig, ParallelConfig
 from tetrad.hardware import Cluster, cluster as make_cluster
+from tetrad.planner import eager
 from tetrad.planner.layout import TrainLayout, check_training_layout
 from tetrad.planner.model_stats import count_parameters
 from tetrad.planner.precision import TrainingPrecision
@@ -32,29 +33,46 @@ def predict_training(model_config: ModelConfig, parallel_config: ParallelConfig,
                      micro_batch: int, seq_len: int, num_microbatches: int | None = None,
                      dtype: str = "fp32", gpu: str | None = None, gpus_per_node: int = 8,
                      precision: TrainingPrecision | None = None,
-                     flash_attention: bool = True) -> dict:
+                     flash_attention: bool = True, runtime: str = "tetrad") -> dict:
     """What one training step of `parallel_config` should cost, per rank.
 
-    Returns {"bytes": {"params", "grads", "optimizer", "activations_peak"} of the fullest rank,
+    Returns {"bytes": {"params", "grads", "optimizer", "activations_peak"} of the fullest rank
+    (with ZeRO-3 also "params_gathered_peak", the whole units gathered at once, which "params"
+    leaves out; with offload "host_optimizer" and "host_grads", in CPU memory), "runtime" (whose
+    tensors were counted), "idle_fraction" (the pipeline bubble's share of the step),
     "fullest_stage", "comm_bytes" and "comm_payload_bytes" (per step, per collective kind, of a
     rank of the slowest stage), "step_time_s" and "step_time_breakdown_s" (None without `gpu`),
     "model_flops_per_step", "hardware_flops_per_step", "num_parameters"}. `precision` overrides
-    the recipe `dtype` implies (e.g. fp32 master params under autocast)."""
+    the recipe `dtype` implies (e.g. fp32 master params under autocast). `runtime` "tetrad" (the
+    default: the trainer reports against it) counts tetrad's own eager runtime where
+    tetrad.planner.eager covers the layout, Megatron's fused kernels elsewhere; "megatron"
+    always the latter."""
     layout = TrainLayout.from_parallel_config(parallel_config, micro_batch, num_microbatches)
+    if runtime == "tetrad" and not eager.covers(layout):
+        runtime = "megatron"
     workload = TrainWorkload(seq_len=seq_len, dtype=dtype, flash_attention=flash_attention,
-                             recipe=precision)
+                             recipe=precision, runtime=runtime)
     check_training_layout(model_config, layout.world_size, layout, seq_len)
     # Bytes do not depend on the topology, so without a GPU all ranks share one nominal node.
     per_node = min(gpus_per_node, layout.world_size) if gpu else layout.world_size
     world = make_cluster(gpu or _NOMINAL_GPU, layout.world_size, per_node)
     estimate = evaluate_training(model_config, world, layout, workload)
     memory = estimate.memory
+    held = {"params": memory.params - memory.params_gathered, "grads": memory.grads,
+            "optimizer": memory.optimizer}
+    if layout.zero == 3:
+        held["params_gathered_peak"] = memory.params_gathered
+    if layout.offload:
+        held.update(host_optimizer=memory.host_optimizer, host_grads=memory.host_grads)
     return {
-        "bytes": {"params": memory.params, "grads": memory.grads,
-                  "optimizer": memory.optimizer, "activations_peak": memory.activations},
+        "bytes": {**held, "activations_peak": memory.activations},
+        "runtime": runtime,
         "fullest_stage": estimate.fullest_stage,
         "comm_bytes": dict(estimate.comm.sent),
         "comm_payload_bytes": dict(estimate.comm.payload),
+        # The pipeline bubble's share of the step; the schedule decides it, so a nominal GPU's
+        # kernel times serve when there is no GPU (without a pipeline it is 0).
+        "idle_fraction": estimate.step.bubble / estimate.step.total,
         "step_time_s": estimate.step.total if gpu else None,
         "step_time_breakdown_s": estimate.step.as_dict() if gpu else None,
         "model_flops_per_step": estimate.model_flops_per_step,

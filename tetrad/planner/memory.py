@@ -16,11 +16,19 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from tetrad.config import ModelConfig
+from tetrad.errors import ConfigError
+from tetrad.planner import eager
 from tetrad.planner.layout import TrainLayout
 from tetrad.planner.model_stats import (embedding_params, head_params, layer_params,
                                         norm_params, position_params)
 from tetrad.planner.precision import TrainingPrecision
 from tetrad.planner.timeline import pipeline_in_flight
+
+
+# Which training code's tensors are counted: "megatron", Korthikanti et al.'s accounting of
+# Megatron-LM's fused kernels (the published figures' stack, and the default); "tetrad", tetrad's
+# own eager PyTorch runtime, tensor by tensor (tetrad.planner.eager), for the run report.
+RUNTIMES = ("megatron", "tetrad")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +37,11 @@ class ActivationOptions:
 
     flash_attention: bool = True  # the s x s score matrix is never stored
     dropout: bool = False  # GPT-3-era models store a 1-byte mask per dropout
+    runtime: str = "megatron"  # see RUNTIMES; "tetrad" fixes the two above (SDPA, no dropout)
+
+    def __post_init__(self) -> None:
+        if self.runtime not in RUNTIMES:
+            raise ConfigError(f"unknown runtime {self.runtime!r} (known: {', '.join(RUNTIMES)})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +51,9 @@ class MemoryBreakdown:
     optimizer: float
     activations: float
     kv_cache: float = 0.0
+    params_gathered: float = 0.0  # of `params`: ZeRO-3's whole units at their peak
+    host_optimizer: float = 0.0  # offloaded to CPU memory: not in the total
+    host_grads: float = 0.0
 
     @property
     def total(self) -> float:
@@ -116,12 +132,17 @@ def model_state_bytes(config: ModelConfig, layout: TrainLayout, precision: Train
                                                 layout.offload, precision)
     expert_params, expert_grads, expert_optimizer = zero_state_bytes(
         expert, layout.expert_zero_group, layout.zero, layout.offload, precision)
-    params, grads, optimizer = (params + expert_params, grads + expert_grads,
-                                optimizer + expert_optimizer)
-    if layout.zero >= 3:
-        # FSDP gathers one block while prefetching the next: two full blocks in flight.
-        params += 2 * _biggest_layer(config) / layout.tp * precision.param_bytes
-    return params, grads, optimizer
+    return (params + expert_params + gathered_params_bytes(config, layout, precision),
+            grads + expert_grads, optimizer + expert_optimizer)
+
+
+def gathered_params_bytes(config: ModelConfig, layout: TrainLayout,
+                          precision: TrainingPrecision) -> float:
+    """ZeRO-3's whole parameters on one GPU at the peak: FSDP gathers one block while
+    prefetching the next, two full blocks in flight."""
+    if layout.zero < 3:
+        return 0.0
+    return 2 * _biggest_layer(config) / layout.tp * precision.param_bytes
 
 
 @lru_cache(maxsize=256)
@@ -224,13 +245,22 @@ def training_memory(config: ModelConfig, layout: TrainLayout, precision: Trainin
                     seq_len: int, options: ActivationOptions) -> tuple[MemoryBreakdown, int]:
     """The fullest GPU's memory and its pipeline stage. The first stage holds the most in-flight
     activations, the last the LM head and logits; a middle stage can win when the first and last
-    were given fewer layers."""
+    were given fewer layers. tetrad's own runtime on a layout its profile covers has one stage."""
+    if options.runtime == "tetrad" and eager.covers(layout):
+        state = eager.model_state(config, layout, precision)
+        activations = eager.stage_activation_bytes(config, layout, seq_len, precision)
+        return MemoryBreakdown(state.params, state.grads, state.optimizer, activations,
+                               params_gathered=state.params_gathered,
+                               host_optimizer=state.host_optimizer,
+                               host_grads=state.host_grads), 0
     best: tuple[MemoryBreakdown, int] | None = None
     for stage in representative_stages(config.num_layers, layout.pp):
         params, grads, optimizer = model_state_bytes(config, layout, precision, stage)
         activations = stage_activation_bytes(config, layout, seq_len, options,
                                              precision.activation_bytes, stage)
-        breakdown = MemoryBreakdown(params, grads, optimizer, activations)
+        breakdown = MemoryBreakdown(params, grads, optimizer, activations,
+                                    params_gathered=gathered_params_bytes(config, layout,
+                                                                          precision))
         if best is None or breakdown.total > best[0].total:
             best = (breakdown, stage)
     assert best is not None
@@ -242,6 +272,9 @@ def peak_bytes_by_zero_stage(config: ModelConfig, layout: TrainLayout,
                              options: ActivationOptions, zeros: tuple[int, ...]) -> list[float]:
     """training_memory's total for each ZeRO stage in `zeros` of an otherwise equal layout: the
     activations are computed once (the search's fast path)."""
+    if options.runtime == "tetrad" and eager.covers(layout):
+        return [training_memory(config, dataclasses.replace(layout, zero=zero), precision,
+                                seq_len, options)[0].total for zero in zeros]
     stages = representative_stages(config.num_layers, layout.pp)
     activations = [stage_activation_bytes(config, layout, seq_len, options,
                                           precision.activation_bytes, stage) for stage in stages]

@@ -20,7 +20,7 @@ from functools import lru_cache
 
 from tetrad.config import ModelConfig
 from tetrad.hardware import Cluster
-from tetrad.planner import comm
+from tetrad.planner import comm, eager
 from tetrad.planner.comm import CommLedger
 from tetrad.planner.compute import KernelTimes, optimizer_time, stage_times
 from tetrad.planner.flops import attention_head_dims, training_flops_per_sequence
@@ -49,6 +49,7 @@ class TrainWorkload:
     overlap_tp_comm: bool = False  # TP collectives pipelined with their GEMMs (userbuffers)
     overlap_p2p: bool = True  # pipeline sends and receives behind compute
     recipe: TrainingPrecision | None = None  # overrides the recipe `dtype` implies
+    runtime: str = "megatron"  # whose tensors are counted: memory.RUNTIMES
 
     @property
     def precision(self) -> TrainingPrecision:
@@ -56,7 +57,7 @@ class TrainWorkload:
 
     @property
     def activation_options(self) -> ActivationOptions:
-        return ActivationOptions(self.flash_attention, self.dropout)
+        return ActivationOptions(self.flash_attention, self.dropout, self.runtime)
 
 
 @dataclass(frozen=True)
@@ -264,6 +265,9 @@ def evaluate_training(config: ModelConfig, cluster: Cluster, layout: TrainLayout
     dp_exposed = _data_parallel(config, cluster, layout, workload, stage, kernels.forward,
                                 kernels.backward + kernels.recompute, ledger)
     pp_exposed = _pipeline_p2p(config, cluster, layout, workload, stage, ledger)
+    if count_bytes and workload.runtime == "tetrad" and eager.covers(layout):
+        for group, count in eager.scalar_all_reduces(config, layout):
+            ledger.add("all_reduce", group, eager.SCALAR, count)
     communication = m * microbatch_comm + dp_exposed + pp_exposed
     # The slowest stage's times for every stage (the simulator takes one duration per kind):
     # recomputation precedes the input gradient, and zero bubble defers the weight-gradient

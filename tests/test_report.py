@@ -1,0 +1,150 @@
+"""Predicted vs measured: real short trainings, whose run reports must carry the planner's
+prediction of every byte field and collective kind, equal to the measurement (the planner counts
+tetrad's own runtime tensor by tensor: tetrad.planner.eager); and `tetrad report`, which prints
+and draws the comparison."""
+
+import json
+
+import pytest
+
+from tetrad.cli.main import main
+from tetrad.config import ParallelConfig, TrainConfig
+from tetrad.planner import predict_training
+from tetrad.presets import preset
+from tetrad.train.launch import train_worker
+from tetrad.train.trainer import train
+from tetrad.viz.report import comparison, format_report, rank_kinds
+from dist import run_ranks
+
+RUN = dict(steps=2, batch_size=4, seq_len=32, warmup_steps=1, sample_tokens=0)
+
+
+def run_one(corpus_file, **overrides):
+    config = TrainConfig(**{"model": "tiny", "data": corpus_file, **RUN, **overrides})
+    return train(config, show_progress=False).report
+
+
+def assert_bytes_equal(report, ids_slack=0):
+    """Every byte field the rank measured is predicted, exactly; activations may exceed the
+    prediction by `ids_slack`."""
+    predicted = report["predicted"]["bytes"]
+    for entry in report["ranks"]:
+        measured = entry["bytes"]
+        assert set(measured) == set(predicted)
+        for field, value in measured.items():
+            if field == "activations_peak":
+                assert 0 <= value - predicted[field] <= ids_slack, (field, value, predicted)
+                assert predicted[field] == pytest.approx(value, rel=0.05)
+            else:
+                assert predicted[field] == value, (field, value, predicted[field])
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(), dict(dtype="bf16"), dict(dtype="fp16", grad_accum=2), dict(model="tiny-moe"),
+    dict(model="tiny-moe", dtype="bf16", model_overrides={"num_dense_layers": 1}),
+    dict(model_overrides={"norm": "layernorm", "bias": True, "position": "learned",
+                          "mlp": "gelu", "tie_embeddings": True}),
+], ids=["fp32", "bf16", "fp16-accum", "moe", "moe-bf16", "gpt2-style"])
+def test_single_process_prediction_is_exact(corpus_file, overrides):
+    report = run_one(corpus_file, **overrides)
+    assert report["predicted"]["runtime"] == "tetrad"
+    assert_bytes_equal(report)
+    assert set(report["ranks"][0]["comm_bytes"].values()) == {0}
+    assert set(report["predicted"]["comm_bytes"].values()) == {0}
+
+
+ZERO_CASES = [dict(zero=0, grad_accum=2), dict(zero=1, dtype="bf16"),
+              dict(zero=2, grad_accum=2, offload=True), dict(zero=3),
+              dict(zero=3, dtype="bf16", offload=True, model="tiny-moe")]
+
+
+def train_zero_cases(rank, world_size, corpus_file):
+    reports = []
+    for case in ZERO_CASES:
+        case = dict(case)
+        parallel = ParallelConfig(dp=2, zero=case.pop("zero"), offload=case.pop("offload", False))
+        config = TrainConfig(**{"model": "tiny", "data": corpus_file, **RUN, **case,
+                                "nproc": 2, "parallel": parallel})
+        result = train_worker(rank, world_size, config)
+        reports.append(result.report if rank == 0 else None)
+    return reports
+
+
+@pytest.fixture(scope="module")
+def zero_reports(corpus_file):
+    return run_ranks(train_zero_cases, 2, corpus_file)[0]
+
+
+@pytest.mark.parametrize("index", range(len(ZERO_CASES)),
+                         ids=[f"zero{c['zero']}" + "".join(f"-{k}" for k in c if k != "zero")
+                              for c in ZERO_CASES])
+def test_two_ranks_prediction_matches(zero_reports, index):
+    report = zero_reports[index]
+    config = report["config"]
+    # On CPU each rank's token ids are views of the whole global batch, which the embedding
+    # keeps; the planner counts this rank's rows (what a GPU rank copies to its device).
+    global_ids = config["batch_size"] * (config["seq_len"] + 1) * 8
+    assert_bytes_equal(report, ids_slack=global_ids // 2)
+    predicted = report["predicted"]["comm_bytes"]
+    for entry in report["ranks"]:
+        assert {kind: round(v) for kind, v in predicted.items()} == entry["comm_bytes"]
+    assert predicted["all_reduce"] > 0  # the logged loss at least
+
+
+def test_report_prints_the_table_and_draws(zero_reports, tmp_path, capsys):
+    path, png = tmp_path / "run.json", tmp_path / "run.png"
+    path.write_text(json.dumps(zero_reports[3]))  # ZeRO-3
+    assert main(["report", str(path), "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "ranks 0, 1" in out and "dp 2, zero 3" in out
+    for row in ("bytes params ", "bytes params_gathered_peak", "bytes activations_peak",
+                "comm reduce_scatter", "comm all_gather", "idle_fraction"):
+        assert row in out, row
+    gathered = next(line for line in out.splitlines() if "params_gathered_peak" in line)
+    assert gathered.split()[-1] == "exact"
+    activations = next(line for line in out.splitlines() if "activations_peak" in line)
+    assert activations.split()[-1].endswith("%")  # the CPU token-id slack, a fraction of 1%
+    assert "loss: first" in out and "validation" in out and "the planner times GPUs only" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_relative_errors_and_rank_kinds_of_a_pipeline_report():
+    """Stages differ in what they hold: one kind each, and only the fullest stage (the one the
+    planner predicts) is compared; a 10% miss reads +10.00%."""
+    def entry(rank, pp, params):
+        return {"rank": rank, "coords": {"dp": rank % 2, "pp": pp}, "idle_fraction": 0.1 * rank,
+                "bytes": {"params": params, "activations_peak": 1000},
+                "comm_bytes": {"p2p": 500, "all_reduce": 0}}
+    report = {"schema": 1, "config": {"parallel": {"dp": 2, "pp": 2}}, "steps": [],
+              "ranks": [entry(0, 0, 100), entry(1, 0, 100), entry(2, 1, 80), entry(3, 1, 80)],
+              "predicted": {"bytes": {"params": 110, "activations_peak": 1000},
+                            "comm_bytes": {"p2p": 500}, "fullest_stage": 0,
+                            "idle_fraction": 0.2}}
+    kinds = rank_kinds(report)
+    assert [ranks for ranks, _ in kinds] == [[0, 1], [2, 3]]
+    assert kinds[1][1]["idle_fraction"] == pytest.approx(0.3)  # the kind's slowest rank
+    first = {row["field"]: row for row in comparison(report, kinds[0][1])}
+    assert first["params"]["error"] == pytest.approx(0.1)
+    assert first["activations_peak"]["error"] == 0 and "all_reduce" not in first
+    assert all(row["predicted"] is None for row in comparison(report, kinds[1][1]))
+    text = format_report(report)
+    assert "+10.00%" in text and "ranks 2, 3 (pp 1)" in text
+    refused = format_report({**report, "predicted": {"error": "pp 2 does not divide 3 layers"}})
+    assert "prediction: none (the planner: pp 2 does not divide 3 layers)" in refused
+
+
+def test_report_rejects_what_is_not_a_run_report(tmp_path, capsys):
+    (tmp_path / "other.json").write_text('{"mode": "train"}')
+    for path in (tmp_path / "missing.json", tmp_path / "other.json"):
+        assert main(["report", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("tetrad report: error:") and "Traceback" not in err
+
+
+def test_layouts_the_profile_does_not_cover_take_megatrons_accounting():
+    small = preset("small")
+    covered = predict_training(small, ParallelConfig(dp=2, zero=1), 2, 64)
+    split = predict_training(small, ParallelConfig(tp=2), 2, 64)
+    megatron = predict_training(small, ParallelConfig(tp=2), 2, 64, runtime="megatron")
+    assert covered["runtime"] == "tetrad" and split["runtime"] == "megatron"
+    assert split["bytes"] == megatron["bytes"]

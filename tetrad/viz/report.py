@@ -1,0 +1,252 @@
+"""A run report read back: the planner's prediction next to what each rank measured, as a table
+(`tetrad report RUN.json`) and a picture (`--png`: the loss curve and the memory breakdown).
+matplotlib is imported inside `draw_report` only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tetrad.errors import ConfigError
+
+COMM_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "p2p")
+# Bottom to top of a memory bar (and the table's order); host_* are CPU memory (offload).
+PARTS = ("params", "params_gathered_peak", "grads", "optimizer", "activations_peak",
+         "host_optimizer", "host_grads")
+COLORS = {"params": "#4c72b0", "params_gathered_peak": "#8fa8d6", "grads": "#dd8452",
+          "optimizer": "#55a868", "activations_peak": "#c44e52", "host_optimizer": "#55a868",
+          "host_grads": "#dd8452"}
+
+
+def load_report(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"run report {path} does not exist (write one with tetrad train "
+                          f"--report {path})")
+    try:
+        report = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{path} is not a run report (invalid JSON: {error})") from None
+    if not isinstance(report, dict) or report.get("schema") != 1 or "ranks" not in report:
+        raise ConfigError(f"{path} is not a schema-1 run report (the JSON tetrad train --report "
+                          f"writes)")
+    return report
+
+
+def relative_error(predicted: float | None, measured: float | None) -> float | None:
+    """(predicted - measured) / measured; 0 when both are 0, None when it has no meaning."""
+    if predicted is None or measured is None:
+        return None
+    if measured == 0:
+        return 0.0 if predicted == 0 else None
+    return (predicted - measured) / measured
+
+
+def rank_kinds(report: dict[str, Any]) -> list[tuple[list[int], dict[str, Any]]]:
+    """Ranks grouped by what they hold and send (data-parallel replicas are one kind), each kind
+    as (its ranks, the entry of its first rank with the largest idle fraction of the kind)."""
+    kinds: dict[str, tuple[list[int], dict[str, Any]]] = {}
+    for entry in report["ranks"]:
+        key = json.dumps([entry["bytes"], entry["comm_bytes"], entry["coords"].get("pp", 0)],
+                         sort_keys=True)
+        if key not in kinds:
+            kinds[key] = ([], dict(entry))
+        ranks, first = kinds[key]
+        ranks.append(entry["rank"])
+        first["idle_fraction"] = max(first.get("idle_fraction", 0.0),
+                                     entry.get("idle_fraction", 0.0))
+    return list(kinds.values())
+
+
+def predicted_for(report: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any] | None:
+    """The prediction is for the fullest pipeline stage; other stages have none."""
+    predicted = report.get("predicted") or {}
+    if "bytes" not in predicted:
+        return None
+    stage = predicted.get("fullest_stage", 0)
+    return predicted if entry["coords"].get("pp", 0) == stage else None
+
+
+def comparison(report: dict[str, Any], entry: dict[str, Any]) -> list[dict[str, Any]]:
+    """Rows {section, field, predicted, measured, error} for one rank: every byte field either
+    side has, then every collective kind either side used, then the idle fraction."""
+    predicted = predicted_for(report, entry) or {}
+    rows = []
+    predicted_bytes = predicted.get("bytes", {})
+    fields = [f for f in PARTS if f in entry["bytes"] or f in predicted_bytes]
+    fields += [f for f in {**entry["bytes"], **predicted_bytes} if f not in PARTS]
+    for field in fields:
+        p, m = predicted_bytes.get(field), entry["bytes"].get(field)
+        rows.append({"section": "bytes", "field": field, "predicted": p, "measured": m,
+                     "error": relative_error(p, m)})
+    predicted_comm = predicted.get("comm_bytes", {})
+    for kind in COMM_KINDS:
+        p, m = predicted_comm.get(kind), entry["comm_bytes"].get(kind, 0)
+        if p or m:
+            rows.append({"section": "comm", "field": kind, "predicted": p, "measured": m,
+                         "error": relative_error(p, m)})
+    rows.append({"section": "idle", "field": "idle_fraction",
+                 "predicted": predicted.get("idle_fraction"),
+                 "measured": entry.get("idle_fraction"), "error": None})
+    return rows
+
+
+def _ranks_label(ranks: list[int]) -> str:
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _number(value: float | None, section: str) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3f}" if section == "idle" else f"{round(value):,}"
+
+
+def _error(error: float | None, row: dict[str, Any]) -> str:
+    if row["section"] == "idle" or row["predicted"] is None or row["measured"] is None:
+        return ""
+    if round(row["predicted"]) == round(row["measured"]):
+        return "exact"
+    return "n/a" if error is None else f"{error:+.2%}"
+
+
+def _layout(config: dict[str, Any]) -> str:
+    parallel = config.get("parallel", {})
+    degrees = [f"{axis} {parallel[axis]}" for axis in ("dp", "tp", "pp", "cp", "ep")
+               if parallel.get(axis, 1) > 1]
+    if parallel.get("dp", 1) > 1 or parallel.get("zero", 0):
+        degrees.append(f"zero {parallel.get('zero', 0)}" + (" offload" if parallel.get("offload")
+                                                           else ""))
+    return ", ".join(degrees) or "one process"
+
+
+def summary_lines(report: dict[str, Any]) -> list[str]:
+    config, steps = report.get("config", {}), report.get("steps", [])
+    predicted = report.get("predicted") or {}
+    name = config.get("model_config", {}).get("name") or config.get("model", "?")
+    params = report.get("num_parameters")
+    lines = [f"run: {name}" + (f" ({params / 1e6:.2f}M parameters)" if params else "")
+             + f", {len(report['ranks'])} rank{'s' if len(report['ranks']) > 1 else ''}: "
+             f"{_layout(config)}; "
+             f"{config.get('dtype', '?')}, batch {config.get('batch_size', '?')} x seq "
+             f"{config.get('seq_len', '?')}, grad accum {config.get('grad_accum', 1)}; "
+             f"device {(report.get('device') or {}).get('type', '?')}"]
+    if steps:
+        first, last = steps[0], steps[-1]
+        loss = (f"loss: first {first['loss']:.4f} (step {first['step']}), last "
+                f"{last['loss']:.4f} (step {last['step']})")
+        if report.get("validation_loss") is not None:
+            loss += f", validation {report['validation_loss']:.4f}"
+        lines.append(loss)
+        # The first step pays for warm-up (allocations, kernel selection): leave it out.
+        timed = steps[1:] or steps
+        measured = sum(s["time_s"] for s in timed) / len(timed)
+        step_time = f"step time: measured {measured:.4f} s (mean of {len(timed)})"
+        if predicted.get("step_time_s") is not None:
+            step_time += f", predicted {predicted['step_time_s']:.4f} s " \
+                         f"({relative_error(predicted['step_time_s'], measured):+.1%})"
+        else:
+            step_time += ", predicted - (the planner times GPUs only)"
+        lines.append(step_time)
+    if "error" in predicted:  # the planner refused the layout; the run went ahead
+        lines.append(f"prediction: none (the planner: {predicted['error']})")
+    elif predicted:
+        lines.append(f"prediction: the {predicted.get('runtime', 'megatron')} runtime's tensors; "
+                     f"bytes of the fullest rank (pipeline stage "
+                     f"{predicted.get('fullest_stage', 0)}), comm bytes sent per step")
+    return lines
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The text `tetrad report` prints."""
+    out = summary_lines(report)
+    for ranks, entry in rank_kinds(report):
+        rows = comparison(report, entry)
+        # Data-parallel replicas share a kind; the other axes that are split tell kinds apart.
+        parallel = report.get("config", {}).get("parallel", {})
+        coords = ", ".join(f"{axis} {index}" for axis, index in entry["coords"].items()
+                           if axis != "dp" and parallel.get(axis, 1) > 1)
+        out += ["", f"{_ranks_label(ranks)} ({coords})" if coords else _ranks_label(ranks)]
+        table = [("", "predicted", "measured", "error")]
+        table += [(f"{row['section']} {row['field']}" if row["section"] != "idle"
+                   else row["field"],
+                   _number(row["predicted"], row["section"]),
+                   _number(row["measured"], row["section"]), _error(row["error"], row))
+                  for row in rows]
+        widths = [max(len(line[i]) for line in table) for i in range(4)]
+        for line in table:
+            out.append("  " + line[0].ljust(widths[0]) + "".join(
+                "  " + cell.rjust(width) for cell, width in zip(line[1:], widths[1:])))
+    errors = [abs(row["error"]) for _, entry in rank_kinds(report)
+              for row in comparison(report, entry)
+              if row["section"] != "idle" and row["error"] is not None]
+    if errors:
+        out += ["", f"largest |error| over bytes and comm: {max(errors):.2%}"]
+    return "\n".join(out)
+
+
+def _unit(largest: float) -> tuple[float, str]:
+    for scale, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if largest >= scale:
+            return scale, name
+    return 1, "bytes"
+
+
+def draw_report(report: dict[str, Any], path: str | Path) -> None:
+    """Loss per step (and the validation loss) on the left; per rank kind, the predicted and
+    the measured memory as stacked bars side by side on the right (host memory hatched)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, (loss_ax, memory_ax) = plt.subplots(1, 2, figsize=(12, 4.8),
+                                             gridspec_kw={"width_ratios": [1, 1.2]})
+    steps = report.get("steps", [])
+    loss_ax.plot([s["step"] for s in steps], [s["loss"] for s in steps], color="#4c72b0",
+                 marker="o" if len(steps) < 30 else None, markersize=3, label="training loss")
+    if report.get("validation_loss") is not None:
+        loss_ax.axhline(report["validation_loss"], color="#c44e52", linestyle="--",
+                        label=f"validation loss {report['validation_loss']:.3f}")
+    loss_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    loss_ax.set_xlabel("step")
+    loss_ax.set_ylabel("loss")
+    loss_ax.set_title("loss", fontsize=10)
+    loss_ax.grid(alpha=0.3)
+    loss_ax.legend(fontsize=8)
+
+    bars: list[tuple[str, dict[str, float]]] = []
+    for ranks, entry in rank_kinds(report):
+        predicted = predicted_for(report, entry)
+        label = _ranks_label(ranks)
+        if predicted:
+            bars.append((f"{label}\npredicted", predicted["bytes"]))
+        bars.append((f"{label}\nmeasured", entry["bytes"]))
+    largest = max(sum(values.get(part, 0) for part in PARTS) for _, values in bars)
+    scale, unit = _unit(largest)
+    bottoms = [0.0] * len(bars)
+    for part in PARTS:
+        heights = [values.get(part, 0) / scale for _, values in bars]
+        if not any(heights):
+            continue
+        host = part.startswith("host_")
+        memory_ax.bar(range(len(bars)), heights, bottom=bottoms, color=COLORS[part], width=0.6,
+                      label=f"{part} (CPU)" if host else part, hatch="//" if host else None,
+                      alpha=0.55 if host else 1.0, edgecolor="white")
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    for position, total in enumerate(bottoms):
+        memory_ax.annotate(f"{total:.2f}", (position, total), ha="center", va="bottom",
+                           fontsize=8, xytext=(0, 2), textcoords="offset points")
+    memory_ax.set_xticks(range(len(bars)), [label for label, _ in bars], fontsize=8)
+    memory_ax.set_ylabel(f"{unit} per rank")
+    memory_ax.set_ylim(0, max(bottoms) * 1.12)
+    memory_ax.set_title("memory: predicted vs measured", fontsize=10)
+    memory_ax.legend(fontsize=8, bbox_to_anchor=(1.01, 1.0), loc="upper left")
+    name = report.get("config", {}).get("model_config", {}).get("name", "")
+    fig.suptitle(f"run report: {name}, {_layout(report.get('config', {}))}", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
