@@ -76,6 +76,25 @@ def test_zero3_offload_checkpoints_and_resumes(capsys, tmp_path, corpus_file, re
     assert losses(resumed) == pytest.approx(losses(reference)[3:], rel=1e-5)
 
 
+def test_the_parallel_flags_train_a_pipelined_tensor_parallel_layout(capsys, tmp_path,
+                                                                    corpus_file, reference):
+    """Every new flag through argparse, the TOML merge and the launcher: zero-bubble pipeline
+    with stages given by --stage-layers, tensor + sequence parallel, recomputation."""
+    report_path = tmp_path / "report.json"
+    run_cli(capsys, "--data", corpus_file, "--nproc", "4", "--tp", "2", "--pp", "2",
+            "--schedule", "zb", "--microbatches", "2", "--stage-layers", "1,1",
+            "--sequence-parallel", "--recompute", "selective", "--grad-accum", "2",
+            "--report", str(report_path))
+    report = json.loads(report_path.read_text())
+    assert losses(report) == pytest.approx(losses(reference), rel=1e-5)
+    parallel = report["config"]["parallel"]
+    assert (parallel["tp"], parallel["pp"], parallel["schedule"], parallel["stage_layers"],
+            parallel["sequence_parallel"], parallel["recompute"]) == (
+        2, 2, "zb", [1, 1], True, "selective")
+    assert [entry["coords"]["pp"] for entry in report["ranks"]] == [0, 0, 1, 1]
+    assert all(entry["idle_fraction"] > 0 for entry in report["ranks"])
+
+
 def fail_on_rank_one(rank, world_size):
     if rank == 1:
         raise RuntimeError("rank one breaks")
@@ -109,7 +128,10 @@ def test_bad_layouts_fail_before_any_process_starts(capsys, monkeypatch, argv, f
     assert len(err.splitlines()) == 1 or "usage:" in err, err
 
 
-def test_layout_check_names_the_fix():
-    config = TrainConfig(batch_size=8, nproc=4, parallel=ParallelConfig(dp=2, tp=2))
-    with pytest.raises(Exception, match="parallelizes over data only"):
+def test_layout_check_counts_pipeline_microbatches_in_the_batch_split():
+    config = TrainConfig(model="tiny", batch_size=12, nproc=4,
+                         parallel=ParallelConfig(dp=2, pp=2, microbatches=4))
+    with pytest.raises(Exception, match="dp 2 x grad-accum 1 x microbatches 4 .* multiple of 8"):
         launch.check_layout(config, 4)
+    launch.check_layout(TrainConfig(model="tiny", batch_size=16, nproc=4,
+                                    parallel=ParallelConfig(dp=2, pp=2, microbatches=4)), 4)

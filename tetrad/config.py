@@ -164,6 +164,7 @@ class ParallelConfig:
     microbatches: int = 0  # 0 means pp (the fewest that keeps every stage busy)
     recompute: str = "none"  # none | selective | full
     collectives: str = "backend"  # backend | ring (tetrad's own ring all-reduce on send/recv)
+    stage_layers: tuple[int, ...] = ()  # layers per pipeline stage; () balances by cost
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "cp", "tp", "ep", "vpp"):
@@ -181,6 +182,7 @@ class ParallelConfig:
         check_choice("collectives", self.collectives, ("backend", "ring"))
         if (self.dp * self.cp) % self.ep:
             raise ConfigError(f"ep {self.ep} must divide dp*cp = {self.dp * self.cp}")
+        object.__setattr__(self, "stage_layers", tuple(self.stage_layers))  # TOML gives a list
         if self.microbatches == 0:
             object.__setattr__(self, "microbatches", self.pp)
         if self.schedule == "interleaved" and self.microbatches % self.pp:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from tetrad.config import DTYPES
+from tetrad.schedules import SCHEDULES
 
 TRAIN_FLAGS: list[tuple[str, type, str]] = [
     ("--model", str, "preset name (tiny, small, tiny-moe), HF folder, config.json or TOML"),
@@ -29,6 +30,22 @@ TRAIN_FLAGS: list[tuple[str, type, str]] = [
 ]
 
 
+DEGREES = [
+    ("--dp", "data-parallel degree"),
+    ("--tp", "tensor-parallel degree (splits heads, MLP and vocabulary)"),
+    ("--pp", "pipeline-parallel degree (stages of consecutive layers)"),
+    ("--cp", "context-parallel degree (ring attention over sequence chunks)"),
+    ("--ep", "expert-parallel degree (MoE experts over the dp*cp ranks)"),
+]
+
+
+def layer_counts(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected layer counts like 3,4,4,3, got {text!r}")
+
+
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "train", help="train a transformer", description=__doc__,
@@ -43,8 +60,22 @@ def add_parser(subparsers) -> None:
     distributed = parser.add_argument_group(
         "distributed", "N local worker processes (gloo on CPU, NCCL with a GPU per rank); the "
         "same command also runs under torchrun, one node or many")
-    distributed.add_argument("--nproc", type=int, help="worker processes to start on this machine")
-    distributed.add_argument("--dp", type=int, help="data-parallel degree")
+    distributed.add_argument("--nproc", type=int,
+                             help="worker processes to start on this machine (dp*pp*cp*tp)")
+    for flag, help_text in DEGREES:
+        distributed.add_argument(flag, type=int, help=help_text)
+    distributed.add_argument("--sequence-parallel", action="store_true",
+                             help="split norms and residuals along the sequence over tp too")
+    distributed.add_argument("--schedule", choices=tuple(SCHEDULES), help="pipeline schedule")
+    distributed.add_argument("--microbatches", type=int,
+                             help="pipeline microbatches per step (default: pp)")
+    distributed.add_argument("--vpp", type=int,
+                             help="model chunks per pipeline rank (interleaved schedule)")
+    distributed.add_argument("--stage-layers", type=layer_counts, metavar="N,N,...",
+                             help="layers per pipeline stage, e.g. 3,4,4,3 (default: balanced "
+                                  "by cost)")
+    distributed.add_argument("--recompute", choices=("none", "selective", "full"),
+                             help="activation recomputation")
     distributed.add_argument("--zero", type=int, choices=(0, 1, 2, 3),
                              help="0: DDP; 1: shard optimizer state; 2: and gradients; "
                                   "3: and parameters (FSDP)")

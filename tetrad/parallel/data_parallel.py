@@ -83,6 +83,9 @@ class DataParallel:
         self.handles: list[Handle] = []
         self.order = LaunchInOrder([len(b) for b in self.buckets], self._launch)
         self._sync = False
+        # Called with {id(param): grad} of a bucket just before it is reduced: tensor parallelism
+        # sums there the gradients its ranks hold only part of (the two sums commute).
+        self.before_reduce: Callable[[dict[int, torch.Tensor]], None] | None = None
         for index, bucket in enumerate(self.buckets):
             grad = torch.zeros(sum(p.numel() for p in bucket), dtype=bucket[0].dtype,
                                device=bucket[0].device)
@@ -100,6 +103,8 @@ class DataParallel:
         return on_gradient_ready
 
     def _launch(self, index: int) -> None:
+        if self.before_reduce is not None:
+            self.before_reduce({id(p): p.grad for p in self.buckets[index]})
         grad = self.grads[index]
         # Average = sum of (grad / N): dividing first keeps fp16 sums in range.
         grad.div_(self.group.size)

@@ -41,6 +41,7 @@ own data-parallel rows, average `replicated_parameters()` gradients over dp*cp a
 from __future__ import annotations
 
 import math
+from typing import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -167,11 +168,12 @@ class ExpertParallel:
     """What expert parallelism did to a model, and the gradient handling the trainer calls."""
 
     def __init__(self, model: Transformer, mesh: Mesh, comm: Comm,
-                 capacity_factor: float | None = None):
+                 capacity_factor: float | None = None, layers: Iterable[int] | None = None):
         self.model, self.mesh, self.comm = model, mesh, comm
         self.layers: dict[int, ExpertParallelMoE] = {}
+        kept = range(len(model.layers)) if layers is None else set(layers)
         for index, block in enumerate(model.layers):
-            if block.is_moe:
+            if block.is_moe and index in kept:
                 block.mlp = ExpertParallelMoE(block.mlp, mesh["ep"], comm, capacity_factor)
                 self.layers[index] = block.mlp
         expert_ids = {id(p) for p in self.expert_parameters()}
@@ -234,8 +236,10 @@ class ExpertParallel:
 
 
 def apply_expert_parallel(model: Transformer, mesh: Mesh, comm: Comm,
-                          capacity_factor: float | None = None) -> ExpertParallel:
+                          capacity_factor: float | None = None,
+                          layers: Iterable[int] | None = None) -> ExpertParallel:
     """Keep this rank's experts of `model` (the full model, built with the same seed on every
-    rank) and dispatch tokens to the others' over mesh["ep"]. capacity_factor None: dropless."""
+    rank) and dispatch tokens to the others' over mesh["ep"]. capacity_factor None: dropless.
+    `layers`: only these blocks (the ones a pipeline rank runs; None: all of them)."""
     check_expert_parallel(model.config, mesh.dims.ep, capacity_factor)
-    return ExpertParallel(model, mesh, comm, capacity_factor)
+    return ExpertParallel(model, mesh, comm, capacity_factor, layers)

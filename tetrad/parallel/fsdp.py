@@ -204,6 +204,7 @@ class FullyShardedDataParallel(ShardedEngine):
             param.grad = None
         self._free(unit)
         self._retire()  # at most one unit's full gradient in flight
+        self._prepare_reduce(shard, grads)
         grads.div_(self.group.size)
         lo, hi = shard.shard_range
         handle = self.comm.reduce_scatter(grads[lo:hi], grads, self.group, "grads",
@@ -245,12 +246,3 @@ class FullyShardedDataParallel(ShardedEngine):
         return {"params": sum(nbytes(u.param_shard) for u in self.units) + self.live_bytes,
                 "grads": sum(nbytes(u.grad_shard) for u in self.units),
                 "params_gathered_peak": self.peak_live_bytes}
-
-    def gather_full_model(self) -> None:
-        """Make every parameter whole for good and drop the hooks (collective): for using the
-        model on one rank alone afterwards, e.g. sampling text at the end of a run."""
-        for unit in self.units:
-            self._gathered(unit)
-            for hook in unit.hooks:
-                hook.remove()
-            unit.hooks = []

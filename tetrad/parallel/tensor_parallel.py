@@ -37,6 +37,9 @@ parameters applied to a sequence shard.
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -258,24 +261,33 @@ class TensorParallelTransformer(nn.Module):
                     assert dim == 0, name  # only column-parallel rows are ever replicated
                     self.shared_rows.append((param, *shared))
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: Any = None) -> torch.Tensor:
         """input_ids: [batch, seq] -> this rank's logits [batch, seq, vocab / tp]. The operations
-        are Transformer.forward's, in its order."""
+        are Transformer.forward's, in its order. `positions` and `cache` are Transformer.forward's
+        serving path (tetrad.inference): attention over the paged KV cache of this rank's kv
+        heads, logits only for cache.logits_indices."""
         seq = input_ids.shape[-1]
-        if seq > self.config.max_seq_len:
+        if cache is None and seq > self.config.max_seq_len:
             raise ConfigError(f"sequence of {seq} tokens is longer than max_seq_len "
                               f"{self.config.max_seq_len}")
+        if self.tp.sequence_parallel and cache is not None:
+            raise ConfigError("sequence parallelism is for training: serve a model parallelized "
+                              "with sequence_parallel=False")
         if self.tp.sequence_parallel and seq % self.tp.size:
             raise ConfigError(f"--sequence-parallel needs the sequence length ({seq}) to be a "
                               f"multiple of tp ({self.tp.size})")
-        positions = torch.arange(seq, device=input_ids.device)
+        if positions is None:
+            positions = torch.arange(seq, device=input_ids.device)
         x = self.embed(input_ids)  # [b, s, h], or [b, s/tp, h] under SP
         if self.pos_embed is not None:
             x = x + self.pos_embed(self.tp.sequence_shard(positions, 0)
                                    if self.tp.sequence_parallel else positions)
         rope = self.rotary(positions) if self.rotary is not None else None  # whole sequence
-        for layer in self.layers:
-            x = layer(x, rope)
+        for index, layer in enumerate(self.layers):
+            x = layer(x, rope, None if cache is None else partial(cache.attend, index))
+        if cache is not None:
+            x = x[:, cache.logits_indices]  # only where a token is sampled: saves the vocab matmul
         x = self.norm(x)
         if self.lm_head is None:
             return self.tp.enter(x) @ self.embed.weight.t()
@@ -298,38 +310,49 @@ class TensorParallelTransformer(nn.Module):
         only this rank's tokens). One all-reduce, tag "grads"; none when nothing is partial.
         Gradients are updated in place (they may be views into a data-parallel bucket), so run
         it after the data-parallel reduction has finished: the two sums commute."""
-        if not (self.partial_params or self.shared_rows):
-            return
         for param in [*self.partial_params, *(shared[0] for shared in self.shared_rows)]:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-        pieces = [p.grad for p in self.partial_params]
-        for param, local, slots, num_shared in self.shared_rows:
-            union = param.new_zeros((num_shared, *param.shape[1:]))
-            pieces.append(union.index_copy_(0, slots, param.grad[local]))
+        self.sum_partial_gradients({id(p): p.grad for p in self.parameters()
+                                    if p.grad is not None})
+
+    def sum_partial_gradients(self, grads: dict[int, torch.Tensor]) -> None:
+        """finish_gradients for some parameters only: `grads` maps id(parameter) to its gradient
+        (e.g. views into one data-parallel bucket, summed here before the bucket is reduced).
+        Every tp rank passes the same parameters; those not partial are left alone."""
+        replicated = [grads[id(p)] for p in self.partial_params if id(p) in grads]
+        shared = [(grads[id(p)], *rest) for p, *rest in self.shared_rows if id(p) in grads]
+        if not (replicated or shared):
+            return
+        pieces = list(replicated)
+        for grad, local, slots, num_shared in shared:
+            union = grad.new_zeros((num_shared, *grad.shape[1:]))
+            pieces.append(union.index_copy_(0, slots, grad[local]))
         flat = torch.cat([piece.reshape(-1) for piece in pieces])
         self.tp.comm.all_reduce(flat, self.tp.group, "grads")
         sums = iter(flat.split([piece.numel() for piece in pieces]))
-        for param in self.partial_params:
-            param.grad.copy_(next(sums).view_as(param))
-        for param, local, slots, num_shared in self.shared_rows:
-            param.grad[local] = next(sums).view(num_shared, *param.shape[1:])[slots]
+        for grad in replicated:
+            grad.copy_(next(sums).view_as(grad))
+        for grad, local, slots, num_shared in shared:
+            grad[local] = next(sums).view(num_shared, *grad.shape[1:])[slots]
+
+    def counted_part(self, name: str, tensor: torch.Tensor) -> torch.Tensor | None:
+        """What this rank counts of `tensor` (shaped like parameter `name`) when summing over the
+        whole model across the tp group: a split parameter's rows that no lower rank holds too,
+        a replicated one on the first rank only (None: nothing)."""
+        if name not in self.shards:
+            return tensor if self.tp.index == 0 else None
+        owned = self.owned[name]
+        return tensor if owned is None else tensor.index_select(self.shards[name][0], owned)
 
     def local_grad_square(self) -> torch.Tensor:
         """Sum of squared gradients this rank owns: summed over the tp group it is the whole
         model's squared gradient norm."""
         total = torch.zeros((), device=self.embed.weight.device)
         for name, param in self.named_parameters():
-            if param.grad is None:
-                continue
-            if name not in self.shards:  # replicated: equal on every rank, counted on the first
-                if self.tp.index == 0:
-                    total += param.grad.square().sum()
-                continue
-            owned = self.owned[name]
-            grad = param.grad if owned is None else \
-                param.grad.index_select(self.shards[name][0], owned)
-            total += grad.square().sum()
+            counted = None if param.grad is None else self.counted_part(name, param.grad)
+            if counted is not None:
+                total += counted.square().sum()
         return total
 
     def clip_grad_norm(self, max_norm: float) -> float:
@@ -349,22 +372,33 @@ class TensorParallelTransformer(nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter whole, by the full model's names, in its layout: what the single-process
         model's named_parameters hold. Collective over the tp group (tag "checkpoint")."""
-        full = {}
-        for name, param in self.named_parameters():
-            value = param.detach()
-            if name in self.shards:
-                dim, indices = self.shards[name]
-                pieces = value.new_empty((self.tp.size, *value.shape))
-                self.tp.comm.all_gather(pieces.view(-1), value.reshape(-1), self.tp.group,
-                                        "checkpoint")
-                shape = list(value.shape)
-                shape[dim] = int(torch.cat(indices).max()) + 1
-                whole = value.new_empty(shape)
-                for rank, rows in enumerate(indices):  # replicated rows are equal: any copy does
-                    whole.index_copy_(dim, rows.to(value.device), pieces[rank])
-                value = whole
-            full[name] = value.clone()
-        return full
+        return {name: self.gather_whole(name, param.detach()).clone()
+                for name, param in self.named_parameters()}
+
+    def gather_whole(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """`value`, shaped like this rank's parameter `name` (the parameter, or an optimizer
+        moment of it), made whole in the single-process layout. Collective over the tp group for
+        a split parameter (tag "checkpoint"); a replicated one is returned as it is."""
+        if name not in self.shards:
+            return value
+        dim, indices = self.shards[name]
+        value = value.contiguous()
+        pieces = value.new_empty((self.tp.size, *value.shape))
+        self.tp.comm.all_gather(pieces.view(-1), value.view(-1), self.tp.group, "checkpoint")
+        shape = list(value.shape)
+        shape[dim] = int(torch.cat(indices).max()) + 1
+        whole = value.new_empty(shape)
+        for rank, rows in enumerate(indices):  # replicated rows are equal: any copy does
+            whole.index_copy_(dim, rows.to(value.device), pieces[rank])
+        return whole
+
+    def local_part(self, name: str, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a tensor shaped like the single-process parameter `name`: the
+        inverse of gather_whole, without communication."""
+        if name not in self.shards:
+            return whole
+        dim, indices = self.shards[name]
+        return whole.index_select(dim, indices[self.tp.index].to(whole.device))
 
 
 def _overlaps(indices: list[torch.Tensor], index: int, device: torch.device):

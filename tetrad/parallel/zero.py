@@ -20,6 +20,7 @@ master weights fp32; with fp16 the loss is scaled and a step whose gradients ove
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from torch import nn
@@ -47,6 +48,9 @@ class ShardedEngine:
         self.shards: list[FlatShard] = []
         self.optimizer: ShardedAdamW | None = None
         self.grad_norm = 0.0
+        # Called with {id(param): grad} of a flat buffer just before it is reduce-scattered: tensor
+        # parallelism sums there the gradients its ranks hold only part of (the sums commute).
+        self.before_reduce: Callable[[dict[int, torch.Tensor]], None] | None = None
 
     # What a stage implements.
     def _grad_shards(self) -> list[torch.Tensor]:
@@ -86,12 +90,22 @@ class ShardedEngine:
 
     def finish_gradients(self) -> None:
         """Averaged, unscaled fp32 gradients of this rank's shards, and their global norm."""
+        self.reduce_gradients()
+        self.grad_norm = global_grad_norm(self.shards, self.comm, self.group,
+                                          self._grad_shards()[0].device)
+
+    def reduce_gradients(self) -> None:
+        """finish_gradients without the norm, for a caller whose norm spans more ranks than the
+        data-parallel group (tensor or pipeline shards): it sets grad_norm itself, which clipping
+        and the fp16 overflow check then use."""
         self._finish_reduction()
         inv_scale = 1.0 / self.scaler.scale if self.scaler else None
         for shard, grad in zip(self.shards, self._grad_shards()):
             shard.set_main_grad(grad, inv_scale)
-        self.grad_norm = global_grad_norm(self.shards, self.comm, self.group,
-                                          self._grad_shards()[0].device)
+
+    def _prepare_reduce(self, shard: FlatShard, flat_grads: torch.Tensor) -> None:
+        if self.before_reduce is not None:
+            self.before_reduce(dict(zip(map(id, shard.params), shard.views(flat_grads))))
 
     def clip_grad_norm(self, max_norm: float) -> float:
         if max_norm > 0 and math.isfinite(self.grad_norm):
@@ -247,6 +261,7 @@ class ZeroDataParallel(ShardedEngine):
             self.pending.append(index)
         grads = self.flat_grads[index]
         lo, hi = self.shards[index].shard_range
+        self._prepare_reduce(self.shards[index], grads)
         grads.div_(self.group.size)
         self.handles.append(self.comm.reduce_scatter(grads[lo:hi], grads, self.group, "grads",
                                                      async_op=True))

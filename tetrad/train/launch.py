@@ -164,6 +164,8 @@ def _stop(workers: list, grace_s: float) -> None:
 def check_layout(config: TrainConfig, world_size: int) -> None:
     """What can be wrong with a distributed run's layout, as one ConfigError saying the fix."""
     from tetrad.parallel.mesh import ParallelDims
+    from tetrad.parallel.parallelize import check_parallel
+    from tetrad.presets import resolve_model
 
     parallel = config.parallel
     dims = ParallelDims.from_config(parallel)
@@ -172,19 +174,20 @@ def check_layout(config: TrainConfig, world_size: int) -> None:
             f"{world_size} processes but dp {dims.dp} x pp {dims.pp} x cp {dims.cp} x tp "
             f"{dims.tp} = {dims.world_size}: make --nproc (or torchrun's world size) the product "
             f"of the degrees, e.g. --dp {world_size // (dims.pp * dims.cp * dims.tp) or 1}")
-    if dims.world_size != dims.dp or dims.ep > 1:
-        raise ConfigError("tetrad train parallelizes over data only (--dp, --zero) so far: "
-                          "set --tp, --pp, --cp and --ep to 1")
-    if config.batch_size % (dims.dp * config.grad_accum):
+    # A rank's rows go through grad_accum steps of `microbatches` (1 without a pipeline).
+    splits = dims.dp * config.grad_accum * parallel.microbatches
+    if config.batch_size % splits:
         raise ConfigError(
             f"--batch-size {config.batch_size} does not split into dp {dims.dp} x grad-accum "
-            f"{config.grad_accum} equal microbatches: make it a multiple of "
-            f"{dims.dp * config.grad_accum}")
+            f"{config.grad_accum} x microbatches {parallel.microbatches} equal microbatches: "
+            f"make it a multiple of {splits}")
+    check_parallel(resolve_model(config.model, config.model_overrides), parallel, config.seq_len)
 
 
 def is_distributed(config: TrainConfig) -> bool:
     """Whether a run needs worker processes (ZeRO needs a process group even on one rank)."""
-    return config.nproc > 1 or config.parallel.zero > 0 or started_by_torchrun()
+    return (config.nproc > 1 or config.parallel.world_size > 1 or config.parallel.zero > 0
+            or started_by_torchrun())
 
 
 def train_worker(rank: int, world_size: int, config: TrainConfig):

@@ -23,7 +23,6 @@ from tetrad.presets import resolve_model
 from tetrad.tokenizer import load_tokenizer
 from tetrad.train import checkpoint as ckpt
 from tetrad.train.data import AnyTokenizer, Dataset
-from tetrad.memory import ActivationMeter
 from tetrad.train.metrics import build_report, rank_entry, write_json_atomic
 from tetrad.train.optim import learning_rate
 from tetrad.train.sample import sample_text
@@ -73,11 +72,17 @@ def default_device() -> torch.device:
 
 def predict(model_config: ModelConfig, config: TrainConfig, gpu: GPU | None) -> dict[str, Any]:
     """The planner's prediction for this very run, which the report puts next to the
-    measurement: same config, same cost model."""
-    micro_batch = config.batch_size // (config.parallel.dp * config.grad_accum)
-    return predict_training(model_config, config.parallel, micro_batch, config.seq_len,
-                            num_microbatches=config.grad_accum, dtype=config.dtype,
-                            gpu=gpu.name if gpu else None, precision=planned_precision(config))
+    measurement: same config, same cost model. A rank's batch goes through grad_accum pipeline
+    steps of `microbatches` microbatches each (one without a pipeline)."""
+    num_microbatches = config.grad_accum * config.parallel.microbatches
+    micro_batch = config.batch_size // (config.parallel.dp * num_microbatches)
+    try:
+        return predict_training(model_config, config.parallel, micro_batch, config.seq_len,
+                                num_microbatches=num_microbatches, dtype=config.dtype,
+                                gpu=gpu.name if gpu else None,
+                                precision=planned_precision(config))
+    except ConfigError as error:  # the planner's layout rules can be stricter than the runtime's
+        return {"error": str(error)}
 
 
 def device_gpu(device: torch.device) -> GPU | None:
@@ -105,13 +110,13 @@ def train(config: TrainConfig, make_strategy: Callable[..., Any] = LocalStrategy
     dataset = Dataset(config.data, tokenizer, config.seq_len, config.seed)
     device = default_device()
     model = build_model(model_config, config).to(device)
+    num_parameters = count_parameters(model)  # before a layout spreads the model over ranks
     strategy = make_strategy(model, config, device)
     start_step = 0
     if resume_from is not None:
         start_step, model_state, training_state = ckpt.load_checkpoint(resume_from, model_config)
         strategy.load_state_dict({"model": model_state, **training_state})
         torch.set_rng_state(training_state["rng"])
-    meter = ActivationMeter(model)
     gpu = device_gpu(device)
     predicted = predict(model_config, config, gpu)
     peak_flops = gpu.peak(config.dtype) * strategy.world_size if gpu else None
@@ -121,11 +126,11 @@ def train(config: TrainConfig, make_strategy: Callable[..., Any] = LocalStrategy
     tokens_per_step = config.batch_size * config.seq_len
     is_main = strategy.rank == 0
     progress = tqdm(range(start_step, config.steps), initial=start_step, total=config.steps,
-                    desc=f"train {model_config.name} ({count_parameters(model) / 1e6:.2f}M)",
+                    desc=f"train {model_config.name} ({num_parameters / 1e6:.2f}M)",
                     disable=not (show_progress and is_main), dynamic_ncols=True)
     for step in progress:
         started = time.perf_counter()
-        loss, aux = run_step(strategy, model, meter, dataset, config, step, device)
+        loss, aux = strategy.forward_backward(dataset.train.batch(step, config.batch_size))
         strategy.finish_gradients()
         held = {k: max(v, held.get(k, 0)) for k, v in strategy.bytes_held().items()}
         grad_norm = strategy.clip_grad_norm(config.grad_clip)
@@ -149,44 +154,20 @@ def train(config: TrainConfig, make_strategy: Callable[..., Any] = LocalStrategy
     progress.close()
     if config.checkpoint_dir and last_saved_step != config.steps:
         saved = save(strategy, config, model_config, tokenizer, config.steps)
+    ranks = strategy.gather(rank_entry(
+        strategy.rank, strategy.coords, held, strategy.activations_peak,
+        strategy.comm.totals_per_step() if strategy.comm else None, strategy.idle_fraction))
+    whole = strategy.whole_model()  # collective: the model with every parameter whole
     report = build_report(
         config={**config.to_dict(), "model_config": model_config.to_dict()}, steps=steps,
-        ranks=strategy.gather(rank_entry(strategy.rank, strategy.coords, held, meter.peak_bytes,
-                                         strategy.comm.totals_per_step() if strategy.comm
-                                         else None)),
-        predicted=predicted, num_parameters=count_parameters(model),
+        ranks=ranks, predicted=predicted, num_parameters=num_parameters,
         device={"type": device.type, "gpu": gpu.name if gpu else None},
-        validation_loss=evaluate(model, dataset, config, device))
+        validation_loss=evaluate(whole, dataset, config, device) if is_main else None)
     if config.report and is_main:
         write_json_atomic(config.report, report)
-    whole = strategy.whole_model()  # collective: sharded parameters become whole here
     sample = sample_text(whole, tokenizer, "\n", config.sample_tokens, config.seq_len,
                          seed=config.seed) if is_main else ""
     return TrainResult(report=report, checkpoint=saved, sample=sample)
-
-
-def run_step(strategy, model, meter: ActivationMeter, dataset: Dataset, config: TrainConfig,
-             step: int, device: torch.device) -> tuple[float, float | None]:
-    """Forward and backward of every microbatch of one step. Returns the batch's mean loss
-    (and mean MoE load-balance loss)."""
-    batch = strategy.local_batch(dataset.train.batch(step, config.batch_size)).to(device)
-    microbatches = batch.chunk(config.grad_accum)
-    loss_sum, aux_sum = 0.0, None
-    for index, microbatch in enumerate(microbatches):
-        inputs, targets = microbatch[:, :-1], microbatch[:, 1:]
-        with meter.measure(), strategy.autocast():
-            logits = strategy.model(inputs)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-            aux = model.aux_loss()
-            objective = loss if aux is None else loss + model.config.router_aux_loss_coef * aux
-        meter.finish_microbatch()
-        strategy.backward(objective / len(microbatches),
-                          is_last_microbatch=index == len(microbatches) - 1)
-        loss_sum += loss.item() / len(microbatches)
-        if aux is not None:
-            aux_sum = (aux_sum or 0.0) + aux.item() / len(microbatches)
-    aux_mean = None if aux_sum is None else strategy.global_mean(aux_sum)
-    return strategy.global_mean(loss_sum), aux_mean
 
 
 @torch.no_grad()

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tetrad.errors import ConfigError
@@ -61,11 +60,19 @@ class StepStats:
         return max(0.0, 1.0 - self.compute_s / self.step_s) if self.step_s > 0 else 0.0
 
 
+def whole_sequences(window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A microbatch window [batch, seq + 1] -> inputs and targets [batch, seq], positions [seq].
+    Copies, not views of the batch: what a microbatch saves for backward (its ids, its targets)
+    is then its own memory, as a received activation is, freed with it."""
+    positions = torch.arange(window.shape[1] - 1, device=window.device)
+    return window[:, :-1].clone(), window[:, 1:].clone(), positions
+
+
 @dataclass
 class _Step:
     """Tensors of one step in flight, keyed by (stage, microbatch) or (direction, stage, mb)."""
 
-    microbatches: list[tuple[torch.Tensor, torch.Tensor]]  # (inputs, targets) [mb_batch, seq]
+    microbatches: list[tuple[torch.Tensor, ...]]  # inputs, targets [mb_batch, seq]; positions
     activation_shape: tuple[int, int, int]  # [mb_batch, seq, hidden]: every tensor on the wire
     loss_scale: float
     loss: torch.Tensor
@@ -84,7 +91,8 @@ class PipelineExecutor:
     def __init__(self, stages: dict[int, PipelineStage], schedule: Schedule, pp_group: Group,
                  comm: Comm, embedding_group: Group | None = None,
                  partition: Partition | None = None,
-                 autocast: Callable[[], ContextManager] = contextlib.nullcontext):
+                 autocast: Callable[[], ContextManager] = contextlib.nullcontext,
+                 shard: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] = whole_sequences):
         if pp_group.size != schedule.pp:
             raise ConfigError(f"the schedule is for pp={schedule.pp} but the pipeline group has "
                               f"{pp_group.size} ranks: build the schedule with pp={pp_group.size}")
@@ -92,12 +100,11 @@ class PipelineExecutor:
         assert set(stages) == owned, (sorted(stages), sorted(owned))
         self.stages, self.schedule, self.group, self.comm = stages, schedule, pp_group, comm
         self.embedding_group, self.partition, self.autocast = embedding_group, partition, autocast
+        self.shard = shard
         self.actions = schedule.actions[pp_group.index]
         self.module = nn.ModuleList(stages[s] for s in sorted(stages))
         self.config = self.module[0].config
-        first_parameter = next(self.module.parameters())
-        self.dtype, self.device = first_parameter.dtype, first_parameter.device
-        self.meter = ActivationMeter(self.module)
+        self.device = next(self.module.parameters()).device
         self.tied_weight = None
         if embedding_group is not None:
             holder = stages[0] if 0 in stages else stages[schedule.num_stages - 1]
@@ -110,19 +117,22 @@ class PipelineExecutor:
     def from_model(cls, model: Transformer, mesh: Mesh, comm: Comm, schedule: str = "1f1b",
                    microbatches: int = 0, vpp: int = 1, stage_layers: Sequence[int] | None = None,
                    seq_len: int | None = None,
-                   autocast: Callable[[], ContextManager] = contextlib.nullcontext
+                   autocast: Callable[[], ContextManager] = contextlib.nullcontext,
+                   shard: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] = whole_sequences
                    ) -> "PipelineExecutor":
-        """Cut `model` (built with the same seed on every rank) into mesh.dims.pp * vpp stages
-        and keep this rank's. Collective over the world when embeddings are tied (it creates the
-        embedding groups). microbatches 0 means pp; seq_len (for balancing) defaults to the
-        model's max_seq_len."""
+        """Cut `model` (built with the same seed on every rank; a Transformer, or its tensor-
+        parallel version) into mesh.dims.pp * vpp stages and keep this rank's. Collective over
+        the world when embeddings are tied (it creates the embedding groups). microbatches 0
+        means pp; seq_len (for balancing) defaults to the model's max_seq_len. `shard` turns a
+        microbatch window into (inputs, targets, positions): ContextParallel.shard under context
+        parallelism."""
         pp = mesh.dims.pp
         plan = build_schedule(schedule, pp, microbatches or pp, vpp)
         cut = partition(model.config, pp * vpp, seq_len, stage_layers)
         tied = (embedding_group(mesh.dims, mesh.rank)
                 if model.config.tie_embeddings and pp > 1 else None)
         return cls(build_stages(model, cut, pp, mesh.coords["pp"]), plan, mesh["pp"], comm,
-                   tied, cut, autocast)
+                   tied, cut, autocast, shard)
 
     # The step -------------------------------------------------------------------------------
 
@@ -140,15 +150,16 @@ class PipelineExecutor:
         started = self._clock()
         self._compute_s = self._wait_s = 0.0
         self._sent_bytes = self._in_flight = self._peak_in_flight = 0
-        self.meter.peak_bytes = 0
+        # Built per step: a data-parallel engine (ZeRO) may have moved the parameters into flat
+        # buffers of another dtype since construction, and the meter must know their storages.
+        self.meter = ActivationMeter(self.module)
+        self.dtype = next(self.module.parameters()).dtype  # what travels between stages
         tokens = tokens.to(self.device)
         zero = torch.zeros((), device=self.device)
-        # Copies, not views of the batch: what a microbatch saves for backward (its ids, its
-        # targets) is then its own memory, as a received activation is, freed with it.
-        microbatches = [(window[:, :-1].clone(), window[:, 1:].clone())
-                        for window in tokens.chunk(num_microbatches)]
+        microbatches = [self.shard(window) for window in tokens.chunk(num_microbatches)]
+        inputs = microbatches[0][0]
         state = _Step(microbatches,
-                      (tokens.shape[0] // num_microbatches, tokens.shape[1] - 1,
+                      (inputs.shape[0], inputs.shape[1] // self.module[0].sequence_shards,
                        self.config.hidden_size), loss_scale, zero, zero.clone())
         for action in self.actions:
             self._run[action.kind](action, state)
@@ -169,7 +180,7 @@ class PipelineExecutor:
     def _forward(self, action: Action, state: _Step) -> None:
         key = (action.stage, action.microbatch)
         stage = self.stages[action.stage]
-        inputs, targets = state.microbatches[action.microbatch]
+        inputs, targets, positions = state.microbatches[action.microbatch]
         x = inputs if stage.is_first else self._received(state, "F", key)
         if not stage.is_first:
             x.requires_grad_()
@@ -177,10 +188,10 @@ class PipelineExecutor:
         num_microbatches = len(state.microbatches)
         started = self._clock()
         with self.meter.measure(), self.autocast():
-            out = stage(x)
+            out = stage(x, positions)
             objective = None
             if stage.is_last:
-                objective = F.cross_entropy(out.float().flatten(0, 1), targets.flatten())
+                objective = stage.loss(out, targets)
                 state.loss += objective.detach() / num_microbatches
             aux = stage.aux_loss()
             if aux is not None:

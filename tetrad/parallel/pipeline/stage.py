@@ -5,6 +5,11 @@ initialization equals the single-process model's without shipping any weights. P
 stay those of the full model (`layers.5.attn.qkv.weight`), so a rank's state dict is a piece of
 the single-process one and a checkpoint is the union of the ranks' pieces.
 
+A stage of a tensor-parallel model (tetrad.parallel.tensor_parallel) holds its split layers and
+computes what TensorParallelTransformer.forward computes for them: under sequence parallelism the
+activations between stages are sequence shards [b, s/tp, h], and the last stage's logits are this
+rank's vocabulary slice, turned into the loss by the vocab-parallel cross-entropy.
+
 Tied embeddings: the first stage embeds with the weight the last stage's head multiplies by. On
 two ranks each holds a copy, initialized equal; after the backward their gradients are summed over
 the two ranks (an all-reduce over `embedding_group`, Megatron's embedding group), so both copies
@@ -15,11 +20,14 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.mesh import Group, ParallelDims
 from tetrad.parallel.pipeline.partition import Partition
+from tetrad.parallel.tensor_parallel import TensorParallelTransformer
+from tetrad.parallel.vocab_parallel import vocab_parallel_cross_entropy
 
 
 class PipelineStage(nn.Module):
@@ -27,10 +35,14 @@ class PipelineStage(nn.Module):
     (token and learned positions), the last applies the final norm and the output head. Rotary
     tables carry no parameters and are recomputed on every stage."""
 
-    def __init__(self, model: Transformer, index: int, num_stages: int, layers: range):
+    def __init__(self, model: Transformer | TensorParallelTransformer, index: int,
+                 num_stages: int, layers: range):
         super().__init__()
         config = model.config
         self.config = config
+        self.tp = model.tp if isinstance(model, TensorParallelTransformer) else None
+        # Tokens per sequence on the wire between stages: 1/tp of them under sequence parallelism.
+        self.sequence_shards = self.tp.size if self.tp and self.tp.sequence_parallel else 1
         self.index, self.num_stages = index, num_stages
         self.is_first, self.is_last = index == 0, index == num_stages - 1
         holds_embedding = self.is_first or (self.is_last and config.tie_embeddings)
@@ -41,22 +53,36 @@ class PipelineStage(nn.Module):
         self.norm = model.norm if self.is_last else None
         self.lm_head = model.lm_head if self.is_last else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """First stage: token ids [batch, seq]; later stages: hidden states [batch, seq, hidden].
-        Returns hidden states, or logits [batch, seq, vocab] on the last stage. The operations
-        are Transformer.forward's, in its order, so the numbers match the single-process model."""
-        positions = torch.arange(x.shape[1], device=x.device)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """First stage: token ids [batch, seq]; later stages: hidden states [batch, seq, hidden]
+        ([batch, seq/tp, hidden] under sequence parallelism). Returns hidden states, or logits
+        [batch, seq, vocab] (vocab/tp under tensor parallelism) on the last stage. `positions`
+        [seq] are the tokens' places in their sequences (a context-parallel shard's are not
+        0..seq-1; None: 0..seq-1). The operations are the whole model's forward, in its order, so
+        the numbers match it."""
+        if positions is None:
+            seq = x.shape[1] if self.is_first else x.shape[1] * self.sequence_shards
+            positions = torch.arange(seq, device=x.device)
         if self.is_first:
             x = self.embed(x)
             if self.pos_embed is not None:
-                x = x + self.pos_embed(positions)
+                x = x + self.pos_embed(positions if self.sequence_shards == 1
+                                       else self.tp.sequence_shard(positions, 0))
         rope = self.rotary(positions) if self.rotary is not None else None
         for layer in self.layers.values():
             x = layer(x, rope)
         if self.is_last:
             x = self.norm(x)
-            x = x @ self.embed.weight.t() if self.lm_head is None else self.lm_head(x)
+            if self.lm_head is not None:
+                return self.lm_head(x)
+            return (x if self.tp is None else self.tp.enter(x)) @ self.embed.weight.t()
         return x
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of the last stage's logits against targets [batch, seq]."""
+        if self.tp is not None:
+            return vocab_parallel_cross_entropy(logits, targets, self.tp)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     def aux_loss(self) -> torch.Tensor | None:
         """Sum of this stage's MoE load-balance losses from its last forward, or None (dense)."""
@@ -64,8 +90,8 @@ class PipelineStage(nn.Module):
         return torch.stack(losses).sum() if losses else None
 
 
-def build_stages(model: Transformer, partition: Partition, pp: int, pp_index: int
-                 ) -> dict[int, PipelineStage]:
+def build_stages(model: Transformer | TensorParallelTransformer, partition: Partition, pp: int,
+                 pp_index: int) -> dict[int, PipelineStage]:
     """The stages pipeline rank `pp_index` holds: s = pp_index, pp_index + pp, ... (Megatron's
     interleaved placement, as tetrad.schedules assumes), keyed by stage index."""
     return {stage: PipelineStage(model, stage, partition.num_stages, partition.layers(stage))

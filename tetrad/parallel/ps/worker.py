@@ -25,10 +25,12 @@ import math
 from typing import Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tetrad.config import TrainConfig
 from tetrad.errors import TetradError
+from tetrad.memory import ActivationMeter
 from tetrad.parallel.comm import Comm, CommCounter
 from tetrad.parallel.mesh import Group
 from tetrad.parallel.ps.protocol import (FOREVER_S, Kind, KeyLayout, Message, PSOptions,
@@ -66,6 +68,7 @@ class ParameterServerWorker:
             param.data = view
             param.grad = self.flat_grad[offset:offset + param.numel()].view_as(param)
         self.embed = params[self.layout.sparse] if self.layout.sparse else None
+        self.meter = ActivationMeter(model)  # after the parameters moved into the flat buffer
 
     # Talking to the servers ----------------------------------------------------------------
 
@@ -144,6 +147,32 @@ class ParameterServerWorker:
         self._post(messages)
 
     # The strategy ---------------------------------------------------------------------------
+
+    idle_fraction = 0.0  # no pipeline, no bubble
+
+    @property
+    def activations_peak(self) -> int:
+        return self.meter.peak_bytes
+
+    def forward_backward(self, batch: torch.Tensor) -> tuple[float, float | None]:
+        """One step's microbatches of this worker's rows, forward and backward on its replica:
+        the loop of tetrad.train's LocalStrategy, which this layer may not import."""
+        microbatches = self.local_batch(batch).to(self.device).chunk(self.config.grad_accum)
+        loss_sum, aux_sum = 0.0, None
+        for index, window in enumerate(microbatches):
+            with self.meter.measure(), self.autocast():
+                logits = self.model(window[:, :-1])
+                loss = F.cross_entropy(logits.float().flatten(0, 1), window[:, 1:].flatten())
+                aux = self.model.aux_loss()
+                objective = (loss if aux is None
+                             else loss + self.model.config.router_aux_loss_coef * aux)
+            self.meter.finish_microbatch()
+            self.backward(objective / len(microbatches), index == len(microbatches) - 1)
+            loss_sum += loss.item() / len(microbatches)
+            if aux is not None:
+                aux_sum = (aux_sum or 0.0) + aux.item() / len(microbatches)
+        aux_mean = None if aux_sum is None else self.global_mean(aux_sum)
+        return self.global_mean(loss_sum), aux_mean
 
     def local_batch(self, batch: torch.Tensor) -> torch.Tensor:
         """This worker's slice of the global batch; pulls the embedding rows it reads."""
