@@ -22,6 +22,8 @@ ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("--preemption", str, "recompute (default) or swap, when KV blocks run out"),
     ("--attention", str, "auto (default), sdpa or tiled"),
     ("--seed", int, "engine seed: the sampling seed of requests that bring none"),
+    ("--tp", int, "tensor-parallel ranks: the weights and KV cache split over this many "
+                  "processes, one GPU each (default 1)"),
 ]
 SAMPLING_FLAGS: list[tuple[str, type, str]] = [
     ("--temperature", float, "0 is greedy (default 1.0)"),
@@ -92,7 +94,11 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    llm = build_engine(args)
+    with build_engine(args) as llm:
+        return generate(llm, args)
+
+
+def generate(llm, args: argparse.Namespace) -> int:
     params = sampling_params(args)
     start = time.perf_counter()
     if len(args.prompt) == 1 and params.n == 1:

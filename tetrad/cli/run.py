@@ -107,8 +107,13 @@ class Chat:
 def run(args: argparse.Namespace) -> int:
     from tetrad.cli.generate import sampling_params
 
-    llm = build_engine(args)
-    chat = Chat(llm, sampling_params(args), args.system)
+    with build_engine(args) as llm:
+        converse(Chat(llm, sampling_params(args), args.system))
+    return 0
+
+
+def converse(chat: Chat) -> None:
+    """Messages and /commands from stdin until /bye or the end of the input."""
     interactive = sys.stdin.isatty()
     if interactive:
         print("Type a message, /? for help, /bye to quit.")
@@ -128,4 +133,3 @@ def run(args: argparse.Namespace) -> int:
                 break
             continue
         chat.answer(line)
-    return 0

@@ -34,7 +34,16 @@ def run(args: argparse.Namespace) -> int:
 
     llm = build_engine(args)
     name = args.served_model_name or llm.path.resolve().name
-    app = build_app(llm, name, ChatFormatter(load_chat_template(llm.path)))
+    server = None  # the app stops it when the engine can no longer step (a dead tp rank)
+    app = build_app(llm, name, ChatFormatter(load_chat_template(llm.path)),
+                    on_fatal=lambda: setattr(server, "should_exit", True))
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level="warning"))
     print(f"serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    try:
+        server.run()
+    finally:
+        llm.close()
+    if llm.failure is not None:
+        raise llm.failure
     return 0

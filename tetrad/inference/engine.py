@@ -2,11 +2,13 @@
 the add_request / step / abort interface the server drives from its engine thread.
 
 One step = schedule (scheduler.py) -> run the model over the paged cache (runner.py) -> sample
-(sampler.py) -> append tokens, detokenize, stop, retire finished sequences.
+(sampler.py) -> append tokens, detokenize, stop, retire finished sequences. With tp > 1 the model
+step runs on tp ranks (tp.py); everything else stays in this process.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import queue
@@ -22,15 +24,15 @@ from torch import nn
 from tetrad.config import check_choice, check_positive, from_dict
 from tetrad.errors import ConfigError
 from tetrad.inference.block_manager import BlockManager
-from tetrad.inference.kv_cache import (DTYPE_BYTES, TORCH_DTYPES, KVCache, parse_bytes,
-                                       plan_kv_pool)
+from tetrad.inference.kv_cache import DTYPE_BYTES
 from tetrad.inference.metrics import EngineMetrics
 from tetrad.inference.output import CompletionOutput, Detokenizer, RequestOutput
 from tetrad.inference.params import SamplingParams
-from tetrad.inference.runner import ATTENTION_BACKENDS, ModelRunner
+from tetrad.inference.runner import ATTENTION_BACKENDS, StepPlan, load_runner
 from tetrad.inference.sampler import Sampler
 from tetrad.inference.scheduler import Scheduler, SchedulerConfig
 from tetrad.inference.sequence import Sequence
+from tetrad.inference.tp import TensorParallelDriver
 
 
 @dataclass(frozen=True)
@@ -51,11 +53,12 @@ class EngineConfig:
     attention: str = "auto"
     watermark: float = 0.01
     seed: int = 0
+    tp: int = 1  # tensor-parallel ranks (processes; GPUs with --device cuda)
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, tuple(DTYPE_BYTES))
         check_choice("attention", self.attention, ATTENTION_BACKENDS)
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tp"):
             check_positive(name, getattr(self, name))
         for name in ("num_blocks", "max_model_len", "watermark"):
             check_positive(name, getattr(self, name), allow_zero=True)
@@ -81,7 +84,9 @@ class LLM:
     def __init__(self, model: str | Path | nn.Module, tokenizer=None, *, log=print,
                  **engine_config):
         """model: an HF folder, a tetrad checkpoint folder, or a tetrad Transformer (tests).
-        tokenizer: anything with encode / decode / eos_id; by default the model folder's."""
+        tokenizer: anything with encode / decode / eos_id; by default the model folder's.
+        With tp > 1 the engine starts tp - 1 more processes (or joins a process group of tp
+        ranks: see tetrad.inference.tp); close() stops them."""
         self.config = config = from_dict(EngineConfig, engine_config)
         self.eos_token_ids: tuple[int, ...] = ()
         self.path = None if isinstance(model, nn.Module) else Path(model)
@@ -98,21 +103,24 @@ class LLM:
         self.tokenizer = tokenizer
         if getattr(tokenizer, "eos_id", None) is not None:
             self.eos_token_ids = tuple(sorted({*self.eos_token_ids, tokenizer.eos_id}))
-        device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available()
-                              else "cpu" if config.device == "auto" else config.device)
-        dtype = TORCH_DTYPES[config.dtype]
-        self.model = model.to(device).eval()
-        for param in self.model.parameters():  # buffers (rotary frequencies) stay fp32
-            param.data = param.data.to(dtype)
         self.model_config = model.config
         self.max_model_len = min(config.max_model_len or model.config.max_seq_len,
                                  model.config.max_seq_len)
-        plan = plan_kv_pool(model.config, config.dtype, device, config.block_size,
-                            None if config.kv_memory is None else parse_bytes(config.kv_memory),
-                            parse_bytes(config.swap_memory) if config.preemption == "swap" else 0,
-                            self.max_model_len)
-        if config.num_blocks:
-            plan = plan.with_blocks(config.num_blocks)
+        self.tp: TensorParallelDriver | None = None
+        if config.tp > 1:
+            # The driver splits the model in place: the caller's model object stays whole. The
+            # other ranks load the folder themselves, or get the model object pickled.
+            source = model if self.path is None else str(self.path)
+            self.tp = TensorParallelDriver(copy.deepcopy(model) if self.path is None else model,
+                                           source, config, self.max_model_len)
+            self.runner, plan = self.tp.runner, self.tp.kv_plan
+            self._execute = self.tp.execute
+        else:
+            device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available()
+                                  else "cpu" if config.device == "auto" else config.device)
+            self.runner, plan = load_runner(model, config, self.max_model_len, device)
+            self._execute = self.runner.execute
+        self.model = self.runner.model
         self.kv_plan = plan
         if log:
             log(plan.describe())
@@ -122,8 +130,6 @@ class LLM:
                                                    config.max_num_batched_tokens,
                                                    self.max_model_len, config.preemption),
                                    self.block_manager)
-        self.runner = ModelRunner(self.model, KVCache(model.config, plan, dtype, device),
-                                  plan.block_size, config.attention)
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, _Request] = {}
         self._incoming: queue.SimpleQueue = queue.SimpleQueue()  # _Requests from any thread
@@ -167,7 +173,7 @@ class LLM:
         batch = self.scheduler.schedule()
         self.peak_blocks_used = max(self.peak_blocks_used, self.block_manager.num_used_blocks)
         if batch.seqs:
-            logits = self.runner.execute(batch)
+            logits = self._execute(StepPlan.from_batch(batch, self.kv_plan.block_size))
             to_sample = self.scheduler.advance(batch)
             rows = torch.tensor([row for _, row in to_sample], device=logits.device)
             seqs = [seq for seq, _ in to_sample]
@@ -229,6 +235,24 @@ class LLM:
         if request.num_finished == len(request.output.outputs):
             request.output.finished = True
             request.output.finish_time = now
+
+    # ---- tensor-parallel ranks -----------------------------------------------------------------
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the tensor-parallel ranks stopped (the engine cannot step again), or None."""
+        return None if self.tp is None else self.tp.failure
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do with tp=1); no step after this."""
+        if self.tp is not None:
+            self.tp.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     # ---- state ---------------------------------------------------------------------------------
 

@@ -2,13 +2,15 @@
 
 One allocation holds every layer's K and V pools: pool[layer, 0] is that layer's K pool
 [num_blocks, block_size, kv_heads, head_dim], pool[layer, 1] its V pool. Keeping them in one
-tensor makes a block copy (copy-on-write, swap) one indexing operation for all layers.
+tensor makes a block copy (copy-on-write, swap) one indexing operation for all layers. Under
+tensor parallelism each rank's pool holds only its own kv heads (ceil(kv_heads / tp): a kv head is
+replicated when there are fewer than ranks), with the same blocks on every rank.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -45,10 +47,10 @@ class KVPlan:
     bytes_per_token: int
     num_cpu_blocks: int
     max_model_len: int
+    tp: int = 1  # bytes_per_token and the pools are one tensor-parallel rank's
 
     def with_blocks(self, num_blocks: int) -> "KVPlan":
-        return KVPlan(num_blocks, self.block_size, self.bytes_per_token, self.num_cpu_blocks,
-                      self.max_model_len)
+        return replace(self, num_blocks=num_blocks)
 
     @property
     def num_tokens(self) -> int:
@@ -57,18 +59,22 @@ class KVPlan:
     def describe(self) -> str:
         total = self.num_tokens * self.bytes_per_token
         full = self.num_tokens // self.max_model_len
+        per_rank = f" per rank on each of {self.tp} tensor-parallel ranks" if self.tp > 1 else ""
         return (f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens = "
                 f"{self.num_tokens} tokens x {self.bytes_per_token} bytes = {total / 2**20:.1f} MiB"
+                f"{per_rank}"
                 f"{f', {self.num_cpu_blocks} CPU swap blocks' if self.num_cpu_blocks else ''}; "
                 f"max concurrent sequences: {full} at the full context of {self.max_model_len} "
                 f"tokens, more when shorter")
 
 
 def plan_kv_pool(config: ModelConfig, dtype: str, device: torch.device, block_size: int,
-                 kv_memory: int | None, swap_memory: int, max_model_len: int) -> KVPlan:
-    """Blocks that fit the budget: --kv-memory, capped on a GPU by what the weights leave free."""
+                 kv_memory: int | None, swap_memory: int, max_model_len: int, tp: int = 1
+                 ) -> KVPlan:
+    """Blocks that fit the budget: --kv-memory, capped on a GPU by what the weights leave free.
+    With tp > 1 the budget is one rank's, for the bytes per token of its own kv heads."""
     # The planner's formula, so `tetrad plan serve` and the engine size the same pool.
-    per_token = int(kv_bytes_per_token(config, DTYPE_BYTES[dtype]))
+    per_token = int(kv_bytes_per_token(config, DTYPE_BYTES[dtype], tp))
     budget = kv_memory if kv_memory is not None else DEFAULT_CPU_KV_MEMORY
     if device.type == "cuda":
         free = int(torch.cuda.mem_get_info(device)[0] * DEVICE_MEMORY_FRACTION)
@@ -79,19 +85,20 @@ def plan_kv_pool(config: ModelConfig, dtype: str, device: torch.device, block_si
                           f"tokens ({per_token * block_size} bytes): raise --kv-memory or lower "
                           f"--block-size")
     return KVPlan(num_blocks, block_size, per_token, swap_memory // (per_token * block_size),
-                  max_model_len)
+                  max_model_len, tp)
 
 
 class KVCache:
     def __init__(self, config: ModelConfig, plan: KVPlan, dtype: torch.dtype,
                  device: torch.device):
-        shape = (config.num_layers, 2, plan.num_blocks, plan.block_size, config.num_kv_heads,
+        kv_heads = -(-config.num_kv_heads // plan.tp)  # this rank's (tensor_parallel.kv_heads_of)
+        shape = (config.num_layers, 2, plan.num_blocks, plan.block_size, kv_heads,
                  config.head_dim)
         self.pool = torch.zeros(shape, dtype=dtype, device=device)
         # Pinned host memory makes the device <-> CPU swap copies asynchronous-capable and fast.
         self.cpu_pool = torch.zeros((*shape[:2], plan.num_cpu_blocks, *shape[3:]), dtype=dtype,
                                     pin_memory=device.type == "cuda")
-        self.kv_heads, self.head_dim = config.num_kv_heads, config.head_dim
+        self.kv_heads, self.head_dim = kv_heads, config.head_dim
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.pool[index, 0], self.pool[index, 1]

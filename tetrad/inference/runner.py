@@ -4,18 +4,30 @@ token of every sequence, flattened into a single row, with attention over the pa
 The runner owns no model math. It calls the model's own forward with a `cache` (a StepContext);
 each attention layer hands it q, k, v after the model's QKV projection and rotary embedding, and
 gets back attention over the sequence's cached context plus its new tokens.
+
+A step reaches the runner as a StepPlan: plain integers, nothing of the scheduler's objects, so
+that under tensor parallelism rank 0 can send it to the other ranks (tetrad.inference.tp) and
+every rank builds the same step from it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from tetrad.errors import ConfigError
 from tetrad.inference.attention import sdpa_paged_attention, tiled_paged_attention
-from tetrad.inference.kv_cache import KVCache
+from tetrad.inference.kv_cache import (TORCH_DTYPES, KVCache, KVPlan, parse_bytes,
+                                       plan_kv_pool)
 from tetrad.inference.scheduler import ScheduledBatch
 from tetrad.models.layers import causal_attention
+
+if TYPE_CHECKING:
+    from tetrad.inference.engine import EngineConfig
+    from tetrad.inference.tp import TensorParallelRanks
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "tiled")
 # With "auto", a call whose gathered K/V copy would exceed this many bytes goes to the tiled
@@ -23,6 +35,77 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "tiled")
 # as fast for prefill chunks over a cached context and on par for small decode batches; the tiled
 # kernel ties or wins for decode batches whose contexts add up to 100+ MB of K/V.
 GATHER_LIMIT_BYTES = 64 * 2**20
+
+
+def _flat(pairs: list[tuple[int, int]]) -> list[int]:
+    return [block for pair in pairs for block in pair]
+
+
+def _pairs(flat: list[int]) -> list[tuple[int, int]]:
+    return list(zip(flat[0::2], flat[1::2]))
+
+
+@dataclass
+class StepPlan:
+    """One step as plain integers: for each scheduled sequence its new tokens, the position of the
+    first (its num_computed_tokens), whether the last one gets logits, and the block table entries
+    that cover them; and the block copies to do before the forward (ScheduledBatch's order)."""
+
+    token_ids: list[int] = field(default_factory=list)  # [tokens], sequence after sequence
+    starts: list[int] = field(default_factory=list)  # [seqs]
+    num_tokens: list[int] = field(default_factory=list)  # [seqs]
+    samples: list[int] = field(default_factory=list)  # [seqs] 1: a logits row for its last token
+    tables: list[list[int]] = field(default_factory=list)  # [seqs][ceil((start + num) / size)]
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
+
+    @classmethod
+    def from_batch(cls, batch: ScheduledBatch, block_size: int) -> "StepPlan":
+        plan = cls(swap_out=batch.swap_out, copies=batch.copies, swap_in=batch.swap_in)
+        for seq, num_new, samples in zip(batch.seqs, batch.num_tokens, batch.samples):
+            start = seq.num_computed_tokens
+            plan.token_ids += seq.token_ids[start:start + num_new]
+            plan.starts.append(start)
+            plan.num_tokens.append(num_new)
+            plan.samples.append(int(samples))
+            plan.tables.append(seq.block_table[:-(-(start + num_new) // block_size)])
+        return plan
+
+    # The wire format (tensor-parallel ranks): sizes first, then every list in one int64 row of
+    # payload_size(sizes) values. Table lengths are not sent: they follow from start + num_tokens.
+
+    def sizes(self) -> list[int]:
+        """[seqs, tokens, table entries, swap-outs, copies, swap-ins]."""
+        return [len(self.starts), len(self.token_ids), sum(map(len, self.tables)),
+                len(self.swap_out), len(self.copies), len(self.swap_in)]
+
+    @staticmethod
+    def payload_size(sizes: list[int]) -> int:
+        seqs, tokens, entries, swap_out, copies, swap_in = sizes
+        return tokens + 3 * seqs + entries + 2 * (swap_out + copies + swap_in)
+
+    def payload(self) -> list[int]:
+        return [*self.token_ids, *self.starts, *self.num_tokens, *self.samples,
+                *(block for table in self.tables for block in table),
+                *_flat(self.swap_out), *_flat(self.copies), *_flat(self.swap_in)]
+
+    @classmethod
+    def decode(cls, sizes: list[int], payload: list[int], block_size: int) -> "StepPlan":
+        seqs, tokens, entries, swap_out, copies, swap_in = sizes
+        end = 0
+
+        def take(count: int) -> list[int]:
+            nonlocal end
+            end += count
+            return payload[end - count:end]
+
+        plan = cls(take(tokens), take(seqs), take(seqs), take(seqs))
+        plan.tables = [take(-(-(start + num) // block_size))
+                       for start, num in zip(plan.starts, plan.num_tokens)]
+        plan.swap_out, plan.copies, plan.swap_in = (_pairs(take(2 * n))
+                                                    for n in (swap_out, copies, swap_in))
+        return plan
 
 
 class StepContext:
@@ -85,21 +168,20 @@ class ModelRunner:
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, StepContext]:
+    def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, StepContext]:
         """(input ids [tokens], positions [tokens], the step's context) for the forward pass."""
         size = self.block_size
-        tokens, positions, slots, logits_rows = [], [], [], []
+        positions, slots, logits_rows = [], [], []
         decode_rows, decode_tables, decode_positions = [], [], []
         context = StepContext(self.kv_cache, self.attention, self.device)
-        for seq, num_new, samples in zip(batch.seqs, batch.num_tokens, batch.samples):
-            start, row = seq.num_computed_tokens, len(tokens)
+        row = 0
+        for start, num_new, samples, table in zip(plan.starts, plan.num_tokens, plan.samples,
+                                                  plan.tables):
             span = range(start, start + num_new)
-            tokens += seq.token_ids[start:start + num_new]
             positions += span
-            slots += [seq.block_table[p // size] * size + p % size for p in span]
+            slots += [table[p // size] * size + p % size for p in span]
             if samples:
                 logits_rows.append(row + num_new - 1)
-            table = seq.block_table[:-(-(start + num_new) // size)]
             if num_new == 1:
                 decode_rows.append(row)
                 decode_tables.append(table)
@@ -109,6 +191,7 @@ class ModelRunner:
             else:
                 context.chunks.append((row, row + num_new, self._tensor([table]),
                                        self._tensor([list(span)])))
+            row += num_new
         if decode_rows:
             width = max(len(table) for table in decode_tables)
             context.decode_rows = self._tensor(decode_rows)
@@ -117,14 +200,41 @@ class ModelRunner:
             context.decode_positions = self._tensor(decode_positions)
         context.slots = self._tensor(slots)
         context.logits_indices = self._tensor(logits_rows)
-        return self._tensor(tokens), self._tensor(positions), context
+        return self._tensor(plan.token_ids), self._tensor(positions), context
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Run the step; logits [sequences with samples set, vocab] in batch order."""
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        """Run the step; logits [sequences with samples set, vocab] in plan order (under tensor
+        parallelism this rank's slice, [.., vocab / tp])."""
         # Swap-outs first: their device blocks may be handed to another sequence in this step.
-        self.kv_cache.swap_out(batch.swap_out)
-        self.kv_cache.copy_blocks(batch.copies)
-        self.kv_cache.swap_in(batch.swap_in)
-        input_ids, positions, context = self.prepare(batch)
+        self.kv_cache.swap_out(plan.swap_out)
+        self.kv_cache.copy_blocks(plan.copies)
+        self.kv_cache.swap_in(plan.swap_in)
+        input_ids, positions, context = self.prepare(plan)
         return self.model(input_ids.unsqueeze(0), positions, cache=context)[0]
+
+
+def load_runner(model: nn.Module, config: "EngineConfig", max_model_len: int,
+                device: torch.device, ranks: "TensorParallelRanks | None" = None
+                ) -> tuple[ModelRunner, KVPlan]:
+    """This rank's runner: the model (with `ranks`, this rank's tensor-parallel share of it) on
+    the device in the engine's dtype, and a KV pool sized from config. Every tensor-parallel rank
+    calls it, in the same order: the ranks agree on the number of blocks here."""
+    if ranks is not None:
+        model = ranks.shard(model)
+    model = model.to(device).eval()
+    dtype = TORCH_DTYPES[config.dtype]
+    for param in model.parameters():  # buffers (rotary frequencies) stay fp32
+        param.data = param.data.to(dtype)
+    tp = 1 if ranks is None else ranks.size
+    plan = plan_kv_pool(model.config, config.dtype, device, config.block_size,
+                        None if config.kv_memory is None else parse_bytes(config.kv_memory),
+                        parse_bytes(config.swap_memory) if config.preemption == "swap" else 0,
+                        max_model_len, tp)
+    if config.num_blocks:
+        plan = plan.with_blocks(config.num_blocks)
+    if ranks is not None:
+        plan = ranks.agree(plan)
+    runner = ModelRunner(model, KVCache(model.config, plan, dtype, device), plan.block_size,
+                         config.attention)
+    return runner, plan

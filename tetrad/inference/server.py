@@ -4,7 +4,9 @@ streaming by server-sent events), /v1/models, /health and Prometheus /metrics.
 The engine steps on a thread of its own (AsyncEngine); the event loop only validates requests,
 queues them and relays their outputs, so a long step never stalls HTTP. A bad request gets a 400
 with OpenAI's error body and the server keeps serving; a client that disconnects has its request
-aborted, which frees its KV blocks at the next step.
+aborted, which frees its KV blocks at the next step. An engine that can no longer step (a
+tensor-parallel rank died) fails the requests in flight, answers 503 and calls `on_fatal`
+(`tetrad serve` stops the server there).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 
 from fastapi import FastAPI, Request
@@ -29,6 +31,10 @@ from tetrad.inference.chat import ChatFormatter
 from tetrad.inference.engine import LLM
 from tetrad.inference.output import RequestOutput
 from tetrad.inference.params import SamplingParams
+
+
+class EngineStopped(TetradError):
+    """The engine can no longer step: requests get a 503."""
 
 
 class RequestStream:
@@ -53,8 +59,9 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, llm: LLM):
-        self.llm = llm
+    def __init__(self, llm: LLM, on_fatal: Callable[[], None] | None = None):
+        self.llm, self.on_fatal = llm, on_fatal
+        self.failure: BaseException | None = None  # set when the engine can no longer step
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -71,6 +78,8 @@ class AsyncEngine:
 
     def submit(self, prompt: str | list[int], params: SamplingParams) -> RequestStream:
         """Queue a request; raises (TetradError) at once when it could never run."""
+        if self.failure is not None:
+            raise EngineStopped(f"the engine stopped: {self.failure}")
         request_id = f"req-{uuid.uuid4().hex}"
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
@@ -100,8 +109,14 @@ class AsyncEngine:
                 outputs = self.llm.step()
             except Exception as error:  # a bug, not a bad request: fail the requests in flight
                 traceback.print_exc()
+                if self.llm.failure is not None:  # a tensor-parallel rank is gone: no more steps
+                    self.failure = error
                 self._fail_all(error)
-                continue
+                if self.failure is None:
+                    continue
+                if self.on_fatal is not None:
+                    self.on_fatal()
+                return
             for output in outputs:
                 with self._lock:
                     entry = (self._streams.pop(output.request_id, None) if output.finished
@@ -222,8 +237,9 @@ async def final_outputs(request: Request, streams: list[RequestStream]) -> list 
     return task.result()
 
 
-def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None) -> FastAPI:
-    engine = AsyncEngine(llm)
+def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None,
+              on_fatal: Callable[[], None] | None = None) -> FastAPI:
+    engine = AsyncEngine(llm, on_fatal)
     chat = chat or ChatFormatter()
 
     @asynccontextmanager
@@ -243,6 +259,8 @@ def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None) -> F
 
     @app.exception_handler(TetradError)
     async def rejected(_request, error: TetradError):
+        if isinstance(error, EngineStopped):
+            return error_response(503, str(error), "server_error")
         return error_response(400, str(error))
 
     def submit_all(prompts: list, params: SamplingParams) -> list[RequestStream]:
@@ -270,6 +288,8 @@ def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None) -> F
 
     @app.get("/health")
     async def health():
+        if engine.failure is not None:
+            return error_response(503, f"the engine stopped: {engine.failure}", "server_error")
         return {"status": "ok"}
 
     @app.get("/v1/models")

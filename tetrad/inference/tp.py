@@ -1,0 +1,403 @@
+"""Tensor-parallel decoding (`LLM(path, tp=2)`, `tetrad serve PATH --tp 2`): the engine's model
+split over tp ranks with the training code's layers (tetrad.parallel.tensor_parallel: attention by
+heads, the MLP by hidden units, embedding and head by vocabulary rows), each rank holding 1/tp of
+the weights and a KV pool of its own kv heads (a kv head is replicated on tp / num_kv_heads ranks
+when there are fewer kv heads than ranks).
+
+Rank 0 is the process that made the LLM: the scheduler, block manager and sampler run there only,
+unchanged. Each step:
+  1. rank 0 broadcasts the step (runner.StepPlan: a header of sizes, then one int64 row of token
+     ids, starts, token counts, sample flags, block tables and block copies) on the control group;
+  2. every rank does the block copies on its own pool and runs the same forward in lockstep: the
+     embedding and each layer's attention and MLP end in an all-reduce over mesh["tp"];
+  3. every other rank sends its vocabulary slice of the logits [samples, vocab / tp] to rank 0,
+     which concatenates them (rank order is vocabulary order) and samples.
+
+The control group is gloo on the CPU (a step is host data), with a timeout that never fires: the
+other ranks wait there for as long as the engine is idle. The model's collectives run on
+mesh["tp"] (NCCL on GPUs) under the collective timeout. A rank that dies closes its sockets, so
+the others' next collective fails at once; rank 0 then reports the dead rank's traceback (workers
+send it on a queue), stops the rest and refuses further steps.
+
+Started without a process group, LLM spawns ranks 1..tp-1 itself (the spawn start method; rank 0
+hosts the rendezvous store) and owns the process group; each worker loads the model folder itself
+(a model object travels to it pickled). Inside a process group of exactly tp ranks (torchrun, the
+tests) LLM runs on rank 0 and every other rank runs `TensorParallelWorker(model).serve()`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import queue
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar, NoReturn
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tetrad.errors import ConfigError, TetradError
+from tetrad.inference.kv_cache import KVPlan
+from tetrad.inference.runner import StepPlan, load_runner
+from tetrad.models.hf import load_pretrained
+from tetrad.parallel.comm import Comm, CommCounter
+from tetrad.parallel.mesh import Group, ParallelDims, build_mesh
+from tetrad.parallel.tensor_parallel import (TensorParallelTransformer, check_tensor_parallel,
+                                             parallelize_tensor)
+
+if TYPE_CHECKING:
+    from tetrad.inference.engine import EngineConfig
+
+HOST = "127.0.0.1"
+COLLECTIVE_TIMEOUT_S = 300.0  # a model collective waiting longer than this means a rank is stuck
+IDLE_TIMEOUT = datetime.timedelta(days=365)  # the control group's: an idle engine waits forever
+REPORT_WAIT_S = 2.0  # after a failed collective, how long rank 0 waits for a worker's traceback
+STOP_GRACE_S = 10.0  # how long closed workers get to exit before they are terminated
+STARTED_KEY = "tetrad-tp/started"  # set by each spawned worker once torch is imported
+STOP, STEP = 0, 1
+HEADER_SIZE = 7  # [STOP or STEP, *StepPlan.sizes()]
+# Comm tags: the step broadcast, the logits sent to rank 0, the start-up exchanges. The model's
+# all-reduces carry tensor parallelism's own tag, "activations".
+STEP_TAG, LOGITS_TAG, SETUP_TAG = "step", "logits", "setup"
+
+
+class TensorParallelError(TetradError):
+    """A tensor-parallel rank failed: the message names it and carries its error."""
+
+
+def device_type(device: str, tp: int) -> str:
+    """Where the ranks compute: "cuda" (rank r on cuda:r) when the machine has a GPU per rank,
+    "cpu" when it has none or --device cpu says so."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.startswith("cuda:"):
+        raise ConfigError(f"--device {device} names one GPU, but with --tp {tp} rank r runs on "
+                          f"cuda:r: use --device cuda")
+    if device == "cpu" or (device == "auto" and gpus == 0):
+        return "cpu"
+    if gpus < tp:
+        raise ConfigError(f"--tp {tp} needs {tp} GPUs (one per rank), torch sees {gpus}: lower "
+                          f"--tp or use --device cpu")
+    return "cuda"
+
+
+class TensorParallelRanks:
+    """This rank's place in a process group that spans exactly the engine's tp ranks: the mesh
+    of the distributed core (ParallelDims(tp=world size); mesh["tp"] carries the model's
+    collectives and the logits), the control group (the step messages), the Comm that counts
+    every byte, and the device. Collective: every rank constructs it, in the same order."""
+
+    def __init__(self, device: torch.device | None = None):
+        world, rank = dist.get_world_size(), dist.get_rank()
+        self.mesh = build_mesh(ParallelDims(tp=world), rank, world)
+        ranks = list(range(world))
+        self.control = Group("control", tuple(ranks), rank,
+                             dist.new_group(ranks, timeout=IDLE_TIMEOUT, backend="gloo"))
+        self.comm = Comm(CommCounter())
+        if device is None:  # in a process group someone else started: its backend decides
+            device = (torch.device("cuda", torch.cuda.current_device())
+                      if dist.get_backend() == "nccl" else torch.device("cpu"))
+        self.device = device
+
+    @property
+    def group(self) -> Group:
+        return self.mesh["tp"]
+
+    @property
+    def size(self) -> int:
+        return self.group.size
+
+    def share(self, value):
+        """Rank 0's `value` on every rank (the others pass None)."""
+        return self.comm.all_gather_object(value, self.control, SETUP_TAG)[0]
+
+    def shard(self, model: nn.Module) -> TensorParallelTransformer:
+        """This rank's share of the whole `model`, whose layers are replaced in place."""
+        return parallelize_tensor(model, self.mesh, self.comm)
+
+    def agree(self, plan: KVPlan) -> KVPlan:
+        """Every rank's pool gets the blocks the tightest rank can hold (on GPUs each rank sized
+        its pool from its own free memory): the block ids rank 0 hands out must exist on all."""
+        blocks = self.comm.all_gather_object(plan.num_blocks, self.control, SETUP_TAG)
+        return plan.with_blocks(min(blocks))
+
+    def close(self) -> None:
+        dist.destroy_process_group(self.control.handle)
+
+
+class TensorParallelDriver:
+    """Rank 0 of a tensor-parallel engine: starts the other ranks (or joins the process group
+    they are in), holds its share of the model and KV pool (`runner`, `kv_plan`), and runs every
+    step on all ranks. After a failure it stops the other ranks and refuses to step again: the
+    ranks may have been left inside different collectives."""
+
+    # The process group a driver of this process started, while it is open: torch.distributed
+    # has one default group per process, so a second engine could only join the first's ranks.
+    _spawned_world: ClassVar[TensorParallelDriver | None] = None
+
+    def __init__(self, model: nn.Module, source: nn.Module | str, config: EngineConfig,
+                 max_model_len: int):
+        """`model`: the whole model, split in place; `source`: what spawned workers load (a
+        folder) or receive pickled (a model object)."""
+        check_tensor_parallel(model.config, config.tp)
+        self.workers: list[multiprocessing.Process] = []
+        self._errors: multiprocessing.Queue | None = None
+        self._owns_world = False
+        self.ranks: TensorParallelRanks | None = None
+        self.failure: BaseException | None = None
+        self.closed = False
+        if dist.is_initialized():
+            self._check_joinable(config.tp)
+            device = None
+        else:
+            device = torch.device(device_type(config.device, config.tp), 0)
+            self._spawn(config.tp, source, device)
+        try:
+            self.ranks = TensorParallelRanks(device)
+            self.ranks.share((config, max_model_len))
+            self.runner, self.kv_plan = load_runner(model, config, max_model_len,
+                                                    self.ranks.device, self.ranks)
+        except BaseException as error:
+            self._fail(error)
+
+    def _check_joinable(self, tp: int) -> None:
+        if TensorParallelDriver._spawned_world is not None:
+            raise ConfigError("this process already runs a tensor-parallel LLM that started its "
+                              "own ranks: close() it (or use it in a with block) before starting "
+                              "another")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world != tp:
+            raise ConfigError(f"torch.distributed runs {world} ranks but tp is {tp}: a "
+                              f"tensor-parallel engine spans its whole process group; start "
+                              f"{tp} ranks, or create the LLM without a process group and it "
+                              f"starts its own")
+        if rank != 0:
+            raise ConfigError(f"this is rank {rank}: the LLM runs on rank 0; the other ranks run "
+                              f"tetrad.inference.tp.TensorParallelWorker(model).serve()")
+
+    def _spawn(self, tp: int, source: nn.Module | str, device: torch.device) -> None:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        threads = torch.get_num_threads()
+        if device.type == "cpu":  # the ranks share the cores
+            threads = max(1, threads // tp)
+            torch.set_num_threads(threads)
+        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        # Rank 0 hosts the rendezvous store on a free port: no port guessing, no races.
+        self._store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False,
+                                    timeout=timeout)
+        context = multiprocessing.get_context("spawn")
+        self._errors = context.Queue()
+        self.workers = [context.Process(target=_worker_process, name=f"tetrad-tp-rank{rank}",
+                                        daemon=True,
+                                        args=(rank, tp, self._store.port, backend, threads,
+                                              source, self._errors))
+                        for rank in range(1, tp)]
+        for worker in self.workers:
+            worker.start()
+        try:
+            self._wait_started(tp)
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            dist.init_process_group(backend, store=self._store, rank=0, world_size=tp,
+                                    timeout=timeout)
+        except BaseException as error:
+            self._fail(error)
+        self._owns_world = True
+        TensorParallelDriver._spawned_world = self
+
+    def _wait_started(self, tp: int) -> None:
+        """Until every worker has imported torch and reached the rendezvous. One that dies first
+        (a bad environment) fails the start here instead of leaving rank 0 waiting in
+        init_process_group until its timeout."""
+        keys = [f"{STARTED_KEY}/{rank}" for rank in range(1, tp)]
+        deadline = time.monotonic() + COLLECTIVE_TIMEOUT_S
+        while not self._store.check(keys):
+            if any(worker.exitcode is not None for worker in self.workers):
+                raise TensorParallelError("a tensor-parallel rank exited while starting")
+            if time.monotonic() > deadline:
+                raise TensorParallelError(f"tensor-parallel ranks did not start within "
+                                          f"{COLLECTIVE_TIMEOUT_S:.0f} s")
+            time.sleep(0.05)
+
+    # ---- steps ---------------------------------------------------------------------------------
+
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        """Run `plan` on every rank; the whole logits [samples, vocab] (rank 0 samples)."""
+        if self.failure is not None or self.closed:
+            raise TensorParallelError(
+                "the tensor-parallel engine is closed" if self.failure is None else
+                f"the tensor-parallel engine stopped after an error: {self.failure}")
+        if any(worker.exitcode is not None for worker in self.workers):
+            self._fail(None)
+        try:
+            with _interrupts_held(), torch.inference_mode():
+                self._send(STEP, plan.sizes(), plan.payload())
+                return self._gather(self.runner.execute(plan))
+        except Exception as error:
+            self._fail(error)
+
+    def _send(self, kind: int, sizes: list[int], payload: list[int]) -> None:
+        comm, control = self.ranks.comm, self.ranks.control
+        comm.broadcast(torch.tensor([kind, *sizes], dtype=torch.long), 0, control, STEP_TAG)
+        if kind == STEP:
+            comm.broadcast(torch.tensor(payload, dtype=torch.long), 0, control, STEP_TAG)
+
+    def _gather(self, local: torch.Tensor) -> torch.Tensor:
+        """local: this rank's logits [samples, vocab / tp] -> [samples, vocab]."""
+        if not local.shape[0]:  # nothing samples this step: the workers send nothing either
+            return local.new_empty((0, local.shape[1] * self.ranks.size))
+        pieces = [local] + [torch.empty_like(local) for _ in range(1, self.ranks.size)]
+        handles = [self.ranks.comm.recv(piece, rank, self.ranks.group)
+                   for rank, piece in enumerate(pieces) if rank]
+        for handle in handles:
+            handle.wait()
+        return torch.cat(pieces, dim=-1)  # ranks hold consecutive vocabulary slices in order
+
+    # ---- failure and shutdown ------------------------------------------------------------------
+
+    def _fail(self, error: BaseException | None) -> NoReturn:
+        """Rank 0's start or step failed with `error` (None: a worker was found dead before the
+        step): blame the worker that reported an error or died, if one did (its failure usually
+        surfaces on rank 0 as a broken collective), stop every rank and raise."""
+        failure = self._worker_failure() or error
+        self.failure = failure
+        self._shutdown(grace_s=0)
+        if failure is error:
+            raise error
+        raise failure from error
+
+    def _worker_failure(self) -> TensorParallelError | None:
+        """The first error a worker reported, waiting REPORT_WAIT_S for it to arrive; else a
+        worker that died without one; None when every worker is alive and silent."""
+        if self._errors is None:
+            return None
+        deadline = time.monotonic() + REPORT_WAIT_S
+        while True:
+            try:
+                rank, message = self._errors.get(timeout=0.05)
+                return TensorParallelError(f"tensor-parallel rank {rank} failed: {message}")
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    break
+        for rank, worker in enumerate(self.workers, start=1):
+            if worker.exitcode is not None:
+                return TensorParallelError(f"tensor-parallel rank {rank} died with exit code "
+                                           f"{worker.exitcode} and no error report")
+        return None
+
+    def close(self) -> None:
+        """Tell the other ranks to exit, wait for them, and close the groups this engine made."""
+        if self.closed:
+            return
+        if self.failure is None:
+            try:
+                self._send(STOP, [0] * (HEADER_SIZE - 1), [])
+            except Exception:  # noqa: BLE001 - a rank already gone cannot be told; stopped below
+                pass
+        self._shutdown(grace_s=STOP_GRACE_S)
+
+    def _shutdown(self, grace_s: float) -> None:
+        self.closed = True
+        deadline = time.monotonic() + grace_s
+        for worker in self.workers:
+            worker.join(timeout=max(0.0, deadline - time.monotonic()))
+        for worker in self.workers:
+            if worker.is_alive():  # after a failure: waiting in a collective that never ends
+                worker.terminate()
+                worker.join(timeout=5)
+            if worker.is_alive():
+                worker.kill()
+                worker.join()
+        if self.ranks is not None:
+            self.ranks.close()
+        if self._owns_world:
+            dist.destroy_process_group()
+            self._owns_world = False
+            TensorParallelDriver._spawned_world = None
+
+
+@contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """Ctrl-C in the middle of a step would leave the other ranks inside a collective that rank
+    0 never finishes (`tetrad run` stops a reply with Ctrl-C): on the main thread it is held
+    until the step is done, then delivered."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = []
+    previous = signal.signal(signal.SIGINT, lambda *args: held.append(args))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held and callable(previous):
+            previous(*held[0])
+
+
+class TensorParallelWorker:
+    """Rank r > 0 of a tensor-parallel engine: its share of the model and of the KV pool; runs
+    the steps rank 0 sends until rank 0's engine closes. Construct it on every rank but 0 of a
+    process group of exactly tp ranks while rank 0 constructs LLM(..., tp=tp); the engine
+    configuration comes from rank 0. `model`: the whole model (split in place) or a folder to
+    load it from."""
+
+    def __init__(self, model: nn.Module | str | Path):
+        self.ranks = TensorParallelRanks()
+        config, max_model_len = self.ranks.share(None)
+        if not isinstance(model, nn.Module):
+            model = load_pretrained(model)
+        self.runner, self.kv_plan = load_runner(model, config, max_model_len, self.ranks.device,
+                                                self.ranks)
+
+    def step(self) -> bool:
+        """Receive and run one step; False once rank 0 has closed the engine (this rank's
+        control group is then closed too)."""
+        comm, control = self.ranks.comm, self.ranks.control
+        header = torch.empty(HEADER_SIZE, dtype=torch.long)
+        comm.broadcast(header, 0, control, STEP_TAG)
+        kind, *sizes = header.tolist()
+        if kind == STOP:
+            self.ranks.close()
+            return False
+        payload = torch.empty(StepPlan.payload_size(sizes), dtype=torch.long)
+        comm.broadcast(payload, 0, control, STEP_TAG)
+        plan = StepPlan.decode(sizes, payload.tolist(), self.kv_plan.block_size)
+        with torch.inference_mode():
+            logits = self.runner.execute(plan)  # [samples, vocab / tp]
+            if logits.shape[0]:
+                comm.send(logits.contiguous(), 0, self.ranks.group, LOGITS_TAG).wait()
+        return True
+
+    def serve(self) -> None:
+        while self.step():
+            pass
+
+
+def _worker_process(rank: int, tp: int, port: int, backend: str, threads: int,
+                    source: nn.Module | str, errors: multiprocessing.Queue) -> None:
+    """A spawned rank: join rank 0's process group, serve until rank 0 stops it. An error goes
+    to rank 0 (its traceback, or one line for a TetradError) before the process exits."""
+    # Ctrl-C reaches the whole terminal's process group; rank 0 decides what it means.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        torch.set_num_threads(threads)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        store = dist.TCPStore(HOST, port, is_master=False, timeout=timeout)
+        store.set(f"{STARTED_KEY}/{rank}", "1")
+        dist.init_process_group(backend, store=store, rank=rank, world_size=tp, timeout=timeout)
+        TensorParallelWorker(source).serve()
+    except BaseException as error:  # noqa: BLE001 - everything must reach rank 0
+        errors.put((rank, f"{type(error).__name__}: {error}" if isinstance(error, TetradError)
+                    else traceback.format_exc().strip()))
+        raise SystemExit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
