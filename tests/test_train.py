@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from tetrad.config import TrainConfig
+from tetrad.config import ParallelConfig, TrainConfig
 from tetrad.models.transformer import Transformer
 from tetrad.presets import resolve_model
 from tetrad.train import checkpoint as ckpt
@@ -129,3 +129,14 @@ def test_a_non_finite_gradient_stops_the_run_naming_step_and_parameter(corpus_fi
     with pytest.raises(TetradError, match=r"at step 1, first non-finite gradient in "
                                           r"layers\.1\.mlp\.down\.weight"):
         train(tiny_config(corpus_file), show_progress=False)
+
+
+def test_recompute_in_one_process_keeps_the_losses_and_saves_activations(corpus_file):
+    def run(mode):
+        config = tiny_config(corpus_file, parallel=ParallelConfig(recompute=mode))
+        result = train(config, show_progress=False)
+        return losses(result), result.report["ranks"][0]["bytes"]["activations_peak"]
+
+    (none_losses, none_bytes), (full_losses, full_bytes) = run("none"), run("full")
+    assert full_losses == none_losses
+    assert full_bytes < none_bytes / 2

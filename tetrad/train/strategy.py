@@ -18,6 +18,7 @@ from torch import nn
 from tetrad.config import TrainConfig
 from tetrad.parallel.comm import Comm
 from tetrad.parallel.mesh import Mesh
+from tetrad.parallel.recompute import apply_recompute
 from tetrad.planner.precision import TrainingPrecision, training_precision
 from tetrad.train.local_strategy import LocalStrategy
 from tetrad.train.mesh_strategy import DataParallelStrategy, ZeroStrategy
@@ -40,6 +41,9 @@ def build_strategy(model: nn.Module, config: TrainConfig, device: torch.device,
                    mesh: Mesh | None = None, collectives: Comm | None = None):
     """The strategy for config.parallel on this rank's mesh (none: single process)."""
     if mesh is None:
+        # One process still honours --recompute: it changes what backward keeps, never the
+        # numbers (multi-rank layouts apply it in parallelize's fixed order).
+        apply_recompute(model, config.parallel.recompute)
         return LocalStrategy(model, config, device)
     if config.parallel.zero == 0:
         return DataParallelStrategy(model, config, device, mesh, collectives)

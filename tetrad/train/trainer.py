@@ -26,7 +26,7 @@ from tetrad.train.data import AnyTokenizer, Dataset
 from tetrad.train.metrics import build_report, rank_entry, write_json_atomic
 from tetrad.train.optim import learning_rate
 from tetrad.train.sample import sample_text
-from tetrad.train.strategy import LocalStrategy, planned_precision
+from tetrad.train.strategy import build_strategy, planned_precision
 
 VALIDATION_BATCHES = 8
 
@@ -104,7 +104,7 @@ def check_finite(loss: float, grad_norm: float, step: int, model: torch.nn.Modul
                           f"gradient in {culprit}: lower --lr or use --dtype fp32")
 
 
-def train(config: TrainConfig, make_strategy: Callable[..., Any] = LocalStrategy,
+def train(config: TrainConfig, make_strategy: Callable[..., Any] = build_strategy,
           show_progress: bool = True) -> TrainResult:
     model_config, tokenizer, resume_from = prepare(config)
     dataset = Dataset(config.data, tokenizer, config.seq_len, config.seed)
@@ -162,7 +162,10 @@ def train(config: TrainConfig, make_strategy: Callable[..., Any] = LocalStrategy
         config={**config.to_dict(), "model_config": model_config.to_dict()}, steps=steps,
         ranks=ranks, predicted=predicted, num_parameters=num_parameters,
         device={"type": device.type, "gpu": gpu.name if gpu else None},
-        validation_loss=evaluate(whole, dataset, config, device) if is_main else None)
+        validation_loss=evaluate(whole, dataset, config, device) if is_main else None,
+        # The parameter server's run summary (modes, staleness, dead workers); set by gather.
+        **({"parameter_server": strategy.summary}
+           if getattr(strategy, "summary", None) is not None else {}))
     if config.report and is_main:
         write_json_atomic(config.report, report)
     sample = sample_text(whole, tokenizer, "\n", config.sample_tokens, config.seq_len,
