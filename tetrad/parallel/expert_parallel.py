@@ -52,6 +52,7 @@ from tetrad.errors import ConfigError
 from tetrad.models.moe import MoE
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm
+from tetrad.parallel.grad_norm import grad_square, scale_to_max_norm_
 from tetrad.parallel.mesh import Group, Mesh
 
 TOKENS_TAG = "experts"  # dispatch and combine
@@ -201,20 +202,11 @@ class ExpertParallel:
         """The whole model's gradient norm (replicated weights once, every expert once, over the
         ep group), as torch.nn.utils.clip_grad_norm_ on one device; scales the gradients down to
         max_norm when larger (0: no clipping). Call after the gradients are reduced."""
-        def square(params):
-            norms = [torch.linalg.vector_norm(p.grad) for p in params if p.grad is not None]
-            return (torch.stack(norms).square().sum() if norms
-                    else torch.zeros((), device=self.model.embed.weight.device))
-
-        experts = square(self.expert_parameters())
+        device = self.model.embed.weight.device
+        experts = grad_square(self.expert_parameters(), device)
         self.comm.all_reduce(experts, self.mesh["ep"], "metrics")
-        total = (square(self._replicated) + experts).sqrt()
-        if max_norm > 0:
-            factor = (max_norm / (total + 1e-6)).clamp(max=1.0)
-            for param in self.model.parameters():
-                if param.grad is not None:
-                    param.grad.mul_(factor)
-        return float(total)
+        total = (grad_square(self._replicated, device) + experts).sqrt()
+        return scale_to_max_norm_(self.model.parameters(), total, max_norm)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The single-process model's state dict, every expert gathered from its owner

@@ -49,6 +49,7 @@ from tetrad.errors import ConfigError
 from tetrad.models.moe import MoE
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm
+from tetrad.parallel.grad_norm import scale_to_max_norm_
 from tetrad.parallel.mesh import Group, Mesh
 from tetrad.parallel.tp_operators import (GatherFromSequence, ScatterToSequence,
                                           TensorParallel)
@@ -361,13 +362,7 @@ class TensorParallelTransformer(nn.Module):
         torch.nn.utils.clip_grad_norm_ on the single-process model."""
         square = self.local_grad_square()
         self.tp.comm.all_reduce(square, self.tp.group, "metrics")
-        total = square.sqrt()
-        if max_norm > 0:
-            factor = (max_norm / (total + 1e-6)).clamp(max=1.0)
-            for param in self.parameters():
-                if param.grad is not None:
-                    param.grad.mul_(factor)
-        return float(total)
+        return scale_to_max_norm_(self.parameters(), square.sqrt(), max_norm)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter whole, by the full model's names, in its layout: what the single-process

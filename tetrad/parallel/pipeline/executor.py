@@ -32,6 +32,7 @@ from tetrad.errors import ConfigError
 from tetrad.memory import ActivationMeter
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm
+from tetrad.parallel.grad_norm import grad_square, scale_to_max_norm_
 from tetrad.parallel.mesh import Group, Mesh
 from tetrad.parallel.pipeline.partition import Partition, partition
 from tetrad.parallel.pipeline.stage import PipelineStage, build_stages, embedding_group
@@ -310,15 +311,6 @@ class PipelineExecutor:
         """Norm of the whole model's gradient (over the pipeline group, the tied embedding once);
         scale every gradient by max_norm / norm when larger (0 means no clipping). Returns the
         norm before clipping, as torch.nn.utils.clip_grad_norm_ on the single-process model."""
-        norms = [torch.linalg.vector_norm(p.grad) for p in self.owned_parameters()
-                 if p.grad is not None]
-        square = (torch.stack(norms).square().sum() if norms
-                  else torch.zeros((), device=self.device))
+        square = grad_square(self.owned_parameters(), self.device)
         self.comm.all_reduce(square, self.group, "metrics")
-        total = square.sqrt()
-        if max_norm > 0:
-            factor = (max_norm / (total + 1e-6)).clamp(max=1.0)
-            for param in self.parameters():
-                if param.grad is not None:
-                    param.grad.mul_(factor)
-        return float(total)
+        return scale_to_max_norm_(self.parameters(), square.sqrt(), max_norm)
