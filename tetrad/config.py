@@ -149,7 +149,8 @@ class ModelConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     """Degrees of the 4D layout and the strategy knobs. The world size is dp*pp*cp*tp; expert
-    parallelism is folded over dp*cp, so ep does not multiply the world size (as in Megatron)."""
+    parallelism is folded over dp*cp, so ep does not multiply the world size (as in Megatron).
+    strategy "ps" (docs/parameter_server.md) adds `servers` processes beside the dp workers."""
 
     dp: int = 1
     pp: int = 1
@@ -165,6 +166,10 @@ class ParallelConfig:
     recompute: str = "none"  # none | selective | full
     collectives: str = "backend"  # backend | ring (tetrad's own ring all-reduce on send/recv)
     stage_layers: tuple[int, ...] = ()  # layers per pipeline stage; () balances by cost
+    strategy: str = "collective"  # collective | ps (parameter servers)
+    servers: int = 0  # ps: server processes after the dp workers
+    ps_mode: str = "sync"  # sync | async | ssp
+    staleness: int | None = None  # ssp's bound K; None: PSOptions' default
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "cp", "tp", "ep", "vpp"):
@@ -188,10 +193,44 @@ class ParallelConfig:
         if self.schedule == "interleaved" and self.microbatches % self.pp:
             raise ConfigError(f"the interleaved schedule needs microbatches ({self.microbatches}) "
                               f"to be a multiple of pp ({self.pp})")
+        self._check_strategy()
+
+    def _check_strategy(self) -> None:
+        check_choice("strategy", self.strategy, ("collective", "ps"))
+        if self.strategy == "collective":
+            for flag, value, default in (("--servers", self.servers, 0),
+                                         ("--ps-mode", self.ps_mode, "sync"),
+                                         ("--staleness", self.staleness, None)):
+                if value != default:
+                    raise ConfigError(f"{flag} configures the parameter server: add --strategy ps "
+                                      f"or drop {flag}")
+            return
+        if self.servers < 1:
+            raise ConfigError(f"--strategy ps needs --servers 1 or more (the processes that hold "
+                              f"the parameters), got {self.servers}")
+        # The workers are whole-model data-parallel replicas: nothing else splits the model.
+        others = [f"--{name} {getattr(self, name)}" for name in ("tp", "pp", "cp", "ep", "vpp")
+                  if getattr(self, name) > 1] + ([f"--zero {self.zero}"] if self.zero else [])
+        if self.sequence_parallel:
+            others.append("--sequence-parallel")
+        if others:
+            raise ConfigError(f"--strategy ps is data parallel only (--dp workers + --servers): "
+                              f"drop {' '.join(others)}")
+        check_choice("ps_mode", self.ps_mode, ("sync", "async", "ssp"))
+        if self.staleness is not None:
+            if self.ps_mode != "ssp":
+                raise ConfigError(f"--staleness bounds --ps-mode ssp only: drop it or use "
+                                  f"--ps-mode ssp (got --ps-mode {self.ps_mode})")
+            check_positive("staleness", self.staleness, allow_zero=True)
 
     @property
     def world_size(self) -> int:
         return self.dp * self.pp * self.cp * self.tp
+
+    @property
+    def num_processes(self) -> int:
+        """Processes the run needs: the world, plus the parameter servers with --strategy ps."""
+        return self.world_size + (self.servers if self.strategy == "ps" else 0)
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,8 @@ def add_parser(subparsers) -> None:
         "distributed", "N local worker processes (gloo on CPU, NCCL with a GPU per rank); the "
         "same command also runs under torchrun, one node or many")
     distributed.add_argument("--nproc", type=int,
-                             help="worker processes to start on this machine (dp*pp*cp*tp)")
+                             help="worker processes to start on this machine (dp*pp*cp*tp; "
+                                  "with --strategy ps: dp + servers)")
     for flag, help_text in DEGREES:
         distributed.add_argument(flag, type=int, help=help_text)
     distributed.add_argument("--sequence-parallel", action="store_true",
@@ -83,6 +84,19 @@ def add_parser(subparsers) -> None:
                              help="keep the optimizer state and step in host memory (ZeRO 1-3)")
     distributed.add_argument("--collectives", choices=("backend", "ring"),
                              help="'ring': tetrad's own ring all-reduce on send/recv")
+    ps = parser.add_argument_group(
+        "parameter server", "--strategy ps: --dp workers push gradients to and pull parameters "
+        "from --servers server processes (docs/parameter_server.md); --nproc is dp + servers")
+    ps.add_argument("--strategy", choices=("collective", "ps"),
+                    help="'collective' (default): all-reduce among the ranks; 'ps': parameter "
+                         "servers")
+    ps.add_argument("--servers", type=int, help="parameter-server processes (the last ranks)")
+    ps.add_argument("--ps-mode", choices=("sync", "async", "ssp"),
+                    help="sync: every step waits for every worker; async: pushes applied on "
+                         "arrival; ssp: async with at most --staleness steps between workers")
+    ps.add_argument("--staleness", type=int, metavar="K",
+                    help="ssp: how many steps the fastest worker may run ahead of the slowest "
+                         "(default 1)")
     parser.set_defaults(run=run)
 
 

@@ -5,7 +5,9 @@ starts, so bad input costs one line, not a traceback per rank.
 
 A failing worker takes the whole job down at once: its traceback travels to the parent, which
 kills the other workers (they would otherwise sit in a collective waiting for the dead rank) and
-raises WorkerFailed naming the rank. Collectives time out too, so nothing waits forever.
+raises WorkerFailed naming the rank. Collectives time out too, so nothing waits forever. The one
+exception: parameter-server workers other than rank 0 in async and ssp mode, which the servers
+drop and train on without (docs/parameter_server.md).
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import io
 import multiprocessing
 import os
 import queue
+import sys
 import time
 import traceback
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -92,11 +96,14 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, timeout_s: floa
 
 
 def spawn(fn: Callable, nprocs: int, args: tuple = (), timeout_s: float | None = None,
-          collective_timeout_s: float = COLLECTIVE_TIMEOUT_S) -> list[Any]:
+          collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
+          expendable: frozenset[int] = frozenset()) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `nprocs` fresh processes (spawn start method) joined
     in one process group, and return each rank's return value in rank order. `fn` must be
     importable by name. Raises WorkerFailed as soon as one worker fails, and after `timeout_s`
-    (None: no limit on the whole job; the collective timeout still catches a hang)."""
+    (None: no limit on the whole job; the collective timeout still catches a hang). The ranks in
+    `expendable` may fail or die: their error goes to stderr, their value is None, and the job
+    returns once every other rank has returned."""
     context = multiprocessing.get_context("spawn")
     # The parent hosts the rendezvous store on a free port: no port guessing, no races.
     store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False,
@@ -110,7 +117,7 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), timeout_s: float | None =
         worker.start()
     try:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        values = _collect(workers, results, deadline)
+        values = _collect(workers, results, deadline, expendable)
     except BaseException:
         _stop(workers, grace_s=0)
         raise
@@ -118,31 +125,43 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), timeout_s: float | None =
     return values
 
 
-def _collect(workers: list, results: multiprocessing.Queue, deadline: float | None
-             ) -> list[Any]:
+def _collect(workers: list, results: multiprocessing.Queue, deadline: float | None,
+             expendable: frozenset[int]) -> list[Any]:
     values: dict[int, Any] = {}
-    while len(values) < len(workers):
+    needed = [rank for rank in range(len(workers)) if rank not in expendable]
+    while any(rank not in values for rank in needed):
         try:
             rank, status, payload = results.get(timeout=0.2)
         except queue.Empty:
+            # An expendable rank that exits with code 0 and no result (os._exit) is dead too.
             dead = [rank for rank, worker in enumerate(workers)
-                    if rank not in values and worker.exitcode not in (None, 0)]
+                    if rank not in values and worker.exitcode not in (None, 0)
+                    or rank in expendable and rank not in values and worker.exitcode == 0]
             if dead:
                 # Its error report may still be in flight: give it a moment to arrive.
                 try:
                     rank, status, payload = results.get(timeout=2.0)
                 except queue.Empty:
-                    raise WorkerFailed(f"rank {dead[0]} died with exit code "
-                                       f"{workers[dead[0]].exitcode} and no error report") from None
+                    message = (f"rank {dead[0]} died with exit code {workers[dead[0]].exitcode} "
+                               f"and no error report")
+                    if dead[0] not in expendable:
+                        raise WorkerFailed(message) from None
+                    rank, status, payload = dead[0], "error", message
             elif deadline is not None and time.monotonic() > deadline:
-                missing = [rank for rank in range(len(workers)) if rank not in values]
+                missing = [rank for rank in needed if rank not in values]
                 raise WorkerFailed(f"timed out waiting for ranks {missing}")
             else:
                 continue
         if status == "error":
-            raise WorkerFailed(f"rank {rank} failed: {payload.strip()}")
+            if rank not in expendable:
+                raise WorkerFailed(f"rank {rank} failed: {payload.strip()}")
+            print(f"rank {rank} stopped, the run goes on without it: {payload.strip()}",
+                  file=sys.stderr)
+            values[rank] = None
+            continue
         values[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-    return [values[rank] for rank in range(len(workers))]
+    # Expendable ranks still running are stopped by the caller's _stop.
+    return [values.get(rank) for rank in range(len(workers))]
 
 
 def _stop(workers: list, grace_s: float) -> None:
@@ -168,6 +187,9 @@ def check_layout(config: TrainConfig, world_size: int) -> None:
     from tetrad.presets import resolve_model
 
     parallel = config.parallel
+    if parallel.strategy == "ps":
+        check_ps_layout(config, world_size)
+        return
     dims = ParallelDims.from_config(parallel)
     if world_size != dims.world_size:
         raise ConfigError(
@@ -184,27 +206,79 @@ def check_layout(config: TrainConfig, world_size: int) -> None:
     check_parallel(resolve_model(config.model, config.model_overrides), parallel, config.seq_len)
 
 
+def check_ps_layout(config: TrainConfig, world_size: int) -> None:
+    from tetrad.parallel.ps.protocol import check_run
+
+    parallel = config.parallel
+    if world_size != parallel.num_processes:
+        hint = (f"e.g. --dp {world_size - parallel.servers}" if world_size > parallel.servers
+                else f"e.g. --nproc {parallel.num_processes}")
+        raise ConfigError(
+            f"{world_size} processes but --strategy ps runs dp {parallel.dp} workers + "
+            f"{parallel.servers} servers = {parallel.num_processes}: make --nproc (or torchrun's "
+            f"world size) dp + servers, {hint}")
+    check_run(config.batch_size, config.grad_accum, config.dtype,
+              local_device(0, world_size), parallel.dp)
+
+
+def ps_options(config: TrainConfig):
+    from tetrad.parallel.ps import PSOptions
+
+    parallel = config.parallel
+    return PSOptions(num_servers=parallel.servers, mode=parallel.ps_mode,
+                     staleness=parallel.staleness)
+
+
 def is_distributed(config: TrainConfig) -> bool:
     """Whether a run needs worker processes (ZeRO needs a process group even on one rank)."""
-    return (config.nproc > 1 or config.parallel.world_size > 1 or config.parallel.zero > 0
+    return (config.nproc > 1 or config.parallel.num_processes > 1 or config.parallel.zero > 0
             or started_by_torchrun())
 
 
 def train_worker(rank: int, world_size: int, config: TrainConfig):
     """One rank of `tetrad train`: its mesh, its byte counter, the trainer. Rank 0 returns the
     TrainResult (report with every rank's entry, checkpoint, sample), the others None."""
-    from functools import partial
-
     from tetrad.parallel.comm import Comm, CommCounter
     from tetrad.parallel.mesh import ParallelDims, build_mesh
     from tetrad.train.strategy import build_strategy
     from tetrad.train.trainer import train
 
+    if config.parallel.strategy == "ps":
+        return ps_rank(rank, world_size, config)
     mesh = build_mesh(ParallelDims.from_config(config.parallel), rank, world_size)
     collectives = Comm(CommCounter(), config.parallel.collectives)
     result = train(config, partial(build_strategy, mesh=mesh, collectives=collectives),
                    show_progress=rank == 0)
     return result if rank == 0 else None
+
+
+def ps_rank(rank: int, world_size: int, config: TrainConfig):
+    """One rank of `tetrad train --strategy ps`: workers (the first dp ranks) run the trainer with
+    the parameter-server strategy, servers serve until every worker said goodbye or died."""
+    from tetrad.parallel.comm import Comm, CommCounter
+    from tetrad.parallel.mesh import Group
+    from tetrad.parallel.ps import ParameterServer, ParameterServerWorker
+    from tetrad.train import checkpoint as ckpt
+    from tetrad.train.optim import build_optimizer, parameter_groups
+    from tetrad.train.trainer import build_model, prepare, train
+
+    options = ps_options(config)
+    world = Group("world", tuple(range(world_size)), rank, dist.group.WORLD)
+    comm = Comm(CommCounter())
+    if not options.roles(world_size).is_server(rank):
+        result = train(config, partial(ParameterServerWorker, world=world, comm=comm,
+                                       options=options), show_progress=rank == 0)
+        return result if rank == 0 else None
+    model_config, _, resume_from = prepare(config)
+    model = build_model(model_config, config)  # the seed's initial parameters, as the workers'
+    defaults = build_optimizer([torch.empty(0)], config).defaults
+    server = ParameterServer(model, parameter_groups(model, config.weight_decay), world, comm,
+                             options, defaults["betas"], defaults["eps"])
+    if resume_from is not None:
+        _, model_state, training_state = ckpt.load_checkpoint(resume_from, model_config)
+        server.load_state_dict({"model": model_state, **training_state})
+    server.serve()  # its entry and the summary reach rank 0's report through the scheduler
+    return None
 
 
 def launch_training(config: TrainConfig):
@@ -222,4 +296,8 @@ def launch_training(config: TrainConfig):
 
     check_layout(config, config.nproc)
     prepare(config)  # model, tokenizer and checkpoint problems: one line, no workers started
-    return spawn(train_worker, config.nproc, (config,))[0]
+    parallel = config.parallel
+    # Asynchronous parameter servers drop a dead worker and go on; rank 0 writes the report.
+    expendable = (frozenset(range(1, parallel.dp))
+                  if parallel.strategy == "ps" and parallel.ps_mode != "sync" else frozenset())
+    return spawn(train_worker, config.nproc, (config,), expendable=expendable)[0]
