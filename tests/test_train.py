@@ -140,3 +140,21 @@ def test_recompute_in_one_process_keeps_the_losses_and_saves_activations(corpus_
     (none_losses, none_bytes), (full_losses, full_bytes) = run("none"), run("full")
     assert full_losses == none_losses
     assert full_bytes < none_bytes / 2
+
+
+def test_keep_leaves_only_the_newest_checkpoints_and_still_resumes(corpus_file, tmp_path):
+    uninterrupted = losses(train(tiny_config(corpus_file, steps=5), show_progress=False))
+    root = tmp_path / "ckpt"
+    train(tiny_config(corpus_file, steps=5, checkpoint_dir=str(root), save_every=1, keep=2),
+          show_progress=False)
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == [
+        ckpt.step_folder_name(4), ckpt.step_folder_name(5)]
+    assert (root / "latest").read_text() == ckpt.step_folder_name(5)
+    # Make the run look as if it was killed after step 4: resume from the older kept folder.
+    (root / "latest").write_text(ckpt.step_folder_name(4))
+    resumed = train(tiny_config(corpus_file, steps=5, checkpoint_dir=str(root), save_every=1,
+                                keep=2, resume=True), show_progress=False)
+    assert [s["step"] for s in resumed.report["steps"]] == [5]
+    assert losses(resumed) == uninterrupted[4:]
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == [
+        ckpt.step_folder_name(4), ckpt.step_folder_name(5)]

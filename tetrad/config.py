@@ -256,6 +256,7 @@ class TrainConfig:
     report: str = ""
     checkpoint_dir: str = ""
     save_every: int = 0
+    keep: int = 0  # step folders to keep (the newest); 0 keeps all
     resume: bool = False
     log_every: int = 10
     sample_tokens: int = 200
@@ -266,7 +267,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "nproc", "log_every"):
             check_positive(name, getattr(self, name))
-        for name in ("lr", "grad_clip", "save_every", "warmup_steps", "weight_decay",
+        for name in ("lr", "grad_clip", "save_every", "keep", "warmup_steps", "weight_decay",
                      "sample_tokens"):
             check_positive(name, getattr(self, name), allow_zero=True)
         check_choice("dtype", self.dtype, DTYPES)

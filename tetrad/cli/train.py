@@ -25,6 +25,7 @@ TRAIN_FLAGS: list[tuple[str, type, str]] = [
     ("--report", str, "write the run report JSON here"),
     ("--checkpoint-dir", str, "folder for checkpoints (the final state is always saved here)"),
     ("--save-every", int, "also save every N steps"),
+    ("--keep", int, "keep only the N newest checkpoints (0: keep all)"),
     ("--log-every", int, "steps between progress updates"),
     ("--sample-tokens", int, "tokens of text to sample from the model at the end (0: none)"),
 ]

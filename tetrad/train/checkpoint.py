@@ -11,7 +11,8 @@ Layout of a checkpoint root:
 
 A step folder is written under a temporary name and renamed into place once every file is
 flushed; `latest` is replaced atomically after that. A run killed mid-save leaves at most a
-`.tmp-*` folder, which loading ignores and the next save removes.
+`.tmp-*` folder, which loading ignores and the next save removes. With `keep` N > 0, a save
+deletes all but the N newest step folders once `latest` points at the new one.
 """
 
 from __future__ import annotations
@@ -52,9 +53,9 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def save_checkpoint(root: str | Path, step: int, model_state: dict[str, torch.Tensor],
                     training_state: dict[str, Any], model_config: ModelConfig,
-                    run: dict[str, Any], tokenizer=None) -> Path:
+                    run: dict[str, Any], tokenizer=None, keep: int = 0) -> Path:
     """Write a complete checkpoint of `step` (number of optimizer steps done) and point `latest`
-    at it."""
+    at it; then, with `keep` > 0, delete all but the `keep` newest step folders."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-step_*"):
@@ -74,7 +75,18 @@ def save_checkpoint(root: str | Path, step: int, model_state: dict[str, torch.Te
         shutil.rmtree(final)
     os.rename(staging, final)
     _write_atomic(root / LATEST, final.name)
+    if keep > 0:
+        prune_checkpoints(root, keep)
     return final
+
+
+def prune_checkpoints(root: Path, keep: int) -> None:
+    """Delete all but the `keep` newest step folders of `root`, never the one `latest` names."""
+    latest = (root / LATEST).read_text().strip()
+    folders = sorted(path for path in root.glob("step_*") if path.is_dir())
+    for folder in folders[:-keep]:
+        if folder.name != latest:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def find_checkpoint(path: str | Path) -> Path | None:

@@ -154,6 +154,11 @@ def _collect(workers: list, results: multiprocessing.Queue, deadline: float | No
                 continue
         if status == "error":
             if rank not in expendable:
+                dead = _silently_dead(workers, values, expendable, rank)
+                if dead is not None:  # the root cause; `rank` only lost its peer
+                    raise WorkerFailed(
+                        f"rank {dead} died with exit code {workers[dead].exitcode} and no error "
+                        f"report (then rank {rank} failed: {payload.strip()})")
                 raise WorkerFailed(f"rank {rank} failed: {payload.strip()}")
             print(f"rank {rank} stopped, the run goes on without it: {payload.strip()}",
                   file=sys.stderr)
@@ -162,6 +167,22 @@ def _collect(workers: list, results: multiprocessing.Queue, deadline: float | No
         values[rank] = torch.load(io.BytesIO(payload), weights_only=False)
     # Expendable ranks still running are stopped by the caller's _stop.
     return [values.get(rank) for rank in range(len(workers))]
+
+
+def _silently_dead(workers: list, values: dict[int, Any], expendable: frozenset[int],
+                   reporting: int, grace_s: float = 0.2) -> int | None:
+    """A needed rank other than `reporting` that died without a report (killed by a signal, say):
+    when a rank's collective fails because its peer vanished, the peer is what to name. Waits up
+    to `grace_s` for such a death to be seen."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        for rank, worker in enumerate(workers):
+            if (rank != reporting and rank not in values and rank not in expendable
+                    and worker.exitcode not in (None, 0, 1)):
+                return rank
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.02)
 
 
 def _stop(workers: list, grace_s: float) -> None:

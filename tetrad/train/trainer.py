@@ -196,4 +196,4 @@ def save(strategy, config: TrainConfig, model_config: ModelConfig, tokenizer: An
     training_state["rng"] = torch.get_rng_state()
     return ckpt.save_checkpoint(config.checkpoint_dir, step, state["model"], training_state,
                                 model_config, {"config": config.to_dict()},
-                                tokenizer=tokenizer)
+                                tokenizer=tokenizer, keep=config.keep)
