@@ -148,3 +148,14 @@ def test_layouts_the_profile_does_not_cover_take_megatrons_accounting():
     megatron = predict_training(small, ParallelConfig(tp=2), 2, 64, runtime="megatron")
     assert covered["runtime"] == "tetrad" and split["runtime"] == "megatron"
     assert split["bytes"] == megatron["bytes"]
+
+
+def test_a_rank_kind_is_labelled_only_by_the_coordinates_its_ranks_share():
+    from tetrad.viz.report import shared_coords
+
+    report = {"config": {"parallel": {"dp": 2, "tp": 2, "pp": 2, "cp": 1, "ep": 1}},
+              "ranks": [{"rank": rank, "coords": {"dp": (rank // 2) % 2, "pp": rank // 4,
+                                                  "cp": 0, "tp": rank % 2, "ep": 0}}
+                        for rank in range(8)]}
+    assert shared_coords(report, [0, 1, 2, 3]) == {"pp": 0}
+    assert shared_coords(report, [4, 6]) == {"dp": 0, "pp": 1, "tp": 0}

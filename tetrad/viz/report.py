@@ -59,6 +59,15 @@ def rank_kinds(report: dict[str, Any]) -> list[tuple[list[int], dict[str, Any]]]
     return list(kinds.values())
 
 
+def shared_coords(report: dict[str, Any], ranks: list[int]) -> dict[str, int]:
+    """The coordinates on split axes that every rank of a kind has in common (a kind can span
+    several tensor-parallel or data-parallel ranks that hold the same bytes)."""
+    parallel = report.get("config", {}).get("parallel", {})
+    members = [entry["coords"] for entry in report["ranks"] if entry["rank"] in ranks]
+    return {axis: index for axis, index in members[0].items()
+            if parallel.get(axis, 1) > 1 and all(m.get(axis) == index for m in members)}
+
+
 def predicted_for(report: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any] | None:
     """The prediction is for the fullest pipeline stage; other stages have none."""
     predicted = report.get("predicted") or {}
@@ -164,10 +173,8 @@ def format_report(report: dict[str, Any]) -> str:
     out = summary_lines(report)
     for ranks, entry in rank_kinds(report):
         rows = comparison(report, entry)
-        # Data-parallel replicas share a kind; the other axes that are split tell kinds apart.
-        parallel = report.get("config", {}).get("parallel", {})
-        coords = ", ".join(f"{axis} {index}" for axis, index in entry["coords"].items()
-                           if axis != "dp" and parallel.get(axis, 1) > 1)
+        coords = ", ".join(f"{axis} {index}"
+                           for axis, index in shared_coords(report, ranks).items())
         out += ["", f"{_ranks_label(ranks)} ({coords})" if coords else _ranks_label(ranks)]
         table = [("", "predicted", "measured", "error")]
         table += [(f"{row['section']} {row['field']}" if row["section"] != "idle"
