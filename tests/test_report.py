@@ -158,4 +158,5 @@ def test_a_rank_kind_is_labelled_only_by_the_coordinates_its_ranks_share():
                                                   "cp": 0, "tp": rank % 2, "ep": 0}}
                         for rank in range(8)]}
     assert shared_coords(report, [0, 1, 2, 3]) == {"pp": 0}
-    assert shared_coords(report, [4, 6]) == {"dp": 0, "pp": 1, "tp": 0}
+    assert shared_coords(report, [4, 6]) == {"pp": 1, "tp": 0}
+    assert shared_coords(report, [4, 5]) == {"dp": 0, "pp": 1}
