@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from tetrad.config import ModelConfig, from_dict
 from tetrad.errors import ConfigError
+from tetrad.hf_config import resolve_checkpoint
 
 LATEST = "latest"
 
@@ -92,16 +93,12 @@ def prune_checkpoints(root: Path, keep: int) -> None:
 def find_checkpoint(path: str | Path) -> Path | None:
     """A step folder, from either a step folder or a root holding `latest`; None if the root
     has no checkpoint yet."""
-    path = Path(path)
-    if (path / "model.json").is_file():
-        return path
-    latest = path / LATEST
-    if not latest.is_file():
-        return None
-    folder = path / latest.read_text().strip()
-    if not (folder / "model.json").is_file():
-        raise ConfigError(f"checkpoint {folder} named by {latest} is missing or incomplete")
-    return folder
+    folder = resolve_checkpoint(path)
+    if (folder / "model.json").is_file():
+        return folder
+    if folder != Path(path):
+        raise ConfigError(f"checkpoint {folder} named by {Path(path) / LATEST} is incomplete")
+    return None
 
 
 def read_model_config(folder: Path) -> ModelConfig:
