@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist import run_ranks
+from reference import objective, train_reference
 
 from tetrad.config import ModelConfig
 from tetrad.errors import ConfigError
@@ -50,26 +51,8 @@ def build_model(config: ModelConfig) -> Transformer:
     return Transformer(config)
 
 
-def objective(model: Transformer, logits: torch.Tensor, targets: torch.Tensor):
-    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-    aux = model.aux_loss()
-    return loss, (loss if aux is None else loss + model.config.router_aux_loss_coef * aux)
-
-
 def reference(config: ModelConfig) -> dict:
-    model = build_model(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    losses, norms = [], []
-    for step in range(STEPS):
-        window = batch(step)
-        loss, total = objective(model, model(window[:, :-1]), window[:, 1:])
-        total.backward()
-        losses.append(loss.item())
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
-        optimizer.step()
-        optimizer.zero_grad()
-    return {"losses": losses, "norms": norms,
-            "params": {name: p.detach().clone() for name, p in model.named_parameters()}}
+    return train_reference(build_model(config), batch, STEPS, 1, LR, WEIGHT_DECAY, MAX_NORM)
 
 
 def ring_tensors(heads: int, kv_heads: int) -> tuple[torch.Tensor, ...]:
@@ -109,7 +92,7 @@ def train(mesh, case: tuple) -> dict:
     losses, norms = [], []
     for step in range(STEPS):
         inputs, targets, positions = context.shard(batch(step))
-        loss, total = objective(model, model(inputs, positions=positions), targets)
+        loss, _, total = objective(model, model(inputs, positions=positions), targets)
         total.backward()
         for param in model.parameters():  # CP ranks hold replicas: average like DP replicas
             comm.all_reduce(param.grad, cp, "grads")

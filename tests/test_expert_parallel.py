@@ -11,8 +11,8 @@ cross only the expert-data-parallel group.
 
 import pytest
 import torch
-import torch.nn.functional as F
 from dist import run_ranks
+from reference import objective, train_reference
 
 from tetrad.errors import ConfigError
 from tetrad.models.moe import MoE
@@ -43,12 +43,6 @@ def build_model() -> Transformer:
     return Transformer(MOE)
 
 
-def objective(model: Transformer, logits: torch.Tensor, targets: torch.Tensor):
-    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-    aux = model.aux_loss()
-    return loss, aux, loss + MOE.router_aux_loss_coef * aux
-
-
 def one_rank_mesh():
     return build_mesh(ParallelDims(), 0, 1)
 
@@ -60,22 +54,7 @@ def reference(microbatches: int, capacity: float | None) -> dict:
     model = build_model()
     if capacity is not None:
         apply_expert_parallel(model, one_rank_mesh(), Comm(), capacity)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    losses, auxes, norms = [], [], []
-    for step in range(STEPS):
-        loss_sum = aux_sum = 0.0
-        for window in batch(step).chunk(microbatches):
-            loss, aux, total = objective(model, model(window[:, :-1]), window[:, 1:])
-            (total / microbatches).backward()
-            loss_sum += loss.item() / microbatches
-            aux_sum += aux.item() / microbatches
-        losses.append(loss_sum)
-        auxes.append(aux_sum)
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
-        optimizer.step()
-        optimizer.zero_grad()
-    return {"losses": losses, "auxes": auxes, "norms": norms,
-            "params": {name: p.detach().clone() for name, p in model.named_parameters()}}
+    return train_reference(model, batch, STEPS, microbatches, LR, WEIGHT_DECAY, MAX_NORM)
 
 
 def kept_slots(experts: torch.Tensor, capacity_factor: float | None) -> list[int]:

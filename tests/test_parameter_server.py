@@ -101,8 +101,7 @@ def ps_rank(rank: int, world_size: int, runs: list[Run]) -> list[dict]:
                 model, parameter_groups(model, config.weight_decay), world, comm, options,
                 defaults["betas"], defaults["eps"])
             if resume_from is not None:
-                _, model_state, training_state = ckpt.load_checkpoint(resume_from, model_config)
-                server.load_state_dict({"model": model_state, **training_state})
+                server.load_state_dict(ckpt.load_checkpoint(resume_from, model_config)[1])
             served = server.serve()
             results.append({**served, "sent": raw_bytes(comm.counter),
                             "received": raw_bytes(server.received)})

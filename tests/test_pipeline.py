@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from dist import run_ranks
+from reference import train_reference
 
 from tetrad.config import ModelConfig
 from tetrad.errors import ConfigError
@@ -66,25 +67,8 @@ def reference(config: ModelConfig, microbatches: int) -> dict:
     """Single-process training on the same global batch: one big batch for a dense model; MoE's
     load-balance loss is defined per microbatch (as under the trainer's --grad-accum), so MoE
     accumulates over the pipeline's microbatches."""
-    model = build_model(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    losses, auxes, norms = [], [], []
-    for step in range(STEPS):
-        loss_sum = aux_sum = 0.0
-        for window in batch(step).chunk(microbatches):
-            loss = F.cross_entropy(model(window[:, :-1]).flatten(0, 1), window[:, 1:].flatten())
-            aux = model.aux_loss()
-            objective = loss if aux is None else loss + config.router_aux_loss_coef * aux
-            (objective / microbatches).backward()
-            loss_sum += loss.item() / microbatches
-            aux_sum += 0.0 if aux is None else aux.item() / microbatches
-        losses.append(loss_sum)
-        auxes.append(aux_sum)
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
-        optimizer.step()
-        optimizer.zero_grad()
-    return {"losses": losses, "auxes": auxes, "norms": norms,
-            "params": {name: p.detach().clone() for name, p in model.named_parameters()}}
+    return train_reference(build_model(config), batch, STEPS, microbatches, LR, WEIGHT_DECAY,
+                           MAX_NORM)
 
 
 def one_microbatch_bytes(executor: PipelineExecutor, stage_index: int, microbatches: int) -> int:

@@ -6,16 +6,19 @@ checkpoints. Each world size is one spawn running its cases in turn through the 
 `tetrad train --nproc` runs on each worker (launch.train_worker). Bad layouts stop with one line
 before any process starts."""
 
+import math
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 
 from dist import run_ranks
 from tetrad.cli.main import main
 from tetrad.config import ParallelConfig, TrainConfig
+from tetrad.models.hf import load_pretrained
 from tetrad.parallel.mesh import ParallelDims
 from tetrad.train import checkpoint as ckpt
 from tetrad.train import launch
@@ -27,7 +30,7 @@ FOUR_LAYERS = {"num_layers": 4}
 # name -> (model, model overrides, layout, the reference's grad_accum). MoE load-balance losses
 # are per microbatch, so the reference splits the batch as the layout does (dp x microbatches).
 CASES_8 = {
-    "dp2.tp2.pp2": ("tiny", {}, dict(dp=2, tp=2, pp=2), 1),
+    "dp2.tp2.pp2": ("tiny", FOUR_LAYERS, dict(dp=2, tp=2, pp=2), 1),
     "dp2.pp2.cp2 gpipe tied": ("tiny", {"tie_embeddings": True},
                                dict(dp=2, pp=2, cp=2, schedule="gpipe"), 1),
     "tp2.pp2.cp2.ep2 moe": ("tiny-moe", {}, dict(tp=2, pp=2, cp=2, ep=2), 2),
@@ -46,7 +49,8 @@ CASES_4 = {
     "dp4.ep2 zero1 moe": ("tiny-moe", {}, dict(dp=4, ep=2, zero=1), 4),
     "dp2.cp2 zero3 recompute": ("tiny", {}, dict(dp=2, cp=2, zero=3, recompute="full"), 1),
 }
-SAVES_AT_3 = "pp2.dp2 zero1"  # resumed from its step 3 under other layouts, and in one process
+# Resumed from their step 3 under other layouts, and in one process.
+SAVES_AT_3 = {"pp2.dp2 zero1", "dp2.tp2.pp2"}
 
 
 def run_config(data: str, model: str, overrides: dict, checkpoint_dir: Path, save_every=0,
@@ -69,7 +73,7 @@ def job(rank: int, world_size: int, runs: list) -> list | None:
 
 
 def parameters(folder: Path) -> dict[str, torch.Tensor]:
-    return ckpt.load_checkpoint(folder, ckpt.read_model_config(folder))[1]
+    return dict(ckpt.load_checkpoint(folder, ckpt.read_model_config(folder))[1]["model"])
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -127,7 +131,7 @@ def run_cases(cases: dict, world_size: int, data: str, tmp_path: Path, extra=())
     """Every case on `world_size` ranks in one spawn, checked against its single-process run;
     returns the results of the `extra` runs that follow them."""
     runs = [(run_config(data, model, overrides, tmp_path / name,
-                        save_every=3 if name == SAVES_AT_3 else 0, **layout), None)
+                        save_every=3 if name in SAVES_AT_3 else 0, **layout), None)
             for name, (model, overrides, layout, _) in cases.items()]
     results = run_ranks(job, world_size, runs + list(extra), timeout_s=900)[0]
     for (name, (model, overrides, layout, grad_accum)), result in zip(cases.items(), results):
@@ -136,26 +140,90 @@ def run_cases(cases: dict, world_size: int, data: str, tmp_path: Path, extra=())
     return results[len(cases):]
 
 
+def shard_elements(folder: Path, kind: str) -> dict[str, int]:
+    """Elements of `kind` in each shard file of a checkpoint, by file name."""
+    counts: dict[str, int] = {}
+    for tensors_file in sorted(folder.glob("shard_*.safetensors")):
+        with safe_open(str(tensors_file), "pt") as handle:
+            counts[tensors_file.name] = sum(math.prod(handle.get_slice(key).get_shape())
+                                            for key in handle.keys() if key.startswith(kind + "/"))
+    return counts
+
+
 def test_eight_ranks(corpus_file, tmp_path):
-    run_cases(CASES_8, 8, corpus_file, tmp_path)
-    # 4D: rank 0 sends each of its 2 microbatches' activations [4 rows, 32 tokens, 64] to the next
-    # stage, plus ring attention's K/V and dK/dV blocks (tested in test_context_parallel).
+    """Every 8-rank case; then the dp2.tp2.pp2 checkpoint of step 3, written in pieces by the
+    ranks that hold them, resumes as dp8 ZeRO-3, dp2.tp4 and pp4.dp2 (and in one process) with
+    the uninterrupted run's numbers."""
+    source = tmp_path / "dp2.tp2.pp2"
+    resumed = {"dp8 zero3 from dp2.tp2.pp2": dict(dp=8, zero=3),
+               "dp2.tp4 from dp2.tp2.pp2": dict(dp=2, tp=4),
+               "pp4.dp2 from dp2.tp2.pp2": dict(pp=4, dp=2)}
+    runs = [(run_config(corpus_file, "tiny", FOUR_LAYERS, tmp_path / name, resume=True,
+                        **layout), (source, 3)) for name, layout in resumed.items()]
+    results = run_cases(CASES_8, 8, corpus_file, tmp_path, extra=runs)
+    single = reference(corpus_file, "tiny", FOUR_LAYERS, 1, tmp_path / "single", save_every=3)
+    for (name, layout), result in zip(resumed.items(), results):
+        check_run(name, result, single, layout, first_step=4)
+    rewound_copy(source, tmp_path / "one process", 3)
+    in_one_process = reference(corpus_file, "tiny", FOUR_LAYERS, 1, tmp_path / "one process",
+                               resume=True)
+    check_run("one process from dp2.tp2.pp2", in_one_process, single, {}, first_step=4)
+
+    # Counting the pieces: every parameter element (and each moment's) is written exactly once.
+    num_parameters = in_one_process.report["num_parameters"]
+    step_3 = source / ckpt.step_folder_name(3)
+    model, moments = shard_elements(step_3, "model"), shard_elements(step_3, "exp_avg")
+    dims = ParallelDims.from_config(ParallelConfig(dp=2, tp=2, pp=2))
+    writers = [rank for rank in range(8) if dims.coords(rank)["dp"] == 0]  # dp replicas skip
+    assert sorted(model) == [f"shard_{rank:05d}.safetensors" for rank in writers]
+    assert sum(model.values()) == sum(moments.values()) == num_parameters
+    assert max(model.values()) < num_parameters / 2  # a tp2 x pp2 quarter, not the model
+    # ZeRO-3 over dp8: each rank writes its eighth of every flat unit (7 padding elements at most
+    # per unit: the embedding, 4 blocks, the final norm with the head).
+    zero3 = shard_elements(results[0].checkpoint, "model")
+    assert len(zero3) == 8 and sum(zero3.values()) == num_parameters
+    assert max(zero3.values()) <= (num_parameters + 6 * 7) // 8 + 1
+
+    # `tetrad export` of the 8-rank checkpoint: an HF folder holding the single-process weights.
+    assert main(["export", str(source), "--out", str(tmp_path / "hf")]) == 0
+    expected = parameters(single.checkpoint)
+    for name, param in load_pretrained(tmp_path / "hf").named_parameters():
+        assert relative_error(param.detach(), expected[name]) < 1e-5, name
+
+
+def llama_folder(folder: Path) -> Path:
+    """A small random Llama saved by transformers, with weights far from tetrad's init."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(5)
+    LlamaForCausalLM(LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=False, initializer_range=0.3)).save_pretrained(folder)
+    return folder
 
 
 def test_four_ranks_and_resuming_across_layouts(corpus_file, tmp_path):
-    """Checkpoints hold whole tensors by name: ZeRO-1 over pp2.dp2 resumes as DDP over dp2.tp2,
+    """Checkpoints are read in any layout: ZeRO-1 over pp2.dp2 resumes as DDP over dp2.tp2,
     a single-process run resumes as tp2.pp2, and the ZeRO-1 run resumes in one process; each
-    finishes with the uninterrupted single-process numbers."""
-    model, overrides, _, _ = CASES_4[SAVES_AT_3]
+    finishes with the uninterrupted single-process numbers. An HF folder's weights train under
+    tp2.pp2 as in one process."""
+    model, overrides, _, _ = CASES_4["pp2.dp2 zero1"]
     single = reference(corpus_file, model, overrides, 1, tmp_path / "single", save_every=3)
-    resumed = {"dp2.tp2 from zero1": (dict(dp=2, tp=2), tmp_path / SAVES_AT_3),
+    resumed = {"dp2.tp2 from zero1": (dict(dp=2, tp=2), tmp_path / "pp2.dp2 zero1"),
                "tp2.pp2 from one process": (dict(tp=2, pp=2), tmp_path / "single")}
     runs = [(run_config(corpus_file, model, overrides, tmp_path / name, resume=True, **layout),
              (source, 3)) for name, (layout, source) in resumed.items()]
+    hf_folder = llama_folder(tmp_path / "llama")  # HF weights loaded into a tp2.pp2 layout
+    runs.append((run_config(corpus_file, str(hf_folder), {}, tmp_path / "hf tp2.pp2", tp=2,
+                            pp=2), None))
     results = run_cases(CASES_4, 4, corpus_file, tmp_path, extra=runs)
     for (name, (layout, _)), result in zip(resumed.items(), results):
         check_run(name, result, single, layout, first_step=4)
-    rewound_copy(tmp_path / SAVES_AT_3, tmp_path / "one process", 3)
+    check_run("hf tp2.pp2", results[-1],
+              reference(corpus_file, str(hf_folder), {}, 1, tmp_path / "hf reference"),
+              dict(tp=2, pp=2))
+    rewound_copy(tmp_path / "pp2.dp2 zero1", tmp_path / "one process", 3)
     in_one_process = reference(corpus_file, model, overrides, 1, tmp_path / "one process",
                                resume=True)
     check_run("one process from zero1", in_one_process, single, {}, first_step=4)

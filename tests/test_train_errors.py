@@ -56,9 +56,17 @@ def test_corrupt_and_mismatched_checkpoints(capsys, tmp_path, corpus_file):
     assert code == 0
     expect_error(capsys, "made for another model", "--model", "tiny-moe", "--data", corpus_file,
                  "--checkpoint-dir", str(root), "--resume")
-    (root / "step_00000002" / "model.safetensors").write_bytes(b"not a safetensors file")
-    expect_error(capsys, "is corrupt", "--model", "tiny", "--data", corpus_file, "--seq-len",
-                 "32", "--checkpoint-dir", str(root), "--resume", "--steps", "4")
+    folder = root / "step_00000002"
+    index = (folder / "index.json").read_text()
+    (folder / "index.json").write_text(index.replace('"shard_00000', '"shard_00007'))
+    expect_error(capsys, "is corrupt (shard_00007.safetensors", "--model", "tiny", "--data",
+                 corpus_file, "--seq-len", "32", "--checkpoint-dir", str(root), "--resume",
+                 "--steps", "4")
+    (folder / "index.json").write_text(index)
+    (folder / "shard_00000.safetensors").write_bytes(b"not a safetensors file")
+    expect_error(capsys, "is corrupt (shard_00000.safetensors", "--model", "tiny", "--data",
+                 corpus_file, "--seq-len", "32", "--checkpoint-dir", str(root), "--resume",
+                 "--steps", "4")
     (root / "step_00000002" / "model.json").write_text("{ truncated")
     expect_error(capsys, "is corrupt", "--model", "tiny", "--data", corpus_file,
                  "--checkpoint-dir", str(root), "--resume")

@@ -19,13 +19,14 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from tetrad.config import ModelConfig, from_dict
 from tetrad.errors import ConfigError
 from tetrad.hf_config import (hf_from_model_config, hf_model_type, model_config_from_hf,
                               read_hf_config, resolve_checkpoint)
 from tetrad.models.transformer import Transformer
+from tetrad.sharded_tensors import ShardedReader
 
 RUNTIME_TYPES = ("llama", "qwen2", "mistral", "mixtral", "gpt2")
 # Buffers some exporters save that carry no learned weights: rotary frequencies, GPT-2's mask.
@@ -225,25 +226,24 @@ def save_hf(model: Transformer, folder: str | Path, eos_id: int | None = None) -
 
 
 def load_checkpoint_weights(model: Transformer, folder: Path) -> None:
-    """Load a tetrad checkpoint's model.safetensors (tetrad parameter names) into `model`."""
-    file = folder / "model.safetensors"
-    if not file.is_file():
-        raise ConfigError(f"checkpoint {folder} has model.json but no model.safetensors")
-    state = load_file(str(file))
-    params = model.state_dict()
-    missing, unused = sorted(params.keys() - state.keys()), sorted(state.keys() - params.keys())
+    """Load a tetrad checkpoint's parameters (tetrad names, saved in pieces by any layout) into
+    `model`, one tensor at a time."""
+    stored = ShardedReader(folder).tensors("model")
+    params = dict(model.named_parameters())
+    missing, unused = sorted(params.keys() - set(stored)), sorted(set(stored) - params.keys())
     if missing or unused:
-        raise ConfigError(f"checkpoint {file} does not match its model.json: missing "
+        raise ConfigError(f"checkpoint {folder} does not match its model.json: missing "
                           f"{missing[:3]}, unused {unused[:3]}")
     with torch.no_grad():
         for name, param in params.items():
-            _check_shape(param, state[name], name, str(file))
-            param.copy_(state[name])
+            value = stored[name]
+            _check_shape(param, value, name, str(folder))
+            param.copy_(value)
 
 
 def load_pretrained(path: str | Path) -> Transformer:
     """A tetrad Transformer in eval mode from an HF folder (config.json + safetensors), a tetrad
-    checkpoint step folder (model.json + model.safetensors), or a checkpoint root whose `latest`
+    checkpoint step folder (model.json + its shards), or a checkpoint root whose `latest`
     file names its newest step folder."""
     folder = resolve_checkpoint(path)
     if not folder.is_dir():

@@ -30,7 +30,6 @@ experts, weights TP replaced by their shards) is released: memory is what the la
 from __future__ import annotations
 
 import contextlib
-import itertools
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Iterator
 
@@ -55,6 +54,7 @@ from tetrad.parallel.recompute import apply_recompute
 from tetrad.parallel.tensor_parallel import (TensorParallelTransformer, check_tensor_parallel,
                                              parallelize_tensor)
 from tetrad.parallel.zero import ZeroDataParallel
+from tetrad.sharded_tensors import Piece
 
 NORM_TAG = "grad_norm"
 
@@ -172,8 +172,8 @@ def _data_parallel(module: nn.Module, replicated: dict[str, nn.Parameter], mesh:
 @dataclass
 class ParallelModel:
     """One rank's share of a model under a layout, and what a training strategy needs of it: how
-    a microbatch is cut and scored, the gradient reduction, the global gradient norm, and whole
-    tensors by the single-process names (checkpoints, using the model on one rank)."""
+    a microbatch is cut and scored, the gradient reduction, the global gradient norm, and this
+    rank's pieces of the single-process tensors (checkpoints, the whole model on one rank)."""
 
     config: ModelConfig
     mesh: Mesh
@@ -282,27 +282,56 @@ class ParallelModel:
                 self._segments.append(pieces)
         return self._segments
 
-    def gather_named(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Whole tensors by the single-process names, on every rank, from each rank's `tensors`
-        (named and shaped like the parameters it holds: the parameters, optimizer moments).
-        Collective over the world (tag "checkpoint"): tp shards are gathered, then each tensor
-        comes from the first rank holding it whole (its replicas stay home)."""
+    def pieces(self, kind: str, tensors: dict[str, torch.Tensor]) -> list[Piece]:
+        """What this rank writes of `tensors` (named and shaped like parameters it holds whole
+        over dp x cp: the parameters and AdamW moments outside a ZeRO engine) in a checkpoint:
+        its tp shard of a split tensor, each tensor once over its replicas (dp x cp, an expert's
+        edp, tp for unsplit ones, the tied embedding's second pipeline copy)."""
         coords = self.mesh.dims.coords(self.mesh.rank)
-        first_replica = coords["tp"] == 0 and coords["dp"] == coords["cp"] == 0
-        first_expert_replica = coords["tp"] == 0 and coords["edp"] == 0
-        mine = {}
-        for name, param in self.params.items():  # the same order on every rank of a tp group
-            if name not in tensors:
+        pieces = []
+        for name, param in self.params.items():
+            if name not in tensors or id(param) in self.duplicate:
                 continue
-            whole = tensors[name] if self.tensor is None else \
-                self.tensor.gather_whole(name, tensors[name])
-            first = first_expert_replica if name in self.expert_names else first_replica
-            if first and id(param) not in self.duplicate:
-                mine[name] = whole.detach().cpu()
-        pieces = self.comm.all_gather_object(mine, self.mesh["world"], "checkpoint")
-        return dict(itertools.chain.from_iterable(piece.items() for piece in pieces))
+            split = self._tp_split(name)
+            replicas = ("edp",) if name in self.expert_names else ("dp", "cp")
+            if any(coords[axis] for axis in replicas) or (split is None and coords["tp"]):
+                continue
+            pieces.append(Piece(kind, name, tensors[name],
+                                *(split or (tuple(tensors[name].shape),))))
+        return pieces
+
+    def engine_pieces(self) -> list[Piece]:
+        """What this rank writes of a ZeRO engine's state: the fp32 master parameters and AdamW
+        moments of its flat shards, each a flat range of a parameter (of its tp shard)."""
+        first_tp = self.mesh.dims.coords(self.mesh.rank)["tp"] == 0
+        pieces = []
+        for shard in self.engine.shards:
+            lo, hi = shard.shard_range
+            for name, param, offset in zip(shard.names, shard.params, shard.offsets):
+                start, end = max(lo, offset), min(hi, offset + param.numel())
+                split = self._tp_split(name)
+                if start >= end or id(param) in self.duplicate or (split is None and not first_tp):
+                    continue
+                placement = split or (tuple(param.shape), None, None)
+                for kind in ("model", "exp_avg", "exp_avg_sq"):
+                    flat = getattr(shard, "master" if kind == "model" else kind)
+                    # A copy: slices of one buffer would carry the whole buffer when pickled,
+                    # and safetensors refuses tensors that share memory.
+                    part = flat[start - lo:end - lo].clone()
+                    pieces.append(Piece(kind, name, part, *placement,
+                                        flat=(start - offset, end - offset)))
+        return pieces
+
+    def _tp_split(self, name: str) -> tuple[tuple[int, ...], int, torch.Tensor] | None:
+        """(global shape, dim, this rank's rows) of a tensor split over tp; None if unsplit."""
+        if self.tensor is None or name not in self.tensor.shards:
+            return None
+        dim, indices = self.tensor.shards[name]
+        shape = list(self.params[name].shape)
+        shape[dim] = int(torch.cat(indices).max()) + 1
+        return tuple(shape), dim, indices[self.tensor.tp.index].cpu()
 
     def local_named(self, whole: dict[str, torch.Tensor], names) -> dict[str, torch.Tensor]:
-        """This rank's pieces of whole tensors (the inverse of gather_named, no communication)."""
+        """This rank's pieces of whole tensors (as `pieces` cut them, without communication)."""
         return {name: whole[name] if self.tensor is None else
                 self.tensor.local_part(name, whole[name]) for name in names}

@@ -1,18 +1,23 @@
-"""Checkpoints that are either complete or absent.
+"""Checkpoints that are either complete or absent, written in pieces by every rank.
 
 Layout of a checkpoint root:
   latest                  the name of the newest complete step folder
   step_00000300/
+    shard_00000.safetensors   each rank's pieces of the parameters and AdamW moments, only
+    shard_00003.safetensors   its own (tp shards, ZeRO ranges, stages, experts; no replicas)
+    index.json            every piece: its file, the global tensor's shape, where it lies in it
     model.json            ModelConfig fields
-    model.safetensors     parameters under tetrad's names
-    training_state.pt     optimizer and loss-scaler state, RNG states
-    run.json              step, the resolved TrainConfig
+    training_state.pt     optimizer step, loss-scaler state, every rank's RNG state
+    run.json              step, the resolved TrainConfig, the layout that wrote it
     tokenizer.json        only for BPE tokenizers
 
-A step folder is written under a temporary name and renamed into place once every file is
-flushed; `latest` is replaced atomically after that. A run killed mid-save leaves at most a
+Every rank writes its shard into one staging folder (the root must be shared by all ranks, as
+on a cluster's shared filesystem); once every shard is flushed, rank 0 writes the rest, renames
+the folder into place and replaces `latest` atomically. A run killed mid-save leaves at most a
 `.tmp-*` folder, which loading ignores and the next save removes. With `keep` N > 0, a save
-deletes all but the N newest step folders once `latest` points at the new one.
+deletes all but the N newest step folders once `latest` points at the new one. Loading reads
+each tensor whole from its pieces, whatever layout wrote them (tetrad.sharded_tensors), so a run
+resumes under any other layout.
 """
 
 from __future__ import annotations
@@ -21,15 +26,14 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
 from tetrad.config import ModelConfig, from_dict
 from tetrad.errors import ConfigError
 from tetrad.hf_config import resolve_checkpoint
+from tetrad.sharded_tensors import Piece, ShardedReader, write_index, write_pieces
 
 LATEST = "latest"
 
@@ -52,21 +56,29 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(temporary, path)
 
 
-def save_checkpoint(root: str | Path, step: int, model_state: dict[str, torch.Tensor],
-                    training_state: dict[str, Any], model_config: ModelConfig,
-                    run: dict[str, Any], tokenizer=None, keep: int = 0) -> Path:
-    """Write a complete checkpoint of `step` (number of optimizer steps done) and point `latest`
-    at it; then, with `keep` > 0, delete all but the `keep` newest step folders."""
+def save_checkpoint(root: str | Path, step: int, rank: int, pieces: list[Piece],
+                    exchange: Callable[[Any], list[Any]], training_state: dict[str, Any],
+                    model_config: ModelConfig, run: dict[str, Any], tokenizer=None,
+                    keep: int = 0) -> Path | None:
+    """Write a complete checkpoint of `step` (number of optimizer steps done): this rank's
+    `pieces`, and on rank 0 everything else (its `training_state` stands for every rank's), then
+    point `latest` at it; with `keep` > 0, delete all but the `keep` newest step folders.
+    Collective: every rank calls it with `exchange` (every rank's value, in rank order). Returns
+    the step folder on rank 0, None elsewhere."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".tmp-step_*"):
-        shutil.rmtree(stale, ignore_errors=True)
     final = root / step_folder_name(step)
-    staging = root / f".tmp-{final.name}-{os.getpid()}"
-    staging.mkdir()
+    staging = root / f".tmp-{final.name}"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".tmp-step_*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        staging.mkdir()
+    exchange(None)  # the staging folder exists before any rank writes into it
+    entries = exchange(write_pieces(staging, rank, pieces))  # every shard is on disk
+    if rank != 0:
+        return None
+    write_index(staging, [entry for rank_entries in entries for entry in rank_entries])
     (staging / "model.json").write_text(json.dumps(model_config.to_dict(), indent=2))
-    save_file({name: tensor.contiguous() for name, tensor in model_state.items()},
-              staging / "model.safetensors")
     torch.save(training_state, staging / "training_state.pt")
     (staging / "run.json").write_text(json.dumps({"step": step, **run}, indent=2))
     if tokenizer is not None:
@@ -108,10 +120,10 @@ def read_model_config(folder: Path) -> ModelConfig:
         raise ConfigError(f"checkpoint {folder} is corrupt (model.json: {error})") from None
 
 
-def load_checkpoint(folder: Path, expected_model: ModelConfig
-                    ) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]]:
-    """(step, model state, training state) of a checkpoint, after checking it was made for
-    this model shape."""
+def load_checkpoint(folder: Path, expected_model: ModelConfig) -> tuple[int, dict[str, Any]]:
+    """(step, state) of a checkpoint, after checking it was made for this model shape. The
+    state holds whole tensors by name, each read from its pieces only when looked up: "model",
+    "optimizer" (step, "exp_avg", "exp_avg_sq"), and "scaler" and "rng" (one per saving rank)."""
     saved_model = read_model_config(folder)
     differences = [f"{key}: checkpoint {value!r} vs run {getattr(expected_model, key)!r}"
                    for key, value in saved_model.to_dict().items()
@@ -121,8 +133,11 @@ def load_checkpoint(folder: Path, expected_model: ModelConfig
                           f"{'; '.join(differences[:3])}): resume with the same --model")
     try:
         step = int(json.loads((folder / "run.json").read_text())["step"])
-        model_state = load_file(folder / "model.safetensors")
-        training_state = torch.load(folder / "training_state.pt", weights_only=True)
-    except (OSError, KeyError, ValueError, RuntimeError, SafetensorError) as error:
+        shared = torch.load(folder / "training_state.pt", weights_only=True)
+    except (OSError, KeyError, ValueError, RuntimeError) as error:
         raise ConfigError(f"checkpoint {folder} is corrupt: {error}") from None
-    return step, model_state, training_state
+    reader = ShardedReader(folder)
+    optimizer = {"step": shared["optimizer"]["step"], "exp_avg": reader.tensors("exp_avg"),
+                 "exp_avg_sq": reader.tensors("exp_avg_sq")} if reader.names("exp_avg") else None
+    return step, {"model": reader.tensors("model"), "optimizer": optimizer,
+                  "scaler": shared.get("scaler"), "rng": shared["rng"]}

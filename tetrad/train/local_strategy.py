@@ -13,6 +13,7 @@ from torch import nn
 
 from tetrad.config import TrainConfig
 from tetrad.memory import ActivationMeter
+from tetrad.sharded_tensors import Piece, whole_pieces
 from tetrad.train.optim import build_optimizer, parameter_groups, set_learning_rate
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -125,17 +126,23 @@ class LocalStrategy:
         (evaluation and sampling at the end of a run). Collective: every rank calls it."""
         return self.model
 
-    def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scaler": self.scaler.state_dict()}
+    def checkpoint_state(self) -> tuple[list[Piece], dict]:
+        """This rank's pieces of the parameters and AdamW moments (here: all of them, whole),
+        and the state every rank shares (optimizer step, loss scaler)."""
+        params = dict(self.model.named_parameters())
+        return ([piece for kind, tensors in named_state(params, self.optimizer).items()
+                 for piece in whole_pieces(kind, tensors)],
+                {"optimizer": {"step": named_moments(self.optimizer, params)[2]},
+                 "scaler": self.scaler.state_dict()})
+
+    def exchange(self, value: Any) -> list[Any]:
+        """Every rank's `value`, in rank order (collective): how the ranks agree on a save."""
+        return [value]
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        if "exp_avg" in state["optimizer"]:  # whole tensors by name: a run over a process mesh
-            load_named(self.optimizer, dict(self.model.named_parameters()), state["model"],
-                       state["optimizer"])
-        else:
-            self.optimizer.load_state_dict(state["optimizer"])
+        """From a checkpoint of any layout: whole tensors by name (tetrad.sharded_tensors)."""
+        load_named(self.optimizer, dict(self.model.named_parameters()), state["model"],
+                   state["optimizer"])
         if state.get("scaler"):
             self.scaler.load_state_dict(grad_scaler_state(state["scaler"], self.scaler))
 
@@ -144,6 +151,15 @@ class LocalStrategy:
         params = list(self.model.parameters())
         return {"params": tensor_bytes(params), "grads": tensor_bytes(p.grad for p in params),
                 "optimizer": optimizer_state_bytes(self.optimizer)}
+
+
+def named_state(params: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer
+                ) -> dict[str, dict[str, torch.Tensor]]:
+    """Parameters and torch AdamW's moments by kind ("model", "exp_avg", "exp_avg_sq"), then name:
+    what a checkpoint holds of tensors a rank steps with a torch optimizer."""
+    exp_avg, exp_avg_sq, _ = named_moments(optimizer, params)
+    return {"model": {name: param.detach() for name, param in params.items()},
+            "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
 
 def named_moments(optimizer: torch.optim.Optimizer, params: dict[str, nn.Parameter]

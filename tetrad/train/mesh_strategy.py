@@ -1,8 +1,9 @@
 """The strategies over a process mesh. Both take any 4D layout, applied to the model by
 tetrad.parallel.parallelize in its one fixed order, and differ only in who owns the optimizer:
 `DataParallelStrategy` keeps a whole AdamW on every rank (DDP), `ZeroStrategy` shards it over
-dp x cp (ZeRO 1-3). With a pipeline the step's microbatches are the executor's. Checkpoints hold
-whole tensors by the single-process names, so a run resumes under any mesh layout."""
+dp x cp (ZeRO 1-3). With a pipeline the step's microbatches are the executor's. In a checkpoint each rank
+writes its own pieces, described in the single-process tensors' coordinates, so a run resumes
+under any layout (tetrad.sharded_tensors)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tetrad.config import ModelConfig, TrainConfig
+from tetrad.config import TrainConfig
 from tetrad.memory import ActivationMeter
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm
@@ -20,15 +21,17 @@ from tetrad.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 from tetrad.parallel.mesh import Mesh
 from tetrad.parallel.parallelize import DataParallelOptions, ParameterView, parallelize
 from tetrad.parallel.zero_optimizer import LossScaler
+from tetrad.sharded_tensors import Piece, assemble
 from tetrad.train.local_strategy import (COMPUTE_DTYPES, LocalStrategy, load_named,
-                                         named_moments, optimizer_state_bytes, tensor_bytes)
+                                         named_moments, named_state, optimizer_state_bytes,
+                                         tensor_bytes)
 from tetrad.train.optim import build_optimizer, parameter_groups, set_learning_rate
 
 
 class MeshStrategy(LocalStrategy):
     """What the strategies over a process mesh share: the layout applied to the model, this
     rank's rows of the batch (every cp and tp rank of a dp index reads the same rows), the
-    pipeline's step, global means and norms, whole tensors by name for checkpoints."""
+    pipeline's step, global means and norms, this rank's pieces for checkpoints."""
 
     def _join_mesh(self, model: Transformer, config: TrainConfig, device: torch.device,
                    mesh: Mesh, collectives: Comm, bucket_bytes: int) -> None:
@@ -115,37 +118,43 @@ class MeshStrategy(LocalStrategy):
         """Scale the gradients by clip_coefficient(self.grad_norm, max_norm)."""
         raise NotImplementedError
 
-    def _local_tensors(self) -> tuple[dict, dict, dict, int]:
-        """This rank's parameters and AdamW moments by name, and the optimizer's step count."""
+    def checkpoint_state(self) -> tuple[list[Piece], dict]:
+        """This rank's pieces of the parameters and AdamW moments (what it alone writes in a
+        sharded checkpoint), and the state every rank shares (optimizer step, loss scaler)."""
         raise NotImplementedError
+
+    def exchange(self, value: Any) -> list[Any]:
+        """Every rank's `value` (collective over the world, tag "checkpoint")."""
+        return self.collectives.all_gather_object(value, self.mesh["world"], "checkpoint")
 
     def _local_pieces(self, state: dict) -> tuple[dict, dict | None]:
         """This rank's pieces of a checkpoint's whole tensors: parameters by name, and the
         optimizer state (step, moments by name) when the checkpoint has it."""
-        def local(whole: dict) -> dict:
+        def local(whole) -> dict:
             return self.parallel.local_named(whole, self.params)
 
         optimizer = state.get("optimizer")
-        if optimizer and "exp_avg" not in optimizer:  # torch's format: a single-process run
-            optimizer = named_adamw_state(optimizer, self.parallel.config)
         return local(state["model"]), optimizer and {
             "step": optimizer["step"], "exp_avg": local(optimizer["exp_avg"]),
             "exp_avg_sq": local(optimizer["exp_avg_sq"])}
 
     def whole_model(self) -> nn.Module:
-        whole = Transformer(self.parallel.config).to(self.device)
-        whole.load_state_dict(self.parallel.gather_named(self._local_tensors()[0]))
-        return whole
+        """Every rank's parameter pieces exchanged and assembled: the whole model on each rank."""
+        pieces = [piece for piece in self.checkpoint_state()[0] if piece.kind == "model"]
+        by_name: dict[str, list[Piece]] = {}
+        for rank_pieces in self.exchange(pieces):
+            for piece in rank_pieces:
+                by_name.setdefault(piece.name, []).append(piece)
+        whole = Transformer(self.parallel.config)
+        whole.load_state_dict({name: assemble(parts) for name, parts in by_name.items()},
+                              strict=False)
+        return whole.to(self.device)
 
-    def state_dict(self) -> dict:
-        """Whole tensors by the single-process names (as ZeRO's checkpoints always were), so a
-        run resumes under any layout. Collective."""
-        params, exp_avg, exp_avg_sq, step = self._local_tensors()
-        gather = self.parallel.gather_named
-        return {"model": gather(params),
-                "optimizer": {"step": step, "exp_avg": gather(exp_avg),
-                              "exp_avg_sq": gather(exp_avg_sq)},
-                "scaler": self.scaler.state_dict() if self.scaler else None}
+    def _named_pieces(self, params: dict[str, nn.Parameter],
+                      optimizer: torch.optim.Optimizer) -> list[Piece]:
+        """Pieces of parameters a torch AdamW steps whole on this rank, with its moments."""
+        return [piece for kind, tensors in named_state(params, optimizer).items()
+                for piece in self.parallel.pieces(kind, tensors)]
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float | None:
@@ -159,22 +168,6 @@ def loss_scaler_state(state: dict | None) -> dict | None:
     """A loss scaler's state from any checkpoint (torch's GradScaler counts "_growth_tracker")."""
     return state and {"scale": state["scale"],
                       "clean_steps": state.get("clean_steps", state.get("_growth_tracker", 0))}
-
-
-def named_adamw_state(optimizer: dict, config: ModelConfig) -> dict:
-    """A single-process checkpoint's optimizer state (torch's, keyed by position in the
-    parameter groups) by parameter name, as the mesh strategies read it."""
-    with torch.device("meta"):  # the parameter order only: nothing is allocated
-        model = Transformer(config)
-    names = {id(p): name for name, p in model.named_parameters()}
-    named = {"step": 0, "exp_avg": {}, "exp_avg_sq": {}}
-    for group, saved in zip(parameter_groups(model, 0.0), optimizer["param_groups"]):
-        for param, index in zip(group["params"], saved["params"]):
-            state = optimizer["state"].get(index, {})
-            named["step"] = max(named["step"], int(state.get("step", 0)))
-            for kind in ("exp_avg", "exp_avg_sq"):
-                named[kind][names[id(param)]] = state.get(kind, torch.zeros(param.shape))
-    return named
 
 
 class DataParallelStrategy(MeshStrategy):
@@ -222,9 +215,10 @@ class DataParallelStrategy(MeshStrategy):
         self.comm.end_step()
         return applied
 
-    def _local_tensors(self) -> tuple[dict, dict, dict, int]:
-        params = {name: param.detach() for name, param in self.params.items()}
-        return params, *named_moments(self.optimizer, self.params)
+    def checkpoint_state(self) -> tuple[list[Piece], dict]:
+        return self._named_pieces(self.params, self.optimizer), {
+            "optimizer": {"step": named_moments(self.optimizer, self.params)[2]},
+            "scaler": self.scaler.state_dict() if self.scaler else None}
 
     def load_state_dict(self, state: dict) -> None:
         load_named(self.optimizer, self.params, *self._local_pieces(state))
@@ -283,14 +277,11 @@ class ZeroStrategy(MeshStrategy):
         self.comm.end_step()
         return applied
 
-    def _local_tensors(self) -> tuple[dict, dict, dict, int]:
-        state = self.engine.state_dict()  # whole over dp x cp, this rank's tp shapes
-        exp_avg, exp_avg_sq, _ = (named_moments(self.expert_optimizer, self.experts)
-                                  if self.experts else ({}, {}, 0))
-        return ({**state["model"], **{n: p.detach() for n, p in self.experts.items()}},
-                {**state["optimizer"]["exp_avg"], **exp_avg},
-                {**state["optimizer"]["exp_avg_sq"], **exp_avg_sq},
-                state["optimizer"]["step"])
+    def checkpoint_state(self) -> tuple[list[Piece], dict]:
+        experts = self._named_pieces(self.experts, self.expert_optimizer) if self.experts else []
+        return self.parallel.engine_pieces() + experts, {
+            "optimizer": {"step": self.engine.optimizer.step_count},
+            "scaler": self.scaler.state_dict() if self.scaler else None}
 
     def load_state_dict(self, state: dict) -> None:
         params, moments = self._local_pieces(state)

@@ -114,9 +114,11 @@ def train(config: TrainConfig, make_strategy: Callable[..., Any] = build_strateg
     strategy = make_strategy(model, config, device)
     start_step = 0
     if resume_from is not None:
-        start_step, model_state, training_state = ckpt.load_checkpoint(resume_from, model_config)
-        strategy.load_state_dict({"model": model_state, **training_state})
-        torch.set_rng_state(training_state["rng"])
+        start_step, state = ckpt.load_checkpoint(resume_from, model_config)
+        strategy.load_state_dict(state)
+        # A rank the saving layout did not have continues from rank 0's generator.
+        rngs = state["rng"]
+        torch.set_rng_state(rngs[strategy.rank] if strategy.rank < len(rngs) else rngs[0])
     gpu = device_gpu(device)
     predicted = predict(model_config, config, gpu)
     peak_flops = gpu.peak(config.dtype) * strategy.world_size if gpu else None
@@ -189,11 +191,9 @@ def evaluate(model, dataset: Dataset, config: TrainConfig, device: torch.device)
 
 def save(strategy, config: TrainConfig, model_config: ModelConfig, tokenizer: AnyTokenizer,
          step: int) -> Path | None:
-    state = strategy.state_dict()
-    if strategy.rank != 0:
-        return None
-    training_state = {key: value for key, value in state.items() if key != "model"}
-    training_state["rng"] = torch.get_rng_state()
-    return ckpt.save_checkpoint(config.checkpoint_dir, step, state["model"], training_state,
-                                model_config, {"config": config.to_dict()},
-                                tokenizer=tokenizer, keep=config.keep)
+    """Every rank writes its pieces; rank 0 adds the shared state and every rank's RNG state."""
+    pieces, shared = strategy.checkpoint_state()
+    shared["rng"] = strategy.exchange(torch.get_rng_state())
+    return ckpt.save_checkpoint(config.checkpoint_dir, step, strategy.rank, pieces,
+                                strategy.exchange, shared, model_config,
+                                {"config": config.to_dict()}, tokenizer=tokenizer, keep=config.keep)

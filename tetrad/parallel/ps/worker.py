@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,7 @@ from tetrad.parallel.mesh import Group
 from tetrad.parallel.ps.protocol import (FOREVER_S, Kind, KeyLayout, Message, PSOptions,
                                          allocate, check_run, nbytes, payload_spec,
                                          per_step_by_tag, receive, record_received, send)
+from tetrad.sharded_tensors import Piece, whole_pieces
 
 
 class ParameterServerWorker:
@@ -263,12 +264,11 @@ class ParameterServerWorker:
     def whole_model(self) -> nn.Module:
         return self.model
 
-    def state_dict(self) -> dict:
-        """Rank 0 fetches every server's range and moments: whole tensors by name, the format
-        ZeRO's checkpoints use, so a run can resume under any layout. Other ranks return {}
-        (the trainer writes rank 0's)."""
+    def checkpoint_state(self) -> tuple[list[Piece], dict]:
+        """Rank 0 fetches every server's range and moments and writes them as whole tensors, so
+        a run can resume under any layout; the other ranks write nothing."""
         if self.rank != 0:
-            return {}
+            return [], {}
         dense = [torch.empty(self.layout.dense_numel) for _ in range(3)]
         tables = [torch.empty(self.layout.num_rows, self.layout.row_numel) for _ in range(3)]
         self._post({s: Message(Kind.SAVE, self.rank, self.clock) for s in self.servers})
@@ -285,16 +285,21 @@ class ParameterServerWorker:
                 named[self.layout.sparse] = table
             return named
 
-        return {"model": by_name(dense[0], tables[0]),
-                # The scheduler's count: in async mode a worker that died between two pushes
-                # leaves the servers one update apart.
-                "optimizer": {"step": steps[0], "exp_avg": by_name(dense[1], tables[1]),
-                              "exp_avg_sq": by_name(dense[2], tables[2])},
-                "scaler": None}
+        pieces = [piece for index, kind in enumerate(("model", "exp_avg", "exp_avg_sq"))
+                  for piece in whole_pieces(kind, by_name(dense[index], tables[index]))]
+        # The scheduler's count: in async mode a worker that died between two pushes leaves the
+        # servers one update apart.
+        return pieces, {"optimizer": {"step": steps[0]}, "scaler": None}
 
+    def exchange(self, value: Any) -> list[Any]:
+        """Only rank 0 writes checkpoint files (it fetched the whole state): no one to wait for."""
+        return [value]
+
+    @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         """The replica's parameters; the servers load their own ranges and moments."""
-        self.model.load_state_dict(state["model"])
+        for name, param in self.model.named_parameters():
+            param.copy_(state["model"][name])
 
     def bytes_held(self) -> dict[str, int]:
         params = list(self.model.parameters())

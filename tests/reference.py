@@ -1,0 +1,41 @@
+"""The single-process yardstick the strategy tests compare with: a plain AdamW loop with gradient
+clipping on one model, and the objective every layout minimizes (cross-entropy, plus the MoE
+load-balance loss, which is defined per microbatch)."""
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tetrad.models.transformer import Transformer
+
+
+def objective(model: Transformer, logits: torch.Tensor, targets: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(cross-entropy, load-balance loss or None for a dense model, what backward is run on)."""
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    aux = model.aux_loss()
+    return loss, aux, loss if aux is None else loss + model.config.router_aux_loss_coef * aux
+
+
+def train_reference(model: Transformer, batch: Callable[[int], torch.Tensor], steps: int,
+                    microbatches: int, lr: float, weight_decay: float, max_norm: float) -> dict:
+    """Train `model` on batch(step) [rows, seq + 1] for `steps` steps, each batch split into
+    `microbatches` accumulated ones. Per step the mean loss and load-balance loss and the gradient
+    norm before clipping; the final parameters by name."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    losses, auxes, norms = [], [], []
+    for step in range(steps):
+        loss_sum = aux_sum = 0.0
+        for window in batch(step).chunk(microbatches):
+            loss, aux, total = objective(model, model(window[:, :-1]), window[:, 1:])
+            (total / microbatches).backward()
+            loss_sum += loss.item() / microbatches
+            aux_sum += 0.0 if aux is None else aux.item() / microbatches
+        losses.append(loss_sum)
+        auxes.append(aux_sum)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"losses": losses, "auxes": auxes, "norms": norms,
+            "params": {name: p.detach().clone() for name, p in model.named_parameters()}}

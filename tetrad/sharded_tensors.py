@@ -1,0 +1,197 @@
+"""Tensors saved in pieces by many ranks, read back whole or in any other layout's pieces.
+
+A rank's piece of a tensor is described in the tensor's own single-process coordinates, so the
+files mean the same thing whatever layout wrote them:
+
+  box    the rows `rows` (global indices, in the piece's order) of dimension `dim`: a tensor
+         parallel shard, which may pick non-contiguous rows (fused QKV, replicated kv heads);
+         no dim: the whole tensor
+  flat   elements [start, end) of the box flattened: a ZeRO rank's part of the flat buffer
+
+Each rank writes one safetensors file of its pieces (`shard_00003.safetensors`, keys
+`kind/name`); one `index.json` lists every piece with its file, box, flat range and the global
+shape. Reading a tensor back assembles it from every piece that holds part of it (replicated
+copies hold the same values: any copy does) and fails if an element is missing, so a wrong
+layout rule cannot go unnoticed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from tetrad.errors import ConfigError
+
+INDEX = "index.json"
+FORMAT = "tetrad-sharded/1"
+
+
+@dataclass
+class Piece:
+    """What one rank holds of one tensor (`kind`: "model", "exp_avg" or "exp_avg_sq")."""
+
+    kind: str
+    name: str  # the single-process parameter name
+    data: torch.Tensor  # shaped like the box, or 1-D for a flat range
+    global_shape: tuple[int, ...]
+    dim: int | None = None
+    rows: torch.Tensor | None = None
+    flat: tuple[int, int] | None = None
+
+
+def shard_file_name(rank: int) -> str:
+    return f"shard_{rank:05d}.safetensors"
+
+
+def row_runs(rows: torch.Tensor) -> list[list[int]]:
+    """Rows as [start, stop) runs of consecutive indices: short in JSON (a shard is a few runs)."""
+    runs: list[list[int]] = []
+    for row in rows.tolist():
+        if runs and runs[-1][1] == row:
+            runs[-1][1] += 1
+        else:
+            runs.append([row, row + 1])
+    return runs
+
+
+def rows_of(runs: list[list[int]]) -> torch.Tensor:
+    return torch.cat([torch.arange(start, stop) for start, stop in runs])
+
+
+def write_pieces(folder: Path, rank: int, pieces: list[Piece]) -> list[dict]:
+    """Write this rank's pieces into `folder` (flushed to disk) and return their index entries.
+    A rank without pieces writes nothing."""
+    if not pieces:
+        return []
+    file = shard_file_name(rank)
+    tensors, entries = {}, []
+    for piece in pieces:
+        key = f"{piece.kind}/{piece.name}"
+        tensors[key] = piece.data.detach().to("cpu").contiguous()
+        entries.append({"file": file, "key": key, "kind": piece.kind, "name": piece.name,
+                        "shape": list(piece.global_shape), "dim": piece.dim,
+                        "rows": None if piece.rows is None else row_runs(piece.rows),
+                        "flat": None if piece.flat is None else list(piece.flat)})
+    save_file(tensors, str(folder / file))
+    with open(folder / file, "rb") as handle:
+        os.fsync(handle.fileno())
+    return entries
+
+
+def write_index(folder: Path, entries: list[dict]) -> None:
+    (folder / INDEX).write_text(json.dumps({"format": FORMAT, "pieces": entries}))
+
+
+class ShardedReader:
+    """The tensors of a folder written by write_pieces + write_index, one at a time."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        try:
+            index = json.loads((folder / INDEX).read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise ConfigError(f"checkpoint {folder} is corrupt ({INDEX}: {error})") from None
+        if index.get("format") != FORMAT:
+            raise ConfigError(f"checkpoint {folder} has format {index.get('format')!r}; this "
+                              f"tetrad reads {FORMAT!r}")
+        self.pieces: dict[tuple[str, str], list[dict]] = {}
+        for entry in index["pieces"]:
+            self.pieces.setdefault((entry["kind"], entry["name"]), []).append(entry)
+        self._files: dict[str, object] = {}
+
+    def names(self, kind: str) -> list[str]:
+        return [name for piece_kind, name in self.pieces if piece_kind == kind]
+
+    def tensors(self, kind: str) -> "LazyTensors":
+        """Every tensor of `kind` by name, each assembled only when it is looked up."""
+        return LazyTensors(self, kind)
+
+    def _read(self, entry: dict) -> Piece:
+        try:
+            if entry["file"] not in self._files:
+                self._files[entry["file"]] = safe_open(str(self.folder / entry["file"]), "pt")
+            data = self._files[entry["file"]].get_tensor(entry["key"])
+        except (OSError, SafetensorError) as error:
+            raise ConfigError(f"checkpoint {self.folder} is corrupt ({entry['file']}: "
+                              f"{error})") from None
+        return Piece(entry["kind"], entry["name"], data, tuple(entry["shape"]), entry["dim"],
+                     None if entry["rows"] is None else rows_of(entry["rows"]),
+                     None if entry["flat"] is None else tuple(entry["flat"]))
+
+    def whole(self, kind: str, name: str) -> torch.Tensor:
+        entries = self.pieces.get((kind, name))
+        if not entries:
+            raise ConfigError(f"checkpoint {self.folder} has no {kind} of {name}")
+        try:
+            return assemble([self._read(entry) for entry in entries])
+        except ValueError as error:
+            raise ConfigError(f"checkpoint {self.folder} is incomplete: {error}") from None
+
+
+def assemble(pieces: list[Piece]) -> torch.Tensor:
+    """One tensor from pieces of it (any layout's; copies of the same elements are equal, so any
+    copy does). ValueError if an element is in none of them."""
+    first = pieces[0]
+    whole = first.data.new_zeros(first.global_shape)
+    covered = torch.zeros(first.global_shape, dtype=torch.bool)
+    boxes: dict[tuple, list[Piece]] = {}
+    for piece in pieces:
+        rows = None if piece.rows is None else tuple(piece.rows.tolist())
+        boxes.setdefault((piece.dim, rows), []).append(piece)
+    for (dim, _), box_pieces in boxes.items():
+        rows = box_pieces[0].rows
+        box_shape = list(first.global_shape)
+        if dim is not None:
+            box_shape[dim] = len(rows)
+        box = first.data.new_zeros(box_shape)
+        held = torch.zeros(box_shape, dtype=torch.bool)
+        for piece in box_pieces:
+            start, end = piece.flat or (0, box.numel())
+            box.view(-1)[start:end] = piece.data.reshape(-1)
+            held.view(-1)[start:end] = True
+        if dim is None:
+            whole[held] = box[held]
+            covered |= held
+        else:  # only the elements this box's pieces held: another box may hold the rest
+            rows = rows.to(torch.long)
+            target = whole.index_select(dim, rows)
+            target[held] = box[held]
+            whole.index_copy_(dim, rows, target)
+            covered.index_copy_(dim, rows, covered.index_select(dim, rows) | held)
+    if not bool(covered.all()):
+        raise ValueError(f"{first.kind} of {first.name} misses {int((~covered).sum())} of "
+                         f"{covered.numel()} elements")
+    return whole
+
+
+def whole_pieces(kind: str, tensors: Mapping[str, torch.Tensor]) -> list[Piece]:
+    """Whole tensors as pieces: what a rank holding the whole model writes."""
+    return [Piece(kind, name, tensor, tuple(tensor.shape)) for name, tensor in tensors.items()]
+
+
+class LazyTensors(Mapping):
+    """A checkpoint's tensors of one kind by name, read and assembled on lookup: a rank resuming
+    under another layout holds one whole tensor at a time besides its own pieces."""
+
+    def __init__(self, reader: ShardedReader, kind: str):
+        self.reader, self.kind = reader, kind
+        self._names = reader.names(kind)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if (self.kind, name) not in self.reader.pieces:
+            raise KeyError(name)
+        return self.reader.whole(self.kind, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
