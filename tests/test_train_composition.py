@@ -34,6 +34,10 @@ CASES_8 = {
     "dp2.pp2.cp2 gpipe tied": ("tiny", {"tie_embeddings": True},
                                dict(dp=2, pp=2, cp=2, schedule="gpipe"), 1),
     "tp2.pp2.cp2.ep2 moe": ("tiny-moe", {}, dict(tp=2, pp=2, cp=2, ep=2), 2),
+    # ZeRO-3 per (stage, microbatch) over two chunks per pipeline rank, SP's sums per unit.
+    "dp2.pp2.tp2 zero3 interleaved sp": ("tiny", FOUR_LAYERS, dict(
+        dp=2, pp=2, tp=2, zero=3, schedule="interleaved", vpp=2, microbatches=4,
+        sequence_parallel=True), 1),
 }
 CASES_4 = {
     "dp2.tp2.ep2 moe": ("tiny-moe", {}, dict(dp=2, tp=2, ep=2), 2),
@@ -48,16 +52,32 @@ CASES_4 = {
     "tp4 zero2 sp": ("tiny", {}, dict(tp=4, zero=2, sequence_parallel=True), 1),
     "dp4.ep2 zero1 moe": ("tiny-moe", {}, dict(dp=4, ep=2, zero=1), 4),
     "dp2.cp2 zero3 recompute": ("tiny", {}, dict(dp=2, cp=2, zero=3, recompute="full"), 1),
+    # ZeRO-2/3 under pipelines: tied embeddings' shards summed over their two ranks; zero bubble
+    # reduces after W (ZeRO-3 gathers the units again for it); unused experts reduce zeros.
+    "pp2.dp2 zero2 tied": ("tiny", {"tie_embeddings": True}, dict(pp=2, dp=2, zero=2), 1),
+    "pp2.dp2 zero3 gpipe": ("tiny", {}, dict(pp=2, dp=2, zero=3, schedule="gpipe"), 1),
+    "pp2.dp2 zero3 zb tied recompute": ("tiny", {"tie_embeddings": True}, dict(
+        pp=2, dp=2, zero=3, schedule="zb", microbatches=4, recompute="full"), 1),
+    "pp2.dp2.ep2 zero2 zb moe": ("tiny-moe", {}, dict(
+        pp=2, dp=2, ep=2, zero=2, schedule="zb", microbatches=4), 8),
+    # DDP over an MoE model: a rank whose tokens chose no token for an expert still reduces it.
+    "dp4 moe": ("tiny-moe", {}, dict(dp=4), 4),
+    # SP around expert-parallel MoE layers: their router gradients are whole, not partial.
+    "dp2.tp2.ep2 sp moe": ("tiny-moe", {}, dict(dp=2, tp=2, ep=2, sequence_parallel=True), 2),
+    # Gradient accumulation over pipeline steps: the tied copies are summed once per step.
+    "pp2.dp2 tied accum2": ("tiny", {"tie_embeddings": True}, dict(pp=2, dp=2, grad_accum=2), 1),
+    "pp2.dp2 zero1 tied accum2": ("tiny", {"tie_embeddings": True},
+                                  dict(pp=2, dp=2, zero=1, grad_accum=2), 1),
 }
 # Resumed from their step 3 under other layouts, and in one process.
 SAVES_AT_3 = {"pp2.dp2 zero1", "dp2.tp2.pp2"}
 
 
 def run_config(data: str, model: str, overrides: dict, checkpoint_dir: Path, save_every=0,
-               resume=False, **parallel) -> TrainConfig:
+               resume=False, grad_accum=1, **parallel) -> TrainConfig:
     layout = ParallelConfig(**parallel)
     return TrainConfig(model=model, data=data, model_overrides=overrides, nproc=layout.world_size,
-                       parallel=layout, checkpoint_dir=str(checkpoint_dir),
+                       parallel=layout, checkpoint_dir=str(checkpoint_dir), grad_accum=grad_accum,
                        save_every=save_every, resume=resume, **COMMON)
 
 
@@ -109,7 +129,8 @@ def check_run(name: str, result, expected, layout: dict, first_step: int = 1) ->
     for key, value in reference_params.items():
         assert relative_error(params[key], value) < 1e-5, (name, key)
 
-    dims = ParallelDims.from_config(ParallelConfig(**layout))
+    dims = ParallelDims.from_config(ParallelConfig(**{
+        axis: value for axis, value in layout.items() if axis != "grad_accum"}))
     ranks = result.report["ranks"]
     assert [entry["rank"] for entry in ranks] == list(range(dims.world_size)), name
     for entry in ranks:
@@ -263,7 +284,7 @@ def test_pipeline_activations_and_tied_copies_in_the_report(corpus_file, tmp_pat
     (["--nproc", "4", "--pp", "4"], "at least one transformer layer each"),
     (["--nproc", "2", "--pp", "2", "--stage-layers", "1,2"], "sums to 3 but the model has 2"),
     (["--nproc", "2", "--pp", "2", "--stage-layers", "1,x"], "expected layer counts"),
-    (["--nproc", "2", "--pp", "2", "--zero", "3"], "use --zero 1 with --pp"),
+    (["--nproc", "2", "--pp", "2", "--offload"], "--offload needs a ZeRO stage"),
     (["--nproc", "2", "--tp", "2", "--microbatches", "2"], "use --grad-accum"),
     (["--nproc", "2", "--dp", "2", "--sequence-parallel"], "but --tp is 1"),
     (["--nproc", "4", "--tp", "4", "--sequence-parallel", "--seq-len", "34"],

@@ -1,6 +1,7 @@
 """DDP (ZeRO-0) and ZeRO-1/2/3, with offload and gradient accumulation, on 2 and 4 gloo ranks,
 against the single-process run on the same global batches: losses, final parameters, bytes held
-(counted from the tensors each rank owns) and bytes sent per step, checked against the formulas.
+(counted from the tensors each rank owns) and bytes sent per step, checked against the formulas;
+ZeRO-2/3 under a pipeline too (the formulas of the rank's stages, per pipeline microbatch).
 Torch's own DDP and FSDP2 (fully_shard) run the same steps side by side.
 
 Each world size is one spawned job running every case in turn (starting processes is the slow
@@ -37,6 +38,9 @@ CASES_2 = [Case(0), Case(1), Case(2), Case(3), Case(0, grad_accum=2), Case(1, Tr
            Case(3, collectives="ring"), Case(3, dtype="bf16"), Case(2, dtype="fp16")]
 CASES_4 = [Case(0, grad_accum=2), Case(1), Case(2, grad_accum=2), Case(3), Case(1, True),
            Case(3, True, 2)]
+# (ZeRO stage, schedule) over pp2 x dp2, the batch in MICROBATCHES pipeline microbatches.
+PIPELINED = [(2, "1f1b"), (3, "1f1b"), (3, "zb")]
+MICROBATCHES = 4
 
 
 def tiny_model() -> Transformer:
@@ -85,6 +89,12 @@ def distributed_strategy(case: Case, mesh, counter: CommCounter, model=None):
                 Comm(counter, case.collectives), bucket_bytes=BUCKET_BYTES)
 
 
+def whole_parameters(strategy) -> dict[str, torch.Tensor]:
+    """The trained model's whole tensors by name (collective: every rank assembles them)."""
+    return {name: tensor.detach().cpu().clone()
+            for name, tensor in strategy.whole_model().state_dict().items()}
+
+
 def run_case(case: Case, mesh, rank: int) -> dict:
     counter = CommCounter()
     strategy = distributed_strategy(case, mesh, counter)
@@ -92,7 +102,7 @@ def run_case(case: Case, mesh, rank: int) -> dict:
     per_step = {tag: {kind: value / counter.steps for kind, value in
                       counter.totals((tag,)).items() if value}
                 for tag in counter.tags() if tag not in OFF_STEP_TAGS}
-    params = strategy.state_dict()["model"]
+    params = whole_parameters(strategy)
     return {"losses": losses, "held": held, "comm": per_step,
             "params": params if rank == 0 else None}
 
@@ -204,9 +214,39 @@ def torch_native(rank: int, world_size: int, kind: str) -> list[float]:
     return losses
 
 
-def job(rank: int, world_size: int, cases: list[Case], extras: bool) -> dict:
+def run_pipelined(zero: int, schedule: str, mesh) -> dict:
+    """The trainer's steps with ZeRO-2/3 under a pipeline: losses, the most bytes held after the
+    gradient reduction and after the step, bytes sent per step, and what the rank holds."""
+    counter = CommCounter()
+    parallel = ParallelConfig(dp=mesh.dims.dp, pp=mesh.dims.pp, zero=zero, schedule=schedule,
+                              microbatches=MICROBATCHES)
+    config = TrainConfig(model="tiny", batch_size=BATCH, seq_len=SEQ, lr=LR, parallel=parallel)
+    strategy = ZeroStrategy(tiny_model(), config, CPU, mesh, Comm(counter),
+                            bucket_bytes=BUCKET_BYTES)
+    losses, held = [], {}
+    for batch in token_batches():
+        loss, _ = strategy.forward_backward(batch)
+        strategy.finish_gradients()
+        held = {k: max(v, held.get(k, 0)) for k, v in strategy.bytes_held().items()}
+        strategy.clip_grad_norm(1.0)
+        strategy.step(LR)
+        held = {k: max(v, held.get(k, 0)) for k, v in strategy.bytes_held().items()}
+        losses.append(loss)
+    comm = {tag: {kind: value / counter.steps for kind, value in counter.totals((tag,)).items()
+                  if value} for tag in ("grads", "params")}
+    return {"losses": losses, "held": held, "comm": comm,
+            "phi": sum(p.numel() for p in strategy.params.values()),
+            "first_stage": 0 in strategy.parallel.pipeline.stages}
+
+
+def job(rank: int, world_size: int, cases: list[Case], extras: bool,
+        pipelined: list[tuple[int, str]] = ()) -> dict:
     mesh = build_mesh(ParallelDims(dp=world_size), rank, world_size)
     result = {"cases": [run_case(case, mesh, rank) for case in cases]}
+    if pipelined:
+        mesh = build_mesh(ParallelDims(dp=2, pp=world_size // 2), rank, world_size)
+        result["pipelined"] = [run_pipelined(zero, schedule, mesh)
+                               for zero, schedule in pipelined]
     if extras:
         result["mechanisms"] = check_mechanisms(mesh)
         result["fp16"] = check_fp16_skip(mesh)
@@ -224,7 +264,7 @@ def references() -> dict:
         strategy = LocalStrategy(tiny_model(), train_config(case), CPU)
         losses, held = train_steps(strategy, grad_accum)
         runs[grad_accum, dtype] = {"losses": losses, "held": held,
-                                   "params": strategy.state_dict()["model"]}
+                                   "params": whole_parameters(strategy)}
     return runs
 
 
@@ -319,4 +359,22 @@ def test_two_ranks(references):
 
 
 def test_four_ranks(references):
-    check_cases(CASES_4, run_ranks(job, 4, CASES_4, False), references, 4)
+    results = run_ranks(job, 4, CASES_4, False, PIPELINED)
+    check_cases(CASES_4, results, references, 4)
+    # ZeRO-2/3 over pp2 x dp2 keep their memory per rank (Phi: the parameters of its stages) and
+    # reduce every pipeline microbatch; a split backward (zb) gathers the units once more for W,
+    # except on the first stage, whose B computes nothing.
+    n, m = 2, MICROBATCHES
+    for rank, result in enumerate(results):
+        for (zero, schedule), run in zip(PIPELINED, result["pipelined"]):
+            name, phi = (zero, schedule, rank), run["phi"]
+            assert run["losses"] == pytest.approx(references[1, "fp32"]["losses"], rel=1e-5), name
+            held = dict(run["held"])
+            assert (held.pop("params_gathered_peak", None) is not None) == (zero == 3), name
+            assert held == {"params": 4 * phi // (n if zero == 3 else 1), "grads": 4 * phi // n,
+                            "optimizer": 8 * phi // n}, name
+            share = Fraction((n - 1) * 4 * phi, n)
+            gathers = 1 if zero == 2 else 2 if schedule == "1f1b" or run["first_stage"] else 3
+            params = gathers * share * (1 if zero == 2 else m)
+            assert run["comm"] == {"grads": {"reduce_scatter": m * share},
+                                   "params": {"all_gather": params}}, name

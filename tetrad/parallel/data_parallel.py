@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.autograd import Variable
 
 from tetrad.parallel.comm import Comm, Handle
 from tetrad.parallel.mesh import Group
@@ -41,7 +42,8 @@ class LaunchInOrder:
     """Counts the gradients that arrive for each bucket and starts a bucket's collective once it
     is complete *and* every earlier bucket has started. Ranks must issue collectives in the same
     order; arrival order can differ between ranks (a parameter unused on one rank never
-    arrives), bucket order cannot. `finish()` starts whatever is left, in order."""
+    arrives), bucket order cannot. `flush()` starts whatever is left, in order (`finish()` also
+    starts counting the next backward afresh)."""
 
     def __init__(self, sizes: list[int], launch: Callable[[int], None]):
         self.sizes, self.launch = sizes, launch
@@ -54,10 +56,14 @@ class LaunchInOrder:
             self.next += 1
             self.launch(self.next - 1)
 
-    def finish(self) -> None:
+    def flush(self) -> None:
         while self.next < len(self.sizes):
             self.next += 1
             self.launch(self.next - 1)
+
+    def finish(self) -> None:
+        """Start whatever is left, in order, and begin counting the next backward."""
+        self.flush()
         self.counts = [0] * len(self.sizes)
         self.next = 0
 
@@ -82,7 +88,7 @@ class DataParallel:
         self.grads: list[torch.Tensor] = []
         self.handles: list[Handle] = []
         self.order = LaunchInOrder([len(b) for b in self.buckets], self._launch)
-        self._sync = False
+        self._sync = self._flush_queued = False
         # Called with {id(param): grad} of a bucket just before it is reduced: tensor parallelism
         # sums there the gradients its ranks hold only part of (the two sums commute).
         self.before_reduce: Callable[[dict[int, torch.Tensor]], None] | None = None
@@ -99,6 +105,12 @@ class DataParallel:
     def _hook(self, index: int):
         def on_gradient_ready(param: nn.Parameter) -> None:
             if self._sync:  # otherwise not the last microbatch: keep accumulating locally
+                if not self._flush_queued:
+                    # A bucket holding a parameter this rank did not use (an expert no token
+                    # chose) never completes: start it when backward ends, before any other
+                    # collective (the loss mean), as the ranks that did complete it have.
+                    Variable._execution_engine.queue_callback(self.order.flush)
+                    self._flush_queued = True
                 self.order.arrived(index)
         return on_gradient_ready
 
@@ -120,7 +132,7 @@ class DataParallel:
         for handle in self.handles:
             handle.wait()
         self.handles = []
-        self._sync = False
+        self._sync = self._flush_queued = False
 
     def zero_grad(self) -> None:
         """In place: the .grad views must keep pointing into the buckets."""

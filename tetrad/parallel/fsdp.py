@@ -18,6 +18,21 @@ back when gathered; the parameters stay views of it, so autograd's saved referen
 refilled data in backward (FSDP2's technique). Per microbatch the traffic is two all-gathers and
 one reduce-scatter of the model: 3(N-1)/N*Phi bytes, 1.5x DDP's all-reduce.
 
+Under a pipeline (zero.Pipelined) the same happens per (stage, microbatch), with each stage's
+units (`stage_units`) and prefetching within a stage only: every forward and backward of a stage
+gathers its units one at a time, and the executor's `after_stage_backward(stage)` (after B, or
+after W when zero bubble splits the backward) reduce-scatters the units no input gradient reached
+and frees them all. Memory stays ZeRO-3's (4Phi/N of the rank's Phi for parameters and for
+gradients, plus the live units); traffic is ZeRO-3's with M microbatches, 3(N-1)/N*Phi each.
+Keeping a stage gathered for the step (torchtitan turns reshard_after_forward off under a
+pipeline) would send M times less but hold the rank's whole parameters and gradients all step.
+A split backward gathers once more per microbatch: B (input gradients only) frees each unit once
+the gradient has gone through it and reduces nothing; W gathers the units again and computes the
+stage's weight gradients in one autograd call, reduce-scattered after it unit by unit (so the
+stage's whole weight gradient exists at the end of W). The first stage's B computes nothing (its
+input is token ids), so it gathers twice per microbatch. A tied embedding is a unit of its own on
+both of its ranks, its gradient shards summed over the two after the step's last backward.
+
 The optimizer side (fp32 master shards, host offload, loss scaling, clipping, checkpoints) is the
 ShardedEngine of ZeRO-1/2.
 """
@@ -32,7 +47,7 @@ from torch import nn
 from tetrad.parallel.comm import Comm, Handle
 from tetrad.parallel.data_parallel import broadcast_parameters
 from tetrad.parallel.mesh import Group
-from tetrad.parallel.zero import ShardedEngine, named_decays
+from tetrad.parallel.zero import Pipelined, ShardedEngine, named_decays
 from tetrad.parallel.zero_optimizer import FlatShard, nbytes
 
 SHARDED, GATHERING, GATHERED = "sharded", "gathering", "gathered"
@@ -50,6 +65,26 @@ def transformer_units(model: nn.Module) -> list[tuple[list[nn.Module], list[nn.P
     return [(embeds, [p for m in embeds for p in m.parameters()]), *layers,
             ([model.norm, model.lm_head],
              [p for m in (model.norm, model.lm_head) for p in m.parameters()])]
+
+
+def stage_units(stage: nn.Module) -> list[tuple[list[nn.Module], list[nn.Parameter]]]:
+    """(modules, parameters) of each unit of a pipeline stage (PipelineStage) in forward order:
+    its embedding, its layers, its final norm and head. A tied embedding is a unit of its own on
+    both of its stages (the first and the last: its two copies then shard alike); on the last
+    stage the head multiplies by it inside the stage's own forward, so that unit is gathered
+    around the whole stage forward (FSDP's root)."""
+    units = [([layer], list(layer.parameters())) for layer in stage.layers.values()]
+    tied = stage.config.tie_embeddings
+    if stage.is_first:
+        embeds = [m for m in (stage.embed, stage.pos_embed) if m is not None]
+        units[:0] = ([([m], list(m.parameters())) for m in embeds] if tied else
+                     [(embeds, [p for m in embeds for p in m.parameters()])])
+    if stage.is_last:
+        head = [stage.norm] if tied else [stage.norm, stage.lm_head]
+        units.append((head, [p for m in head for p in m.parameters()]))
+        if tied:
+            units.insert(0, ([stage], [stage.embed.weight]))
+    return units
 
 
 def in_backward() -> bool:
@@ -82,6 +117,7 @@ class Unit:
     state: str = SHARDED
     handle: Handle | None = None
     reduced: bool = False  # this microbatch's gradients are on their way to the shard
+    stage: int = 0  # the pipeline stage it belongs to (0 without a pipeline)
     hooks: list = field(default_factory=list)
 
 
@@ -91,24 +127,35 @@ class FullyShardedDataParallel(ShardedEngine):
     def __init__(self, model: nn.Module, group: Group, comm: Comm, param_groups: list[dict],
                  betas: tuple[float, float], eps: float,
                  compute_dtype: torch.dtype = torch.float32, offload: bool = False,
-                 units: list[tuple[list[nn.Module], list[nn.Parameter]]] | None = None):
-        super().__init__(group, comm, compute_dtype, offload, betas, eps)
+                 units: list[tuple[list[nn.Module], list[nn.Parameter]]] | None = None,
+                 pipelined: Pipelined | None = None):
+        super().__init__(group, comm, compute_dtype, offload, betas, eps, pipelined)
         broadcast_parameters(model, comm, group)
         names = named_decays(model, param_groups)
         self.units: list[Unit] = []
         self.live_bytes = self.peak_live_bytes = 0
         self.pending: tuple[Unit, torch.Tensor, Handle] | None = None
+        self.split_backward = pipelined is not None and pipelined.split_backward
+        if pipelined is None:
+            staged = [(0, modules, params)
+                      for modules, params in units or transformer_units(model)]
+        else:  # without the parameters the engine does not shard (experts)
+            held = {id(p) for p in model.parameters()}
+            staged = [(index, modules, [p for p in params if id(p) in held])
+                      for index, stage in pipelined.stages.items()
+                      for modules, params in stage_units(stage)]
         shard32s = []
         with torch.no_grad():
-            for index, (modules, params) in enumerate(units or transformer_units(model)):
+            for stage, modules, params in staged:
                 shard = FlatShard.build([(*names[id(p)], p) for p in params if p.requires_grad],
                                         group)
                 lo, hi = shard.shard_range
                 flat32 = shard.flatten([p.detach() for p in shard.params], torch.float32)
                 shard32s.append(flat32[lo:hi].clone())
                 full = flat32.to(compute_dtype, copy=True)
-                unit = Unit(index, shard, full, full[lo:hi].clone(),
-                            torch.zeros(hi - lo, dtype=compute_dtype, device=full.device))
+                unit = Unit(len(self.units), shard, full, full[lo:hi].clone(),
+                            torch.zeros(hi - lo, dtype=compute_dtype, device=full.device),
+                            stage=stage)
                 for param, view in zip(shard.params, shard.views(full)):
                     param.data = view
                 self._hook_modules(unit, modules)
@@ -153,6 +200,14 @@ class FullyShardedDataParallel(ShardedEngine):
         unit.state = SHARDED
         self.live_bytes -= nbytes(unit.full)
 
+    def _neighbour(self, unit: Unit, offset: int) -> Unit | None:
+        """The unit `offset` places away in forward order, if in the same stage (prefetching
+        another stage's unit would hold it gathered until that stage runs)."""
+        index = unit.index + offset
+        if 0 <= index < len(self.units) and self.units[index].stage == unit.stage:
+            return self.units[index]
+        return None
+
     # Hooks.
     def _hook_modules(self, unit: Unit, modules: list[nn.Module]) -> None:
         # A forward that runs inside backward (activation recomputation) must neither prefetch
@@ -161,13 +216,14 @@ class FullyShardedDataParallel(ShardedEngine):
             self._gathered(unit)
             if in_backward():
                 return None
-            if unit.index + 1 < len(self.units):
-                self._start_gather(self.units[unit.index + 1])
+            following = self._neighbour(unit, 1)
+            if following is not None:
+                self._start_gather(following)
             if module is modules[0] and torch.is_grad_enabled():
                 needs_grad = [i for i, a in enumerate(args)
                               if isinstance(a, torch.Tensor) and a.requires_grad]
                 if needs_grad:
-                    wrapped = PostBackward.apply(lambda: self._reduce(unit),
+                    wrapped = PostBackward.apply(lambda: self._through_unit(unit),
                                                  *(args[i] for i in needs_grad))
                     args = list(args)
                     for i, tensor in zip(needs_grad, wrapped):
@@ -189,8 +245,18 @@ class FullyShardedDataParallel(ShardedEngine):
 
     def _before_backward(self, unit: Unit) -> None:
         self._gathered(unit)
-        if unit.index > 0:
-            self._start_gather(self.units[unit.index - 1])
+        previous = self._neighbour(unit, -1)
+        if previous is not None:
+            self._start_gather(previous)
+
+    def _through_unit(self, unit: Unit) -> None:
+        """The gradient has gone through the unit to its input. In a whole backward its
+        parameters' gradients are complete then; a split backward's B computes none of them, so
+        the unit is only freed (W gathers it again) and W's gradients are reduced after it."""
+        if self.split_backward:
+            self._free(unit)
+        else:
+            self._reduce(unit)
 
     def _reduce(self, unit: Unit) -> None:
         """The unit's backward is done: flatten its gradients, free it, reduce-scatter."""
@@ -224,15 +290,21 @@ class FullyShardedDataParallel(ShardedEngine):
         pass  # every microbatch reduce-scatters: unsharded gradients are never kept
 
     def _after_backward(self) -> None:
-        for unit in reversed(self.units):  # the units no input gradient reached, in order
+        self.after_stage_backward(0)
+
+    def after_stage_backward(self, stage: int) -> None:
+        """One microbatch's gradients of `stage` (the whole model without a pipeline) are
+        complete: reduce-scatter the units no input gradient reached, in order, and free all."""
+        units = [unit for unit in self.units if unit.stage == stage]
+        for unit in reversed(units):
             self._reduce(unit)
         self._retire()
-        for unit in self.units:
+        for unit in units:
             unit.reduced = False
             self._free(unit)
 
     def _finish_reduction(self) -> None:
-        pass  # done after each backward
+        self._sum_tied_gradient()  # the rest was done after each backward
 
     def _publish_params(self) -> None:
         pass  # the next forward gathers the updated shards

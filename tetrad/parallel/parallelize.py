@@ -11,8 +11,9 @@ model's; then, on each rank:
   4. recomputation        none | selective | full, on the blocks as they now are
   5. pipeline             this rank's stages of the model so far, and the executor of the schedule
   6. data parallelism     gradients of the replicated parameters averaged over dp x cp (DDP), or
-                          sharded there with the optimizer state (ZeRO 1-3); expert gradients
-                          summed over their edp replicas instead
+                          sharded there with the optimizer state (ZeRO 1-3; under a pipeline
+                          ZeRO-2/3 reduce after each backward of each stage, which the executor
+                          signals); expert gradients summed over their edp replicas instead
 
 Why this order: EP swaps a block's MoE layer and CP its attention core, both on the single-device
 blocks; TP then splits the matmuls around them (it keeps MoE layers whole and leaves the core
@@ -53,7 +54,7 @@ from tetrad.parallel.pipeline.executor import whole_sequences
 from tetrad.parallel.recompute import apply_recompute
 from tetrad.parallel.tensor_parallel import (TensorParallelTransformer, check_tensor_parallel,
                                              parallelize_tensor)
-from tetrad.parallel.zero import ZeroDataParallel
+from tetrad.parallel.zero import Pipelined, ZeroDataParallel
 from tetrad.sharded_tensors import Piece
 
 NORM_TAG = "grad_norm"
@@ -68,10 +69,6 @@ def check_parallel(config: ModelConfig, parallel: ParallelConfig, seq_len: int) 
     if parallel.sequence_parallel and parallel.tp == 1:
         raise ConfigError("--sequence-parallel splits the sequence over the tensor-parallel "
                           "ranks, but --tp is 1: add --tp 2 or more, or drop it")
-    if parallel.pp > 1 and parallel.zero > 1:
-        raise ConfigError(f"--zero {parallel.zero} reduce-scatters gradients after every "
-                          f"microbatch's backward, which a pipeline schedule interleaves across "
-                          f"stages (DeepSpeed does not combine them either): use --zero 1 with --pp")
     if parallel.cp > 1:
         check_context_parallel(config, parallel.cp, seq_len)
     check_tensor_parallel(config, parallel.tp, parallel.sequence_parallel,
@@ -136,7 +133,7 @@ def parallelize(model: Transformer, mesh: Mesh, comm: Comm, parallel: ParallelCo
     params = pipeline.named_parameters() if pipeline else dict(module.named_parameters())
     expert_ids = {id(p) for p in experts.expert_parameters()} if experts else set()
     replicated = {name: p for name, p in params.items() if id(p) not in expert_ids}
-    engine = _data_parallel(module, replicated, mesh, comm, parallel, options)
+    engine = _data_parallel(module, replicated, mesh, comm, parallel, options, pipeline)
     if tensor is not None:
         engine.before_reduce = tensor.sum_partial_gradients
     # Free what this rank does not hold (other stages, other ranks' experts, the whole weights TP
@@ -152,7 +149,8 @@ def parallelize(model: Transformer, mesh: Mesh, comm: Comm, parallel: ParallelCo
 
 
 def _data_parallel(module: nn.Module, replicated: dict[str, nn.Parameter], mesh: Mesh,
-                   comm: Comm, parallel: ParallelConfig, options: DataParallelOptions):
+                   comm: Comm, parallel: ParallelConfig, options: DataParallelOptions,
+                   pipeline: PipelineExecutor | None):
     view = ParameterView(replicated)
     group = mesh["dp_cp"]  # context-parallel ranks hold the same weights as data-parallel ones
     if parallel.zero == 0:
@@ -160,13 +158,26 @@ def _data_parallel(module: nn.Module, replicated: dict[str, nn.Parameter], mesh:
     sharded = dict(param_groups=options.group_parameters(view), betas=options.betas,
                    eps=options.eps, compute_dtype=options.compute_dtype,
                    offload=parallel.offload)
+    # ZeRO-2/3 reduce every microbatch: under a pipeline, stage by stage, after each backward of
+    # a stage the executor runs (ZeRO-1 just reduces after the step's last backward).
+    pipelined = None
+    if pipeline is not None and parallel.zero > 1:
+        pipelined = Pipelined(pipeline.stages, pipeline.schedule.split_backward,
+                              pipeline.tied_weight, pipeline.embedding_group)
     if parallel.zero < 3:
-        return ZeroDataParallel(view, group, comm, parallel.zero,
-                                bucket_bytes=options.bucket_bytes, **sharded)
-    ids = {id(p) for p in replicated.values()}  # ZeRO-3 units without the experts
-    units = [(modules, [p for p in params if id(p) in ids])
-             for modules, params in transformer_units(module)]
-    return FullyShardedDataParallel(view, group, comm, units=units, **sharded)
+        engine = ZeroDataParallel(view, group, comm, parallel.zero,
+                                  bucket_bytes=options.bucket_bytes, pipelined=pipelined,
+                                  **sharded)
+    else:
+        ids = {id(p) for p in replicated.values()}  # ZeRO-3 units without the experts
+        units = None if pipelined else [(modules, [p for p in params if id(p) in ids])
+                                        for modules, params in transformer_units(module)]
+        engine = FullyShardedDataParallel(view, group, comm, units=units, pipelined=pipelined,
+                                          **sharded)
+    if pipelined is not None:
+        pipeline.after_stage_backward = engine.after_stage_backward
+        pipeline.sum_tied_gradient = False  # the engine sums its shards of it
+    return engine
 
 
 @dataclass

@@ -243,8 +243,9 @@ class TensorParallelTransformer(nn.Module):
                 self.shards[f"{prefix}.weight"] = (module.dim, module.indices)
                 if isinstance(module, ColumnParallelLinear) and module.bias is not None:
                     self.shards[f"{prefix}.bias"] = (0, module.indices)
-        # Under SP every replicated parameter outside an MoE layer sees only a sequence shard.
-        whole_moe = {id(p) for m in self.modules() if isinstance(m, MoE) for p in m.parameters()}
+        # Under SP every replicated parameter outside an MoE layer sees only a sequence shard
+        # (whichever module holds the layer: expert parallelism swaps in its own).
+        whole_moe = {id(p) for block in self.layers if block.is_moe for p in block.mlp.parameters()}
         self.partial_params = [p for name, p in self.named_parameters() if tp.sequence_parallel
                                and name not in self.shards and id(p) not in whole_moe]
         # Rows several ranks hold (replicated kv heads): (param, local rows, their slots in the

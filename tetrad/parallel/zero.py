@@ -13,6 +13,19 @@ and keeps fp32 master weights and AdamW moments for that slice only.
 After the step each rank all-gathers the updated slices of every bucket. A reduce-scatter plus an
 all-gather moves what one all-reduce moves, so ZeRO-1/2 cost DDP's 2(N-1)/N*Phi bytes per step.
 
+Under a pipeline (`Pipelined`, ZeRO-2 only: ZeRO-1 just reduces after the step's last backward)
+the backwards of the stages and microbatches interleave, so a bucket holds one stage's parameters
+and the executor calls `after_stage_backward(stage)` once a stage's weight gradients of one
+microbatch are complete (after B, or after W when zero bubble splits the backward); that stage's
+buckets are then reduce-scattered into the accumulators. The memory stays ZeRO-2's (4Phi/N of the
+rank's Phi, plus a bucket in flight) for one reduce-scatter of Phi per microbatch, as with
+gradient accumulation. (torch.distributed.pipelining keeps FSDP's gradients whole for the step
+and reduces once: M times less traffic, but the rank's whole gradient held all step.) A tied
+embedding's two copies, on the first and the last pipeline rank, sit alone in a bucket each, laid
+out alike, and their gradient shards are summed over the two ranks after the step's last
+backward (on the last stage its gradient waits whole until the stage's backward ends, as its
+bucket goes last).
+
 Mixed precision: with bf16/fp16 the model's parameters and gradients are in that dtype, the
 master weights fp32; with fp16 the loss is scaled and a step whose gradients overflow is skipped.
 """
@@ -20,6 +33,7 @@ master weights fp32; with fp16 the loss is scaled and a step whose gradients ove
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -30,8 +44,24 @@ from tetrad.parallel.data_parallel import (DEFAULT_BUCKET_BYTES, LaunchInOrder, 
                                            broadcast_parameters)
 from tetrad.parallel.mesh import Group
 from tetrad.parallel.zero_optimizer import (FlatShard, LossScaler, ShardedAdamW, clip_shards,
-                                            gather_state, global_grad_norm, nbytes,
-                                            scatter_state)
+                                            global_grad_norm, nbytes, scatter_state)
+
+
+@dataclass(frozen=True)
+class Pipelined:
+    """The pipeline stages a ZeRO-2/3 engine serves: this rank's, by stage index
+    (tetrad.parallel.pipeline.PipelineStage), and what it must know of their schedule."""
+
+    stages: dict[int, nn.Module]
+    split_backward: bool  # zero bubble: B computes only input gradients, W the weights'
+    tied: nn.Parameter | None = None  # this rank's copy of a tied embedding
+    embedding_group: Group | None = None  # the two ranks holding its copies
+
+    def stage_params(self, held: list[nn.Parameter]) -> dict[int, list[nn.Parameter]]:
+        """Each stage's parameters among `held` (those the engine shards: no experts)."""
+        ids = {id(p) for p in held}
+        return {index: [p for p in stage.parameters() if id(p) in ids]
+                for index, stage in self.stages.items()}
 
 
 class ShardedEngine:
@@ -40,10 +70,11 @@ class ShardedEngine:
     shards, how gradients reach them, and what happens to parameters after the step."""
 
     def __init__(self, group: Group, comm: Comm, compute_dtype: torch.dtype, offload: bool,
-                 betas: tuple[float, float], eps: float):
+                 betas: tuple[float, float], eps: float, pipelined: Pipelined | None = None):
         self.group, self.comm = group, comm
         self.compute_dtype, self.offload = compute_dtype, offload
         self.betas, self.eps = betas, eps
+        self.pipelined = pipelined
         self.scaler = LossScaler() if compute_dtype == torch.float16 else None
         self.shards: list[FlatShard] = []
         self.optimizer: ShardedAdamW | None = None
@@ -107,6 +138,17 @@ class ShardedEngine:
         if self.before_reduce is not None:
             self.before_reduce(dict(zip(map(id, shard.params), shard.views(flat_grads))))
 
+    def _sum_tied_gradient(self) -> None:
+        """Pipelined, after the step's last backward: the gradient shards of the two copies of a
+        tied embedding summed over their two ranks (each copy alone in a shard, laid out alike),
+        what the executor does with the whole gradients when they are not sharded."""
+        tied = self.pipelined and self.pipelined.tied
+        if tied is None:
+            return
+        for shard, grad in zip(self.shards, self._grad_shards()):
+            if len(shard.params) == 1 and shard.params[0] is tied:
+                self.comm.all_reduce(grad, self.pipelined.embedding_group, "grads")
+
     def clip_grad_norm(self, max_norm: float) -> float:
         if max_norm > 0 and math.isfinite(self.grad_norm):
             clip_shards(self.shards, self.grad_norm, max_norm)
@@ -147,19 +189,10 @@ class ShardedEngine:
             held["optimizer"] = optimizer
         return held
 
-    def state_dict(self) -> dict:
-        """Whole tensors by parameter name, gathered from every rank (collective)."""
-        def gather(kind: str) -> dict[str, torch.Tensor]:
-            return gather_state(self.shards, [getattr(s, kind) for s in self.shards], self.comm,
-                                self.group, self._param_shards()[0].device)
-
-        return {"model": gather("master"),
-                "optimizer": {"step": self.optimizer.step_count, "exp_avg": gather("exp_avg"),
-                              "exp_avg_sq": gather("exp_avg_sq")},
-                "scaler": self.scaler.state_dict() if self.scaler else None}
-
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
+        """Whole tensors by parameter name (a checkpoint of any layout; see
+        ParallelModel.engine_pieces for what a rank writes) into this rank's shards."""
         optimizer = state.get("optimizer")
         for shard, param_shard in zip(self.shards, self._param_shards()):
             scatter_state(shard, state["model"], shard.master)
@@ -182,20 +215,34 @@ def named_decays(model: nn.Module, param_groups: list[dict]) -> dict[int, tuple[
             if p.requires_grad}
 
 
+def stage_buckets_of(pipelined: Pipelined, params: list[nn.Parameter], bucket_bytes: int
+                     ) -> dict[int, list[list[nn.Parameter]]]:
+    """Per pipeline stage, the buckets of its parameters among `params`; a tied embedding in a
+    bucket of its own, last, so that its two copies are laid out alike."""
+    buckets = {}
+    for index, held in pipelined.stage_params(params).items():
+        tied = [p for p in held if p is pipelined.tied]
+        buckets[index] = bucket_params([p for p in held if p is not pipelined.tied],
+                                       bucket_bytes) + ([tied] if tied else [])
+    return buckets
+
+
 class ZeroDataParallel(ShardedEngine):
-    """ZeRO stage 1 or 2 on a replicated model."""
+    """ZeRO stage 1 or 2 on a replicated model, or on a rank's pipeline stages (stage 2)."""
 
     def __init__(self, model: nn.Module, group: Group, comm: Comm, stage: int,
                  param_groups: list[dict], betas: tuple[float, float], eps: float,
                  compute_dtype: torch.dtype = torch.float32, offload: bool = False,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
-        assert stage in (1, 2), stage
-        super().__init__(group, comm, compute_dtype, offload, betas, eps)
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, pipelined: Pipelined | None = None):
+        assert stage in (1, 2) and (pipelined is None or stage == 2), (stage, pipelined)
+        super().__init__(group, comm, compute_dtype, offload, betas, eps, pipelined)
         self.stage = stage
         broadcast_parameters(model, comm, group)
         names = named_decays(model, param_groups)
-        buckets = bucket_params([p for p in model.parameters() if p.requires_grad],
-                                bucket_bytes)
+        params = [p for p in model.parameters() if p.requires_grad]
+        stage_buckets = (stage_buckets_of(pipelined, params, bucket_bytes) if pipelined
+                         else {0: bucket_params(params, bucket_bytes)})
+        buckets = [bucket for per_stage in stage_buckets.values() for bucket in per_stage]
         self.flat_params: list[torch.Tensor] = []  # compute dtype [numel]; params are views
         self.param_shards: list[torch.Tensor] = []  # this rank's slice of each
         self.flat_grads: list[torch.Tensor | None] = []  # stage 1: always; stage 2: while filling
@@ -227,8 +274,18 @@ class ZeroDataParallel(ShardedEngine):
                     self.grad_shards.append(torch.zeros(hi - lo, dtype=compute_dtype,
                                                         device=flat.device))
         self._init_optimizer(shard32s)
-        self.order = LaunchInOrder([len(b) for b in buckets], self._launch)
-        self._sync = False
+        # Buckets launch in order within each stage (one stage without a pipeline): per stage a
+        # LaunchInOrder, and each bucket's place in it.
+        self.orders: dict[int, LaunchInOrder] = {}
+        self.places: list[tuple[LaunchInOrder, int]] = []
+        first = 0
+        for key, per_stage in stage_buckets.items():
+            order = LaunchInOrder([len(b) for b in per_stage],
+                                  lambda place, first=first: self._launch(first + place))
+            self.orders[key] = order
+            self.places += [(order, place) for place in range(len(per_stage))]
+            first += len(per_stage)
+        self._sync = pipelined is not None  # pipelined: every backward of a stage reduces
 
     def _param_shards(self) -> list[torch.Tensor]:
         return self.param_shards
@@ -248,7 +305,8 @@ class ZeroDataParallel(ShardedEngine):
                 self.flat_grads[index][offset:offset + param.numel()].copy_(param.grad.view(-1))
                 param.grad = None
             if self._sync:
-                self.order.arrived(index)
+                order, place = self.places[index]
+                order.arrived(place)
         return on_gradient_ready
 
     def _launch(self, index: int) -> None:
@@ -282,13 +340,22 @@ class ZeroDataParallel(ShardedEngine):
 
     def _after_backward(self) -> None:
         if self.stage == 2:
-            self.order.finish()
-            self._retire_pending()
+            self.after_stage_backward(0)
+
+    def after_stage_backward(self, stage: int) -> None:
+        """ZeRO-2: one microbatch's gradients of `stage` (the whole model without a pipeline) are
+        complete: reduce-scatter its buckets not yet launched (a parameter this microbatch did
+        not use contributes zeros) and add every bucket's slice to the accumulators."""
+        self.orders[stage].finish()
+        self._retire_pending()
 
     def _finish_reduction(self) -> None:
         if self.stage == 2:
-            return  # every microbatch's reduce-scatter finished in _after_backward
-        self.order.finish()
+            # Every microbatch's reduce-scatter finished after its backward.
+            self._sum_tied_gradient()
+            return
+        for order in self.orders.values():
+            order.finish()
         for handle in self.handles:
             handle.wait()
         self.handles = []

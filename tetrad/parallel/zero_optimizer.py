@@ -1,6 +1,6 @@
 """The pieces every ZeRO stage shares: flat parameter buffers cut into N shards, AdamW on this
 rank's shard (fp32 master weights, optionally in host memory), dynamic loss scaling, the global
-gradient norm, and checkpoints gathered from / scattered to the shards.
+gradient norm, and a checkpoint's whole tensors scattered to the shards.
 
 A FlatShard is one flat buffer of parameters (a bucket for ZeRO-1/2, a unit for ZeRO-3), padded
 to a multiple of N elements so that every rank owns exactly numel/N of it: rank i owns
@@ -191,20 +191,6 @@ def clip_shards(shards: list[FlatShard], total_norm: float, max_norm: float) -> 
     coefficient = min(max_norm / (total_norm + 1e-6), 1.0)
     for shard in shards:
         shard.main_grad.mul_(coefficient)
-
-
-def gather_state(shards: list[FlatShard], local: list[torch.Tensor], comm: Comm, group: Group,
-                 device: torch.device) -> dict[str, torch.Tensor]:
-    """Whole per-parameter tensors (by name, in host memory) from each shard's piece `local[i]`,
-    gathered on `device` (where the backend communicates; offloaded pieces live on the host):
-    for checkpoints, which hold whole tensors whatever the layout."""
-    state = {}
-    for shard, piece in zip(shards, local):
-        full = torch.empty(shard.numel, dtype=piece.dtype, device=device)
-        comm.all_gather(full, piece.to(device).contiguous(), group, "checkpoint")
-        for name, view in zip(shard.names, shard.views(full)):
-            state[name] = view.to("cpu", copy=True)
-    return state
 
 
 def scatter_state(shard: FlatShard, full: dict[str, torch.Tensor], target: torch.Tensor) -> None:

@@ -71,8 +71,9 @@ class MeshStrategy(LocalStrategy):
         # The executor runs its own microbatches; --grad-accum repeats whole pipeline steps.
         chunks = self.local_batch(batch).to(self.device).chunk(self.config.grad_accum)
         loss_sum = aux_sum = 0.0
-        for chunk in chunks:
-            stats = pipeline.step(chunk, loss_scale=self.loss_scale() / len(chunks))
+        for index, chunk in enumerate(chunks):
+            stats = pipeline.step(chunk, loss_scale=self.loss_scale() / len(chunks),
+                                  last_of_step=index == len(chunks) - 1)
             loss_sum += stats.loss / len(chunks)
             aux_sum += (stats.aux_loss or 0.0) / len(chunks)
             self.pipeline_peak = max(self.pipeline_peak, stats.peak_activation_bytes)

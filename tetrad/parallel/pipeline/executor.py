@@ -6,10 +6,17 @@ tetrad.schedules in order and knows nothing of which schedule made it (docs/pipe
     F       forward of one (stage, microbatch); the last stage adds the loss / microbatches
     B       the full backward; with a split backward (zero bubble) only the gradient of the
             stage input, by autograd.grad with the graph retained for W
-    W       the deferred weight gradient: autograd.grad of the retained graph with respect to the
-            stage's parameters, accumulated into .grad
+    W       the deferred weight gradient: a backward of the retained graph with respect to the
+            stage's parameters only, accumulated into .grad by autograd (so a data-parallel
+            engine's post-accumulate-grad hooks see it, as after a whole backward)
 
 Every send and receive goes through Comm, so the bytes count as p2p under the "activations" tag.
+
+A data-parallel engine that reduces gradients every microbatch (ZeRO-2/3) sets
+`after_stage_backward`: called with the stage once a stage's weight gradients of one microbatch
+are complete (after B, or after W when the backward is split). It then also sums its shards of a
+tied embedding's gradient itself (`sum_tied_gradient` off); otherwise the step ends by summing
+the whole gradients of the two copies.
 
 The split backward is exact but not free: W walks the retained graph from the stage output
 again, so the activation gradients inside a stage are computed twice (B + W cost about 1.5 fused
@@ -110,6 +117,8 @@ class PipelineExecutor:
         if embedding_group is not None:
             holder = stages[0] if 0 in stages else stages[schedule.num_stages - 1]
             self.tied_weight = holder.embed.weight
+        self.after_stage_backward: Callable[[int], None] | None = None
+        self.sum_tied_gradient = True
         self._run = {"F": self._forward, "B": self._backward, "W": self._weight,
                      "SEND_F": self._send, "SEND_B": self._send,
                      "RECV_F": self._recv, "RECV_B": self._recv}
@@ -137,12 +146,15 @@ class PipelineExecutor:
 
     # The step -------------------------------------------------------------------------------
 
-    def step(self, tokens: torch.Tensor, loss_scale: float = 1.0) -> StepStats:
+    def step(self, tokens: torch.Tensor, loss_scale: float = 1.0,
+             last_of_step: bool = True) -> StepStats:
         """Forward and backward of the global batch `tokens` [batch, seq_len + 1] (inputs and
         their next-token targets; every rank passes the same batch, the first and last stages
         read it). Gradients accumulate into .grad of this rank's parameters, a tied embedding's
-        summed over its two ranks; the caller runs the optimizer. `loss_scale` multiplies the
-        objective before backward (fp16 loss scaling); the reported loss is unscaled."""
+        summed over its two ranks once `last_of_step` (gradient accumulation runs several
+        pipeline steps per optimizer step: summing after each would count the earlier ones
+        again); the caller runs the optimizer. `loss_scale` multiplies the objective before
+        backward (fp16 loss scaling); the reported loss is unscaled."""
         num_microbatches = self.schedule.microbatches
         if tokens.shape[0] % num_microbatches:
             raise ConfigError(f"a batch of {tokens.shape[0]} sequences does not split into "
@@ -167,7 +179,7 @@ class PipelineExecutor:
         self._wait(*(handle for _, handle in state.sends))
         assert not (state.inputs or state.roots or state.deferred or state.outgoing
                     or state.incoming), "the schedule left work undone"
-        if self.tied_weight is not None:
+        if self.tied_weight is not None and self.sum_tied_gradient and last_of_step:
             self.comm.all_reduce(self.tied_weight.grad, self.embedding_group, "grads")
         # The loss lives on the last stage, load-balance losses on every stage: one sum gives
         # every rank both.
@@ -235,23 +247,23 @@ class PipelineExecutor:
         if x is not None:
             state.outgoing["B", *key] = x.grad
         self._compute_s += self._clock() - started
+        if not self.schedule.split_backward:
+            self._stage_gradients_done(action.stage)
 
     def _weight(self, action: Action, state: _Step) -> None:
         key = (action.stage, action.microbatch)
         outputs, grads = state.deferred.pop(key)
         started = self._clock()
         params = [p for p in self.stages[action.stage].parameters() if p.requires_grad]
-        # allow_unused: an expert that no token of this microbatch reached has no gradient.
-        for param, grad in zip(params, torch.autograd.grad(outputs, params, grads,
-                                                           allow_unused=True)):
-            if grad is None:
-                continue
-            if param.grad is None:
-                param.grad = grad
-            else:
-                param.grad += grad
+        # An expert that no token of this microbatch reached is left alone, as by B.
+        torch.autograd.backward(outputs, grads, inputs=params)
         self._compute_s += self._clock() - started
         self._release(key)
+        self._stage_gradients_done(action.stage)
+
+    def _stage_gradients_done(self, stage: int) -> None:
+        if self.after_stage_backward is not None:
+            self.after_stage_backward(stage)
 
     def _send(self, action: Action, state: _Step) -> None:
         tensor = state.outgoing.pop((action.kind[-1], action.stage, action.microbatch))
