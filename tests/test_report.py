@@ -10,6 +10,9 @@ import pytest
 from tetrad.cli.main import main
 from tetrad.config import ParallelConfig, TrainConfig
 from tetrad.planner import predict_training
+from tetrad.planner.layout import TrainLayout
+from tetrad.planner.memory import ActivationOptions, training_memory
+from tetrad.planner.precision import training_precision
 from tetrad.presets import preset
 from tetrad.train.launch import train_worker
 from tetrad.train.trainer import train
@@ -141,13 +144,22 @@ def test_report_rejects_what_is_not_a_run_report(tmp_path, capsys):
         assert err.startswith("tetrad report: error:") and "Traceback" not in err
 
 
-def test_layouts_the_profile_does_not_cover_take_megatrons_accounting():
+def test_megatrons_accounting_on_request():
+    """The profile covers every layout tetrad trains (tests/test_report_layouts.py);
+    runtime="megatron" (the published runs' calibration, tests/test_planner_accuracy.py) takes
+    Megatron's accounting instead, the fullest stage only."""
     small = preset("small")
-    covered = predict_training(small, ParallelConfig(dp=2, zero=1), 2, 64)
-    split = predict_training(small, ParallelConfig(tp=2), 2, 64)
-    megatron = predict_training(small, ParallelConfig(tp=2), 2, 64, runtime="megatron")
-    assert covered["runtime"] == "tetrad" and split["runtime"] == "megatron"
-    assert split["bytes"] == megatron["bytes"]
+    layout = dict(micro_batch=2, seq_len=64, num_microbatches=2)
+    profiled = predict_training(small, ParallelConfig(tp=2, pp=2), **layout)
+    asked = predict_training(small, ParallelConfig(tp=2, pp=2), **layout, runtime="megatron")
+    assert profiled["runtime"] == "tetrad" and len(profiled["stages"]) == 2
+    assert asked["runtime"] == "megatron" and "stages" not in asked
+    memory, stage = training_memory(small, TrainLayout(tp=2, pp=2, micro_batch=2,
+                                                       num_microbatches=2),
+                                    training_precision("fp32"), 64, ActivationOptions())
+    assert asked["fullest_stage"] == stage
+    assert asked["bytes"]["activations_peak"] == memory.activations
+    assert asked["bytes"] != profiled["bytes"]
 
 
 def test_a_rank_kind_is_labelled_only_by_the_coordinates_its_ranks_share():

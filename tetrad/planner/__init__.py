@@ -13,7 +13,9 @@ from __future__ import annotations
 from tetrad.config import ModelConfig, ParallelConfig
 from tetrad.hardware import Cluster, cluster as make_cluster
 from tetrad.planner import eager
+from tetrad.planner.comm import CommLedger
 from tetrad.planner.layout import TrainLayout, check_training_layout
+from tetrad.planner.memory import MemoryBreakdown, eager_breakdown
 from tetrad.planner.model_stats import count_parameters
 from tetrad.planner.precision import TrainingPrecision
 from tetrad.planner.search import (SearchResult, ServeSpace, TrainSpace, search_serving,
@@ -41,35 +43,29 @@ def predict_training(model_config: ModelConfig, parallel_config: ParallelConfig,
     leaves out; with offload "host_optimizer" and "host_grads", in CPU memory), "runtime" (whose
     tensors were counted), "idle_fraction" (the pipeline bubble's share of the step),
     "fullest_stage", "comm_bytes" and "comm_payload_bytes" (per step, per collective kind, of a
-    rank of the slowest stage), "step_time_s" and "step_time_breakdown_s" (None without `gpu`),
-    "model_flops_per_step", "hardware_flops_per_step", "num_parameters"}. `precision` overrides
-    the recipe `dtype` implies (e.g. fp32 master params under autocast). `runtime` "tetrad" (the
-    default: the trainer reports against it) counts tetrad's own eager runtime where
-    tetrad.planner.eager covers the layout, Megatron's fused kernels elsewhere; "megatron"
-    always the latter."""
+    rank of the slowest stage; with the tetrad runtime, of the fullest), "step_time_s" and
+    "step_time_breakdown_s" (None without `gpu`), "model_flops_per_step",
+    "hardware_flops_per_step", "num_parameters"}, and with the tetrad runtime and a pipeline
+    "stages": each pipeline rank's {"bytes", "comm_bytes", "comm_payload_bytes"}. `precision`
+    overrides the recipe `dtype` implies (e.g. fp32 master params under autocast). `runtime`
+    "tetrad" (the default: the trainer reports against it) counts tetrad's own eager runtime on
+    every rank (tetrad.planner.eager); "megatron" Megatron's fused kernels, the published runs'
+    calibration. `parallel_config.stage_layers` cuts the pipeline (else evenly);
+    microbatches beyond `parallel_config.microbatches` repeat whole pipeline steps
+    (--grad-accum)."""
     layout = TrainLayout.from_parallel_config(parallel_config, micro_batch, num_microbatches)
-    if runtime == "tetrad" and not eager.covers(layout):
-        runtime = "megatron"
     workload = TrainWorkload(seq_len=seq_len, dtype=dtype, flash_attention=flash_attention,
                              recipe=precision, runtime=runtime)
-    check_training_layout(model_config, layout.world_size, layout, seq_len)
+    check_training_layout(model_config, layout.world_size, layout, seq_len,
+                          kv_replicas=runtime == "tetrad")
     # Bytes do not depend on the topology, so without a GPU all ranks share one nominal node.
     per_node = min(gpus_per_node, layout.world_size) if gpu else layout.world_size
     world = make_cluster(gpu or _NOMINAL_GPU, layout.world_size, per_node)
     estimate = evaluate_training(model_config, world, layout, workload)
-    memory = estimate.memory
-    held = {"params": memory.params - memory.params_gathered, "grads": memory.grads,
-            "optimizer": memory.optimizer}
-    if layout.zero == 3:
-        held["params_gathered_peak"] = memory.params_gathered
-    if layout.offload:
-        held.update(host_optimizer=memory.host_optimizer, host_grads=memory.host_grads)
-    return {
-        "bytes": {**held, "activations_peak": memory.activations},
+    predicted = {
+        **_rank_bytes(estimate.memory, layout, estimate.comm),
         "runtime": runtime,
         "fullest_stage": estimate.fullest_stage,
-        "comm_bytes": dict(estimate.comm.sent),
-        "comm_payload_bytes": dict(estimate.comm.payload),
         # The pipeline bubble's share of the step; the schedule decides it, so a nominal GPU's
         # kernel times serve when there is no GPU (without a pipeline it is 0).
         "idle_fraction": estimate.step.bubble / estimate.step.total,
@@ -79,6 +75,23 @@ def predict_training(model_config: ModelConfig, parallel_config: ParallelConfig,
         "hardware_flops_per_step": estimate.hardware_flops_per_step,
         "num_parameters": count_parameters(model_config),
     }
+    if runtime == "tetrad" and layout.pp > 1:
+        predicted["stages"] = [
+            _rank_bytes(eager_breakdown(rank), layout, rank.comm)
+            for rank in eager.pipeline_ranks(model_config, layout, seq_len, workload.precision)]
+    return predicted
+
+
+def _rank_bytes(memory: MemoryBreakdown, layout: TrainLayout, ledger: CommLedger) -> dict:
+    """The bytes a rank holds, by the run report's names, and what it sends per step."""
+    held = {"params": memory.params - memory.params_gathered, "grads": memory.grads,
+            "optimizer": memory.optimizer}
+    if layout.zero == 3:
+        held["params_gathered_peak"] = memory.params_gathered
+    if layout.offload:
+        held.update(host_optimizer=memory.host_optimizer, host_grads=memory.host_grads)
+    return {"bytes": {**held, "activations_peak": memory.activations},
+            "comm_bytes": dict(ledger.sent), "comm_payload_bytes": dict(ledger.payload)}
 
 
 def plan_training(model_config: ModelConfig, cluster: Cluster, workload: TrainWorkload,

@@ -18,7 +18,7 @@ from tetrad.config import ModelConfig
 from tetrad.hardware import GPU
 from tetrad.planner.flops import Gemm, attention_core_flops, attention_head_dims, head_gemm, \
     layer_gemms
-from tetrad.planner.memory import stage_first_layer, stage_layer_counts
+from tetrad.planner.layout import stage_first_layer, stage_layer_counts
 
 BACKWARD_ATTENTION_FACTOR = 2.5  # FlashAttention-2 paper, section 3.1.2: 5 matmuls vs 2
 

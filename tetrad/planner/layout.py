@@ -8,6 +8,7 @@ over dp*cp and does not multiply the world size (tetrad.config.ParallelConfig sa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from tetrad.config import ModelConfig, ParallelConfig
 from tetrad.errors import ConfigError
@@ -30,6 +31,17 @@ class TrainLayout:
     schedule: str = "1f1b"
     micro_batch: int = 1
     num_microbatches: int = 1
+    # What tetrad's runtime adds (the `tetrad` runtime profile, tetrad.planner.eager): the
+    # layers of each of the pp * vpp pipeline stages (empty: the planner's even cut), and the
+    # whole pipeline steps per optimizer step (--grad-accum: each runs num_microbatches /
+    # grad_accum microbatches through the schedule; Megatron runs them all in one).
+    stage_layers: tuple[int, ...] = ()
+    grad_accum: int = 1
+
+    @property
+    def schedule_microbatches(self) -> int:
+        """Microbatches of one pass of the pipeline schedule."""
+        return self.num_microbatches // self.grad_accum
 
     @property
     def world_size(self) -> int:
@@ -58,12 +70,36 @@ class TrainLayout:
     @classmethod
     def from_parallel_config(cls, parallel: ParallelConfig, micro_batch: int,
                              num_microbatches: int | None = None) -> "TrainLayout":
+        """With a pipeline, microbatches beyond parallel.microbatches are whole pipeline steps
+        repeated (tetrad's --grad-accum)."""
+        num_microbatches = num_microbatches or parallel.microbatches
+        grad_accum = (num_microbatches // parallel.microbatches
+                      if parallel.pp > 1 and num_microbatches % parallel.microbatches == 0
+                      else 1)
         return cls(tp=parallel.tp, pp=parallel.pp, dp=parallel.dp, cp=parallel.cp,
                    ep=parallel.ep, vpp=parallel.vpp, zero=parallel.zero,
                    offload=parallel.offload, recompute=parallel.recompute,
                    sequence_parallel=parallel.sequence_parallel, schedule=parallel.schedule,
-                   micro_batch=micro_batch,
-                   num_microbatches=num_microbatches or parallel.microbatches)
+                   micro_batch=micro_batch, num_microbatches=num_microbatches,
+                   stage_layers=parallel.stage_layers, grad_accum=grad_accum)
+
+
+@lru_cache(maxsize=1024)
+def stage_layer_counts(num_layers: int, num_stages: int) -> tuple[int, ...]:
+    """Layers per pipeline stage: as even as possible; when the count does not divide, the last
+    and first stages (which also hold the LM head and the embedding) take one layer fewer, then
+    the second-to-last and second, and so on."""
+    base = -(-num_layers // num_stages)
+    counts = [base] * num_stages
+    outside_in = [stage for pair in zip(range(num_stages - 1, -1, -1), range(num_stages))
+                  for stage in dict.fromkeys(pair)]
+    for stage in outside_in[:base * num_stages - num_layers]:
+        counts[stage] -= 1
+    return tuple(counts)
+
+
+def stage_first_layer(counts: tuple[int, ...], stage: int) -> int:
+    return sum(counts[:stage])
 
 
 def divisors(n: int) -> list[int]:
@@ -74,28 +110,34 @@ def _options(values: list[int]) -> str:
     return ", ".join(str(v) for v in values[:12]) + (" ..." if len(values) > 12 else "")
 
 
-def valid_tp_degrees(config: ModelConfig, training: bool = True) -> list[int]:
+def valid_tp_degrees(config: ModelConfig, training: bool = True,
+                     kv_replicas: bool = False) -> list[int]:
     """TP splits attention heads; training (Megatron) also needs it to split the KV heads.
-    Serving replicates KV heads when TP exceeds them (vLLM), so only the query heads count."""
+    Serving replicates KV heads when TP exceeds them (vLLM), so only the query heads count;
+    tetrad's trainer (`kv_replicas`) replicates each on tp / num_kv_heads ranks."""
     heads = [d for d in divisors(config.num_heads)]
+    kv = config.num_kv_heads
     if training and config.attention == "mha":
-        heads = [d for d in heads if config.num_kv_heads % d == 0]
+        heads = [d for d in heads if kv % d == 0 or (kv_replicas and d % kv == 0)]
     return heads
 
 
-def check_tp(config: ModelConfig, tp: int, training: bool = True) -> None:
+def check_tp(config: ModelConfig, tp: int, training: bool = True,
+             kv_replicas: bool = False) -> None:
     if config.num_heads % tp:
         raise ConfigError(f"tp {tp} does not divide num_heads {config.num_heads}: use one of "
-                          f"{_options(valid_tp_degrees(config, training))}")
-    if training and config.attention == "mha" and config.num_kv_heads % tp:
-        raise ConfigError(f"tp {tp} does not divide num_kv_heads {config.num_kv_heads} (each TP "
-                          f"rank needs whole KV heads): use one of "
-                          f"{_options(valid_tp_degrees(config, training))}")
+                          f"{_options(valid_tp_degrees(config, training, kv_replicas))}")
+    if tp not in valid_tp_degrees(config, training, kv_replicas):
+        rule = ("nor is a multiple of it (each kv head then replicated on tp / num_kv_heads "
+                "ranks)" if kv_replicas else "(each TP rank needs whole KV heads)")
+        raise ConfigError(f"tp {tp} does not divide num_kv_heads {config.num_kv_heads} {rule}: "
+                          f"use one of {_options(valid_tp_degrees(config, training, kv_replicas))}")
 
 
-def check_degrees(config: ModelConfig, tp: int, pp: int, ep: int, training: bool = True) -> None:
+def check_degrees(config: ModelConfig, tp: int, pp: int, ep: int, training: bool = True,
+                  kv_replicas: bool = False) -> None:
     """The model-shape constraints of the degrees, whatever the GPU count."""
-    check_tp(config, tp, training)
+    check_tp(config, tp, training, kv_replicas)
     if pp > config.num_layers:
         raise ConfigError(f"pp {pp} is more than the model's {config.num_layers} layers: "
                           f"use pp <= {config.num_layers}")
@@ -109,9 +151,10 @@ def check_degrees(config: ModelConfig, tp: int, pp: int, ep: int, training: bool
 
 
 def check_training_layout(config: ModelConfig, num_gpus: int, layout: TrainLayout,
-                          seq_len: int) -> None:
-    """Raise ConfigError naming the first constraint the layout breaks and how to fix it."""
-    check_degrees(config, layout.tp, layout.pp, layout.ep)
+                          seq_len: int, kv_replicas: bool = False) -> None:
+    """Raise ConfigError naming the first constraint the layout breaks and how to fix it.
+    `kv_replicas`: tp may exceed the KV heads, as tetrad's trainer allows."""
+    check_degrees(config, layout.tp, layout.pp, layout.ep, kv_replicas=kv_replicas)
     if layout.world_size != num_gpus:
         raise ConfigError(
             f"tp*pp*dp*cp = {layout.tp}*{layout.pp}*{layout.dp}*{layout.cp} = "
@@ -132,6 +175,12 @@ def check_training_layout(config: ModelConfig, num_gpus: int, layout: TrainLayou
                               f"change --global-batch or --micro-batch")
     elif layout.vpp != 1:
         raise ConfigError(f"--vpp {layout.vpp} needs --schedule interleaved")
+    if layout.stage_layers and (len(layout.stage_layers) != layout.pp * layout.vpp
+                                or sum(layout.stage_layers) != config.num_layers
+                                or min(layout.stage_layers) < 1):
+        raise ConfigError(f"stage_layers {list(layout.stage_layers)} must give each of the "
+                          f"pp*vpp = {layout.pp * layout.vpp} stages at least one layer and add "
+                          f"up to the model's {config.num_layers}")
     if layout.zero_group % layout.ep:
         raise ConfigError(f"ep {layout.ep} must divide dp*cp = {layout.zero_group} "
                           f"(experts are spread over the data-parallel ranks)")

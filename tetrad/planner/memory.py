@@ -18,7 +18,7 @@ from functools import lru_cache
 from tetrad.config import ModelConfig
 from tetrad.errors import ConfigError
 from tetrad.planner import eager
-from tetrad.planner.layout import TrainLayout
+from tetrad.planner.layout import TrainLayout, stage_first_layer, stage_layer_counts
 from tetrad.planner.model_stats import (embedding_params, head_params, layer_params,
                                         norm_params, position_params)
 from tetrad.planner.precision import TrainingPrecision
@@ -62,24 +62,6 @@ class MemoryBreakdown:
     def as_dict(self) -> dict[str, float]:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
                 "activations": self.activations, "kv_cache": self.kv_cache, "total": self.total}
-
-
-@lru_cache(maxsize=1024)
-def stage_layer_counts(num_layers: int, num_stages: int) -> tuple[int, ...]:
-    """Layers per pipeline stage: as even as possible; when the count does not divide, the last
-    and first stages (which also hold the LM head and the embedding) take one layer fewer, then
-    the second-to-last and second, and so on."""
-    base = -(-num_layers // num_stages)
-    counts = [base] * num_stages
-    outside_in = [stage for pair in zip(range(num_stages - 1, -1, -1), range(num_stages))
-                  for stage in dict.fromkeys(pair)]
-    for stage in outside_in[:base * num_stages - num_layers]:
-        counts[stage] -= 1
-    return tuple(counts)
-
-
-def stage_first_layer(counts: tuple[int, ...], stage: int) -> int:
-    return sum(counts[:stage])
 
 
 def representative_stages(num_layers: int, num_stages: int) -> tuple[int, ...]:
@@ -241,18 +223,24 @@ def stage_activation_bytes(config: ModelConfig, layout: TrainLayout, seq_len: in
     return total
 
 
+def eager_breakdown(rank: eager.RankBytes) -> MemoryBreakdown:
+    """One rank's bytes under the `tetrad` runtime profile, as a breakdown."""
+    state = rank.state
+    return MemoryBreakdown(state.params, state.grads, state.optimizer, rank.activations,
+                           params_gathered=state.params_gathered,
+                           host_optimizer=state.host_optimizer, host_grads=state.host_grads)
+
+
 def training_memory(config: ModelConfig, layout: TrainLayout, precision: TrainingPrecision,
                     seq_len: int, options: ActivationOptions) -> tuple[MemoryBreakdown, int]:
     """The fullest GPU's memory and its pipeline stage. The first stage holds the most in-flight
     activations, the last the LM head and logits; a middle stage can win when the first and last
-    were given fewer layers. tetrad's own runtime on a layout its profile covers has one stage."""
-    if options.runtime == "tetrad" and eager.covers(layout):
-        state = eager.model_state(config, layout, precision)
-        activations = eager.stage_activation_bytes(config, layout, seq_len, precision)
-        return MemoryBreakdown(state.params, state.grads, state.optimizer, activations,
-                               params_gathered=state.params_gathered,
-                               host_optimizer=state.host_optimizer,
-                               host_grads=state.host_grads), 0
+    were given fewer layers. tetrad's own runtime: every pipeline rank counted, the fullest
+    returned."""
+    if options.runtime == "tetrad":
+        ranks = eager.pipeline_ranks(config, layout, seq_len, precision)
+        fullest = max(range(layout.pp), key=lambda rank: ranks[rank].total)
+        return eager_breakdown(ranks[fullest]), fullest
     best: tuple[MemoryBreakdown, int] | None = None
     for stage in representative_stages(config.num_layers, layout.pp):
         params, grads, optimizer = model_state_bytes(config, layout, precision, stage)
@@ -272,7 +260,7 @@ def peak_bytes_by_zero_stage(config: ModelConfig, layout: TrainLayout,
                              options: ActivationOptions, zeros: tuple[int, ...]) -> list[float]:
     """training_memory's total for each ZeRO stage in `zeros` of an otherwise equal layout: the
     activations are computed once (the search's fast path)."""
-    if options.runtime == "tetrad" and eager.covers(layout):
+    if options.runtime == "tetrad":
         return [training_memory(config, dataclasses.replace(layout, zero=zero), precision,
                                 seq_len, options)[0].total for zero in zeros]
     stages = representative_stages(config.num_layers, layout.pp)

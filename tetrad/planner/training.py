@@ -11,6 +11,8 @@ Communication per step (bytes each rank hands to a collective, S = tokens * hidd
   DP   the gradients once per step (all-reduce, or reduce-scatter + parameter all-gather with
        ZeRO-1), per microbatch with ZeRO-2 (reduce-scatter) and ZeRO-3 (two parameter all-gathers
        and a reduce-scatter): ZeRO-3's 1.5x volume of ZeRO paper section 7.
+The `tetrad` runtime profile replaces these bytes with its own runtime's, collective by
+collective (tetrad.planner.eager_comm); the times keep the formulas above.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ from tetrad.planner import comm, eager
 from tetrad.planner.comm import CommLedger
 from tetrad.planner.compute import KernelTimes, optimizer_time, stage_times
 from tetrad.planner.flops import attention_head_dims, training_flops_per_sequence
-from tetrad.planner.layout import TrainLayout
+from tetrad.planner.layout import TrainLayout, stage_layer_counts
 from tetrad.planner.memory import (ActivationOptions, MemoryBreakdown, representative_stages,
-                                   stage_layer_counts, stage_params, training_memory)
+                                   stage_params, training_memory)
 from tetrad.planner.precision import TrainingPrecision, training_precision
 from tetrad.planner.timeline import StepTime, overlapped, pipeline_bubble_ratio
 
@@ -265,9 +267,10 @@ def evaluate_training(config: ModelConfig, cluster: Cluster, layout: TrainLayout
     dp_exposed = _data_parallel(config, cluster, layout, workload, stage, kernels.forward,
                                 kernels.backward + kernels.recompute, ledger)
     pp_exposed = _pipeline_p2p(config, cluster, layout, workload, stage, ledger)
-    if count_bytes and workload.runtime == "tetrad" and eager.covers(layout):
-        for group, count in eager.scalar_all_reduces(config, layout):
-            ledger.add("all_reduce", group, eager.SCALAR, count)
+    if count_bytes and workload.runtime == "tetrad":
+        # tetrad's runtime counted collective by collective, for the fullest rank; the times
+        # above keep Megatron's.
+        ledger = eager.pipeline_ranks(config, layout, workload.seq_len, precision)[fullest].comm
     communication = m * microbatch_comm + dp_exposed + pp_exposed
     # The slowest stage's times for every stage (the simulator takes one duration per kind):
     # recomputation precedes the input gradient, and zero bubble defers the weight-gradient

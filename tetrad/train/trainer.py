@@ -4,6 +4,7 @@ the reference every parallel layout is compared with."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from tetrad.config import ModelConfig, TrainConfig
 from tetrad.errors import ConfigError, TetradError
 from tetrad.hardware import GPU, gpu_from_device_name
 from tetrad.models.transformer import Transformer, count_parameters
+from tetrad.parallel.pipeline.partition import partition
 from tetrad.planner import predict_training
 from tetrad.presets import resolve_model
 from tetrad.tokenizer import load_tokenizer
@@ -73,11 +75,17 @@ def default_device() -> torch.device:
 def predict(model_config: ModelConfig, config: TrainConfig, gpu: GPU | None) -> dict[str, Any]:
     """The planner's prediction for this very run, which the report puts next to the
     measurement: same config, same cost model. A rank's batch goes through grad_accum pipeline
-    steps of `microbatches` microbatches each (one without a pipeline)."""
+    steps of `microbatches` microbatches each (one without a pipeline), through the stages the
+    runtime cuts (its cost-balanced partition unless --stage-layers gives one)."""
     num_microbatches = config.grad_accum * config.parallel.microbatches
     micro_batch = config.batch_size // (config.parallel.dp * num_microbatches)
+    parallel = config.parallel
     try:
-        return predict_training(model_config, config.parallel, micro_batch, config.seq_len,
+        if parallel.pp > 1:
+            cut = partition(model_config, parallel.pp * parallel.vpp, config.seq_len,
+                            parallel.stage_layers or None)
+            parallel = dataclasses.replace(parallel, stage_layers=cut.stage_layers)
+        return predict_training(model_config, parallel, micro_batch, config.seq_len,
                                 num_microbatches=num_microbatches, dtype=config.dtype,
                                 gpu=gpu.name if gpu else None,
                                 precision=planned_precision(config))

@@ -69,12 +69,15 @@ def shared_coords(report: dict[str, Any], ranks: list[int]) -> dict[str, int]:
 
 
 def predicted_for(report: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any] | None:
-    """The prediction is for the fullest pipeline stage; other stages have none."""
+    """The prediction for this rank's pipeline stage: each stage's own where the planner gives
+    them ("stages", the `tetrad` runtime profile), else only the fullest stage has one."""
     predicted = report.get("predicted") or {}
     if "bytes" not in predicted:
         return None
-    stage = predicted.get("fullest_stage", 0)
-    return predicted if entry["coords"].get("pp", 0) == stage else None
+    stage = entry["coords"].get("pp", 0)
+    if "stages" in predicted:
+        return {**predicted, **predicted["stages"][stage]}
+    return predicted if stage == predicted.get("fullest_stage", 0) else None
 
 
 def comparison(report: dict[str, Any], entry: dict[str, Any]) -> list[dict[str, Any]]:
@@ -162,9 +165,10 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     if "error" in predicted:  # the planner refused the layout; the run went ahead
         lines.append(f"prediction: none (the planner: {predicted['error']})")
     elif predicted:
+        ranks = ("bytes of every pipeline stage" if "stages" in predicted else
+                 f"bytes of the fullest rank (pipeline stage {predicted.get('fullest_stage', 0)})")
         lines.append(f"prediction: the {predicted.get('runtime', 'megatron')} runtime's tensors; "
-                     f"bytes of the fullest rank (pipeline stage "
-                     f"{predicted.get('fullest_stage', 0)}), comm bytes sent per step")
+                     f"{ranks}, comm bytes sent per step")
     return lines
 
 

@@ -1,0 +1,179 @@
+"""What tetrad's runtime saves for backward on one rank (the `tetrad` runtime profile:
+tetrad.planner.eager has the op-by-op table), per microbatch of each pipeline stage, and the
+peak over the microbatches a schedule keeps in flight.
+
+Per rank and microbatch, T = micro_batch * seq_len / cp tokens enter every matmul; the residual
+stream between them (norms, residual adds, what travels between stages) holds T / tp of them
+under sequence parallelism. Column-parallel outputs (QKV, the MLP's up projection), attention
+and the vocabulary are 1/tp wide; MoE layers run whole on every tp rank.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from tetrad.config import ModelConfig
+from tetrad.planner.eager_params import block_params, kv_heads_per_rank, stage_blocks
+from tetrad.planner.layout import TrainLayout
+from tetrad.planner.precision import TrainingPrecision
+from tetrad.schedules import build_schedule
+from tetrad.schedules.generate import SPLIT_BACKWARD
+
+FP32 = 4  # softmax/log-softmax outputs, norms' statistics, log-sum-exp, expert parameters
+INDEX = 8  # int64 token ids, positions and routing indices
+
+
+def tokens(layout: TrainLayout, seq_len: int) -> tuple[int, float]:
+    """(tokens of one microbatch on one rank, of them in the residual stream)."""
+    total = layout.micro_batch * seq_len // layout.cp
+    return total, total / layout.tp if layout.sequence_parallel else total
+
+
+def norm_bytes(config: ModelConfig, tokens: float, stream: float) -> float:
+    """RMSNorm: its fp32 input (a copy when the stream is 16-bit), the fp32 1/rms per token, the
+    normalized values in the stream's dtype. LayerNorm: input, mean and rstd."""
+    h = config.hidden_size
+    if config.norm == "rmsnorm":
+        return tokens * (FP32 * h + FP32 + stream * h)
+    return tokens * stream * (h + 2)
+
+
+def mlp_bytes(config: ModelConfig, tokens: float, ffn: int, act: float) -> float:
+    """A dense MLP's saved tensors past its input: up output(s) and down input."""
+    return tokens * ffn * act * (4 if config.mlp == "swiglu" else 2)
+
+
+def weight_casts(config: ModelConfig, layout: TrainLayout, layer: int,
+                 precision: TrainingPrecision) -> float:
+    """Under autocast, every matmul weight not already in the compute dtype is cast in each
+    forward and the copy saved: all of them over fp32 parameters, only the fp32 experts that
+    ZeRO leaves alone over 16-bit ones."""
+    act = precision.activation_bytes
+    return sum(p.elements * act for p in block_params(config, layout, layer)
+               if p.matmul and (FP32 if p.expert else precision.param_bytes) != act)
+
+
+def _moe_bytes(config: ModelConfig, layout: TrainLayout, tokens: int,
+               precision: TrainingPrecision) -> float:
+    """A whole MoE layer's saved tensors past its router input, for `tokens` tokens. Routing is
+    dropless: tokens * k routed copies in all. Under expert parallelism each rank runs the copies
+    its experts receive: tokens * k here in the balanced routing this assumes (their sum over
+    the ep group is exact, each rank's share is the router's)."""
+    act, stream, h = precision.activation_bytes, precision.param_bytes, config.hidden_size
+    e, k = config.num_experts, config.num_experts_per_token
+    routed = tokens * k
+    # Router: softmax probabilities, top-k indices and weights, their sum, the routed fraction.
+    total = tokens * (e * FP32 + k * (INDEX + FP32) + FP32) + e * FP32
+    # Per routed copy: its gate weight and weighted contribution in the stream's dtype, the
+    # expert's input and output in the compute dtype, and the expert's MLP.
+    total += routed * (stream * (1 + h) + 2 * h * act)
+    total += mlp_bytes(config, routed, config.moe_ffn_hidden_size, act)
+    # Indices: token and slot per copy on one device; with ep, three per copy sent (which
+    # token, which weight, where to add it back) and two per copy received (sorting by expert
+    # and back).
+    total += routed * (5 if layout.ep > 1 else 2) * INDEX
+    if config.num_shared_experts:
+        total += mlp_bytes(config, tokens, config.moe_ffn_hidden_size * config.num_shared_experts,
+                           act)
+        if act != stream:
+            total += tokens * h * act  # the shared expert's own cast of the router input
+    return total
+
+
+def block_bytes(config: ModelConfig, layout: TrainLayout, layer: int, seq_len: int,
+                precision: TrainingPrecision) -> float:
+    """Bytes one block saves for backward, for one microbatch on one rank."""
+    act, stream, h = precision.activation_bytes, precision.param_bytes, config.hidden_size
+    t, stream_tokens = tokens(layout, seq_len)
+    if layout.recompute == "full":
+        return stream_tokens * h * stream  # the checkpoint keeps the block's input only
+    heads = config.num_heads // layout.tp
+    q, kv = heads * config.head_dim, kv_heads_per_rank(config, layout.tp) * config.head_dim
+    total = 2 * norm_bytes(config, stream_tokens, stream)
+    total += 2 * t * h * act  # inputs of the QKV and of the first MLP (or router) matmul
+    total += t * (q + 2 * kv) * act  # the fused QKV output, kept whole through v
+    if config.position == "rope":
+        total += t * (q + kv) * act  # rotated q and k
+    total += t * q * act  # the attention output (the output projection's input)
+    if layout.cp > 1:
+        # Ring attention keeps its log-sum-exp (selective recomputation leaves it alone) and
+        # hands the output projection a copy in token order.
+        total += t * (heads * FP32 + q * act)
+    elif layout.recompute != "selective":
+        total += t * heads * FP32  # SDPA's log-sum-exp (recomputed under selective)
+    if config.is_moe_layer(layer):
+        total += _moe_bytes(config, layout, t, precision)
+    else:
+        total += mlp_bytes(config, t, config.ffn_hidden_size // layout.tp, act)
+    return total + weight_casts(config, layout, layer, precision)
+
+
+def _token_ids(layout: TrainLayout, seq_len: int) -> float:
+    """What the embedding keeps of the token ids. A vocabulary-parallel embedding keeps the ids
+    shifted to its rows and the mask of the others' (int64, bool); a pipeline's or context
+    parallelism's microbatch is a copy; otherwise the ids are views of the rank's batch of the
+    step [micro_batch * microbatches, s + 1] (on CPU, of the whole global batch)."""
+    t, _ = tokens(layout, seq_len)
+    if layout.tp > 1:
+        return t * (INDEX + 1)
+    if layout.pp > 1 or layout.cp > 1:
+        return t * INDEX
+    return layout.micro_batch * layout.num_microbatches * (seq_len + 1) * INDEX
+
+
+def _head_and_loss(config: ModelConfig, layout: TrainLayout, seq_len: int,
+                   precision: TrainingPrecision) -> float:
+    """The final norm, the head's input and weight cast, and the cross-entropy: fp32
+    log-probabilities (vocab-parallel: this rank's fp32 softmax), the int64 targets, and the
+    4-byte weight total (vocab-parallel: the mask of the targets this rank holds)."""
+    act, stream, h = precision.activation_bytes, precision.param_bytes, config.hidden_size
+    t, stream_tokens = tokens(layout, seq_len)
+    vocab = config.vocab_size // layout.tp
+    total = norm_bytes(config, stream_tokens, stream) + t * h * act
+    if act != stream:
+        total += vocab * h * act
+    return total + t * (vocab * FP32 + INDEX) + (t if layout.tp > 1 else FP32)
+
+
+@lru_cache(maxsize=4096)
+def stage_bytes(config: ModelConfig, layout: TrainLayout, stage: int, seq_len: int,
+                precision: TrainingPrecision) -> float:
+    """Bytes one microbatch of pipeline stage `stage` (the whole model without a pipeline)
+    keeps until its backward."""
+    total = sum(block_bytes(config, layout, layer, seq_len, precision)
+                for layer in stage_blocks(config, layout, stage))
+    if layout.recompute != "full" and config.position == "rope":
+        total += 2 * seq_len // layout.cp * config.head_dim * FP32  # cos and sin
+    if stage == 0:
+        total += _token_ids(layout, seq_len)
+        if config.position == "learned":
+            total += seq_len // layout.cp * INDEX  # the positions looked up
+    if stage == layout.pp * layout.vpp - 1:
+        total += _head_and_loss(config, layout, seq_len, precision)
+    return total
+
+
+@lru_cache(maxsize=64)
+def _actions(schedule: str, pp: int, microbatches: int, vpp: int) -> tuple[tuple, ...]:
+    return build_schedule(schedule, pp, microbatches, vpp, communication=False).actions
+
+
+@lru_cache(maxsize=1024)
+def activations_peak(config: ModelConfig, layout: TrainLayout, seq_len: int,
+                     precision: TrainingPrecision, pp_rank: int) -> float:
+    """The most bytes one rank of pipeline rank `pp_rank` keeps for backward at once: one
+    microbatch without a pipeline; with one, the microbatches its schedule has in flight, each
+    from its forward to its backward (to its weight-gradient pass W under zero bubble), walked
+    through the rank's action list as the executor's meter holds and releases them."""
+    if layout.pp == 1:
+        return stage_bytes(config, layout, 0, seq_len, precision)
+    release = "W" if layout.schedule in SPLIT_BACKWARD else "B"
+    held = peak = 0.0
+    for action in _actions(layout.schedule, layout.pp, layout.schedule_microbatches,
+                           layout.vpp)[pp_rank]:
+        if action.kind == "F":
+            held += stage_bytes(config, layout, action.stage, seq_len, precision)
+            peak = max(peak, held)
+        elif action.kind == release:
+            held -= stage_bytes(config, layout, action.stage, seq_len, precision)
+    return peak

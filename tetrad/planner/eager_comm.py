@@ -1,0 +1,183 @@
+"""The bytes one rank of tetrad's runtime hands to each kind of collective per optimizer step (the
+`tetrad` runtime profile: tetrad.planner.eager), counted as its byte counter counts them
+(tetrad.parallel.comm: ring volumes, p2p the message).
+
+Every microbatch, with T tokens per rank (eager_activations.tokens), S_p = T h bytes of the
+residual stream's dtype (the parameters') and S_a of the compute dtype:
+
+  TP   per dense block the column-parallel layers' f (backward all-reduce of S_p) and the
+       row-parallel layers' g (forward all-reduce of S_a), twice; an MoE block only attention's.
+       Sequence parallelism turns f into an all-gather forward / reduce-scatter backward of S_p
+       and g into a reduce-scatter forward / all-gather backward of S_a; an MoE block gathers its
+       input forward and its output's gradient backward (S_p each). The embedding all-reduces its
+       output forward (SP: reduce-scatter forward, all-gather backward), the head's f the
+       gradient of its input, and the vocab-parallel loss two fp32 all-reduces over the tokens
+       (the max logit; the sum of exponentials with the target logit: 12 T bytes).
+  CP   ring attention per block: (cp - 1) K/V blocks forward, as many backward plus their fp32
+       dK/dV accumulators; MoE blocks average their routed fractions over cp (E fp32).
+  EP   per MoE block the per-expert counts ((ep - 1) E / ep int64), then dispatch (the stream's
+       dtype) and combine (the compute dtype) forward, the reverse backward, of the copies that
+       cross ranks: T k (ep - 1) / ep of them in the balanced routing assumed (the router decides
+       each rank's share).
+  PP   each stage's output forward (not the last stage's) and its input's gradient backward (not
+       the first's), in the parameters' dtype.
+  Full recomputation runs each block's forward again up to its last saved tensor (PyTorch's
+  checkpoint stops there): every forward collective but the MLP's closing g (SP: its
+  reduce-scatter). Zero bubble's W walks a stage's graph a second time for the weight
+  gradients: on every stage but the first (whose B has no input gradient to compute, so W does
+  the whole backward) each backward collective, and the recomputation, run twice.
+
+Per pipeline step (--grad-accum of them): the loss and load-balance loss summed over pp (two
+fp32). Per optimizer step: the logged loss (and load-balance loss) averaged over dp * cp, the
+gradient norm's partial sums over ZeRO's group, ep (experts), tp and pp (one fp64 each where the
+group has more than one rank); a tied embedding's gradient all-reduced between its two pipeline
+ranks after the last backward (ZeRO-2/3: their 1/N shard of it); the gradients (DDP: all-reduce
+over dp * cp; ZeRO-1: reduce-scatter of the padded buckets, ZeRO-2: per microbatch, then the
+parameters all-gathered; ZeRO-3: per microbatch each padded unit gathered for forward and again
+for backward, under zero bubble a third time for W but on the first stage, and reduce-scattered),
+the tp sum of gradients held in part (sequence-parallel replicas, shared kv rows; with ZeRO-2/3
+per microbatch) and the experts' fp32 gradients summed over their edp replicas. Under a
+pipeline "per microbatch" means per (stage, microbatch): ZeRO-2 reduces a stage's buckets and
+ZeRO-3 its units after each backward of the stage (after W under zero bubble).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from tetrad.config import ModelConfig
+from tetrad.planner.comm import CommLedger
+from tetrad.planner.eager_activations import tokens
+from tetrad.planner.eager_params import (kv_heads_per_rank, rank_parameters, rank_stages,
+                                         stage_blocks)
+from tetrad.planner.eager_state import padded, zero3_units, zero_buckets
+from tetrad.planner.layout import TrainLayout
+from tetrad.planner.precision import TrainingPrecision
+from tetrad.schedules.generate import SPLIT_BACKWARD
+
+FP32 = 4
+INDEX = 8
+SCALAR = 8  # the fp64 scalars all-reduced for the logs and the gradient norm
+
+
+def _tensor_parallel_block(ledger: CommLedger, config: ModelConfig, layout: TrainLayout,
+                           layer: int, s_p: float, s_a: float, count: int, backwards: int,
+                           reruns: int) -> None:
+    """One block's f/g (or SP's gathers and scatters) over `count` microbatches, each with
+    `backwards` backward passes through it and `reruns` recomputed forwards, which stop after
+    the block's last saved tensor: before the MLP's closing g."""
+    tp, moe = layout.tp, config.is_moe_layer(layer)
+    pairs = 1 if moe else 2  # column-parallel entries and row-parallel exits per block
+    if not layout.sequence_parallel:
+        ledger.add("all_reduce", tp, s_a, count * (pairs + reruns))  # g, forward
+        ledger.add("all_reduce", tp, s_p, count * pairs * backwards)  # f, backward
+        return
+    ledger.add("all_gather", tp, s_p, count * pairs * (1 + reruns))  # g_seq, forward
+    ledger.add("reduce_scatter", tp, s_p, count * pairs * backwards)  # g_seq, backward
+    ledger.add("reduce_scatter", tp, s_a, count * (pairs + reruns))  # g_bar_seq, forward
+    ledger.add("all_gather", tp, s_a, count * pairs * backwards)  # g_bar_seq, backward
+    if moe:  # the whole MoE layer gathers its input, and its output's gradient
+        ledger.add("all_gather", tp, s_p, count * (1 + reruns + backwards))
+
+
+def _activations(ledger: CommLedger, config: ModelConfig, layout: TrainLayout, seq_len: int,
+                 precision: TrainingPrecision, pp_rank: int) -> None:
+    """Tensor-, context-, expert-parallel and pipeline traffic of every microbatch."""
+    act, stream, h = precision.activation_bytes, precision.param_bytes, config.hidden_size
+    t, stream_tokens = tokens(layout, seq_len)
+    m = layout.num_microbatches
+    last = layout.pp * layout.vpp - 1
+    kv = 2 * t * kv_heads_per_rank(config, layout.tp) * config.head_dim  # K and V elements
+    e, k, ep = config.num_experts, config.num_experts_per_token, layout.ep
+    for stage in rank_stages(layout, pp_rank):
+        # Zero bubble's W walks the stage's graph again (see the module doc).
+        backwards = 2 if layout.schedule in SPLIT_BACKWARD and stage > 0 else 1
+        reruns = backwards if layout.recompute == "full" else 0
+        forwards = 1 + reruns
+        for layer in stage_blocks(config, layout, stage):
+            _tensor_parallel_block(ledger, config, layout, layer, t * h * stream, t * h * act, m,
+                                   backwards, reruns)
+            ledger.add("p2p", 1, kv * act, m * (layout.cp - 1) * (forwards + backwards))
+            ledger.add("p2p", 1, kv * FP32, m * (layout.cp - 1) * backwards)
+            if config.is_moe_layer(layer):
+                ledger.add("all_reduce", layout.cp, e * FP32, m * forwards)
+                ledger.add("all_to_all", ep, e * INDEX, m * forwards)
+                # Dispatch and combine: the ring volume of T k copies is what crosses ranks.
+                copies = t * k * h * (stream + act)
+                ledger.add("all_to_all", ep, copies, m * (forwards + backwards))
+        if stage == 0:
+            if layout.sequence_parallel:
+                ledger.add("reduce_scatter", layout.tp, t * h * stream, m)
+                ledger.add("all_gather", layout.tp, t * h * stream, m)
+            else:
+                ledger.add("all_reduce", layout.tp, t * h * stream, m)
+        else:
+            ledger.add("p2p", 1, stream_tokens * h * stream, m)
+        if stage == last:
+            if layout.sequence_parallel:
+                ledger.add("all_gather", layout.tp, t * h * stream, m)
+                ledger.add("reduce_scatter", layout.tp, t * h * stream, m * backwards)
+            else:
+                ledger.add("all_reduce", layout.tp, t * h * stream, m * backwards)
+            ledger.add("all_reduce", layout.tp, 3 * t * FP32, m)
+        else:
+            ledger.add("p2p", 1, stream_tokens * h * stream, m)
+
+
+def _gradients(ledger: CommLedger, config: ModelConfig, layout: TrainLayout,
+               precision: TrainingPrecision, pp_rank: int) -> None:
+    """The gradient reduction and ZeRO's parameter gathers of one optimizer step."""
+    params = rank_parameters(config, layout, pp_rank)
+    replicated = [p for p in params if not p.expert]
+    experts = [p for p in params if p.expert]
+    pb, gb = precision.param_bytes, precision.grad_bytes
+    n, m = layout.zero_group, layout.num_microbatches
+    per_microbatch = layout.zero >= 2
+    ledger.add("all_reduce", layout.tp, sum(p.partial for p in replicated) * gb,
+               m if per_microbatch else 1)
+    ledger.add("all_reduce", n // layout.ep, sum(p.elements for p in experts) * FP32)
+    if layout.zero == 0:
+        ledger.add("all_reduce", n, sum(p.elements for p in replicated) * gb)
+    elif layout.zero in (1, 2):
+        flat = sum(zero_buckets(replicated, layout))
+        ledger.add("reduce_scatter", n, flat * gb, m if per_microbatch else 1)
+        ledger.add("all_gather", n, flat * pb)
+    else:
+        for stage, units in zero3_units(replicated, n).items():
+            # Gathered for its forward, again for its backward; zero bubble's W gathers a third
+            # time, but on the first stage, whose B computes nothing.
+            gathers = 3 if layout.schedule in SPLIT_BACKWARD and stage > 0 else 2
+            ledger.add("all_gather", n, units.total * pb, gathers * m)
+            ledger.add("reduce_scatter", n, units.total * gb, m)
+
+
+def _scalars(ledger: CommLedger, config: ModelConfig, layout: TrainLayout,
+             precision: TrainingPrecision, pp_rank: int) -> None:
+    """Losses and norms, and the tied embedding's gradient between its two pipeline ranks."""
+    params = rank_parameters(config, layout, pp_rank)
+    dp_cp = layout.dp * layout.cp
+    ledger.add("all_reduce", dp_cp, SCALAR, 2 if config.is_moe else 1)
+    if layout.zero >= 1:
+        ledger.add("all_reduce", dp_cp, SCALAR)
+    if any(p.expert for p in params):
+        ledger.add("all_reduce", layout.ep, SCALAR)
+    ledger.add("all_reduce", layout.tp, SCALAR)
+    ledger.add("all_reduce", layout.pp, SCALAR)
+    ledger.add("all_reduce", layout.pp, 2 * FP32, layout.grad_accum)
+    tied = [p for p in params if p.tied]
+    if tied:  # summed once per step, after the last backward: ZeRO-2/3 sum their shards of it
+        elements = tied[0].elements
+        if layout.zero >= 2:
+            elements = padded(elements, layout.zero_group) // layout.zero_group
+        ledger.add("all_reduce", 2, elements * precision.grad_bytes)
+
+
+@lru_cache(maxsize=1024)
+def rank_comm(config: ModelConfig, layout: TrainLayout, seq_len: int,
+              precision: TrainingPrecision, pp_rank: int) -> CommLedger:
+    """Bytes per collective kind one rank of pipeline rank `pp_rank` sends per step."""
+    ledger = CommLedger()
+    _activations(ledger, config, layout, seq_len, precision, pp_rank)
+    _gradients(ledger, config, layout, precision, pp_rank)
+    _scalars(ledger, config, layout, precision, pp_rank)
+    return ledger

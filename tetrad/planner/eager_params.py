@@ -1,0 +1,152 @@
+"""The parameters one rank of tetrad's runtime holds, tensor by tensor, as its layout leaves them
+(the `tetrad` runtime profile: tetrad.planner.eager).
+
+A rank holds the blocks of its pipeline stages (stage s on pipeline rank s % pp), the embedding on
+the first stage (and a copy of a tied one on the last), the final norm and head on the last.
+Tensor parallelism keeps 1/tp of the vocabulary rows of the embedding and head, of the query heads
+and the MLP units (kv heads split, or replicated on tp / num_kv_heads ranks when fewer than tp),
+and leaves norms, row-parallel biases, learned positions and MoE layers whole: an MoE layer runs
+whole on every tp rank, its routed experts divided over the ep ranks (E / ep each). Tensors come in
+registration order, which decides ZeRO's buckets.
+
+ZeRO-3's units (tetrad.parallel.fsdp) are, without a pipeline, transformer_units': the embeddings,
+each block, final norm and head, a tied embedding making one root unit of embedding, positions and
+final norm. Under a pipeline they are each stage's (stage_units): its embeddings (a tied one and
+the positions a unit each), its blocks, its final norm (and head); a tied embedding's copy on the
+last stage is that stage's root unit. ZeRO-2 under a pipeline buckets each stage's tensors apart,
+a tied embedding's copy alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+from tetrad.config import ModelConfig
+from tetrad.planner.layout import TrainLayout, stage_layer_counts
+from tetrad.planner.model_stats import norm_params
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter tensor on one rank. `partial`: elements of its gradient summed over the tp
+    group once backward is done (sequence-parallel replicas that saw a shard of the tokens, kv
+    rows several ranks hold). `unit`: its ZeRO-3 unit within its stage, numbered in forward order
+    (None for experts, which ZeRO leaves alone); `root`: that unit stays gathered around the
+    stage's whole forward (FSDP's root, a tied embedding's). `tied`: a tied embedding's copy under
+    a pipeline, whose gradient the first and last pipeline ranks sum."""
+
+    elements: int
+    expert: bool = False
+    matmul: bool = False  # a matmul weight: autocast casts it in every forward that uses it
+    partial: int = 0
+    stage: int = 0
+    unit: int | None = None
+    root: bool = False
+    tied: bool = False
+
+
+def stage_layers(config: ModelConfig, layout: TrainLayout) -> tuple[int, ...]:
+    """Blocks per pipeline stage (pp * vpp stages): the layout's own cut (the runtime's balanced
+    partition, which the trainer passes), else the planner's even one."""
+    return layout.stage_layers or stage_layer_counts(config.num_layers, layout.pp * layout.vpp)
+
+
+def rank_stages(layout: TrainLayout, pp_rank: int) -> tuple[int, ...]:
+    """The stages pipeline rank `pp_rank` runs: pp_rank, pp_rank + pp, ..."""
+    return tuple(range(pp_rank, layout.pp * layout.vpp, layout.pp))
+
+
+def stage_blocks(config: ModelConfig, layout: TrainLayout, stage: int) -> range:
+    counts = stage_layers(config, layout)
+    first = sum(counts[:stage])
+    return range(first, first + counts[stage])
+
+
+def kv_heads_per_rank(config: ModelConfig, tp: int) -> int:
+    """Kv heads a tp rank holds: its share, or the one its query heads read (replicated)."""
+    return max(config.num_kv_heads // tp, 1)
+
+
+def _linear(rows: int, cols: int, bias: bool, partial_bias: bool = False,
+            shared_rows: int = 0) -> list[Param]:
+    """A linear layer's weight [rows, cols] and bias: `partial_bias` when the bias is whole on
+    every rank and sequence parallelism hands it a shard of the tokens; `shared_rows` of the
+    weight's (and bias's) rows other tp ranks hold too."""
+    weight = Param(rows * cols, matmul=True, partial=shared_rows * cols)
+    if not bias:
+        return [weight]
+    return [weight, Param(rows, partial=rows if partial_bias else shared_rows)]
+
+
+def _norm(config: ModelConfig, partial: bool) -> list[Param]:
+    h = config.hidden_size
+    return [Param(h, partial=h if partial else 0)
+            for _ in range(norm_params(config) // h)]  # weight (and bias)
+
+
+def _mlp(config: ModelConfig, ffn: int, tp: int = 1, sequence_parallel: bool = False,
+         expert: bool = False) -> list[Param]:
+    """An MLP with `ffn` units, column- then row-parallel over `tp` (1: whole)."""
+    h, bias = config.hidden_size, config.bias
+    width = (2 if config.mlp == "swiglu" else 1) * ffn // tp
+    params = _linear(width, h, bias) + _linear(h, ffn // tp, bias, sequence_parallel)
+    return [replace(p, expert=expert) for p in params]
+
+
+def block_params(config: ModelConfig, layout: TrainLayout, layer: int) -> list[Param]:
+    """A block's tensors on one rank, in registration order."""
+    tp, sp, h = layout.tp, layout.sequence_parallel, config.hidden_size
+    d, kv_heads = config.head_dim, kv_heads_per_rank(config, tp)
+    q = config.num_heads // tp * d
+    # With fewer kv heads than tp ranks, every k and v row lives on several ranks.
+    shared = 2 * config.kv_size if config.num_kv_heads < tp else 0
+    params = _norm(config, sp)
+    params += _linear(q + 2 * kv_heads * d, h, config.qkv_bias or config.bias,
+                      shared_rows=shared)
+    params += _linear(h, q, config.bias, sp)
+    params += _norm(config, sp)
+    if not config.is_moe_layer(layer):
+        return params + _mlp(config, config.ffn_hidden_size, tp, sp)
+    # An MoE layer stays whole on every tp rank (under SP it gathers the sequence first); only
+    # expert parallelism takes the experts out of the replicated parameters.
+    router = [Param(config.num_experts * h, matmul=True)]
+    shared_mlp = (_mlp(config, config.moe_ffn_hidden_size * config.num_shared_experts)
+                  if config.num_shared_experts else [])
+    experts = [p for _ in range(config.num_experts // layout.ep)
+               for p in _mlp(config, config.moe_ffn_hidden_size, expert=layout.ep > 1)]
+    # ExpertParallelMoE registers the router, the shared expert, then the experts.
+    return params + router + (shared_mlp + experts if layout.ep > 1 else experts + shared_mlp)
+
+
+@lru_cache(maxsize=1024)
+def rank_parameters(config: ModelConfig, layout: TrainLayout, pp_rank: int) -> tuple[Param, ...]:
+    """Every parameter tensor of one rank of pipeline rank `pp_rank`, in registration order, each
+    with its stage and ZeRO-3 unit (see the module doc): unit 0 the embedding (and the root unit
+    of a tied one), 1 the positions where they are a unit of their own, 2 + layer each block,
+    2 + num_layers the final norm and head."""
+    tp, sp, h = layout.tp, layout.sequence_parallel, config.hidden_size
+    last = layout.pp * layout.vpp - 1
+    vocab_rows = config.vocab_size // tp
+    tied, pipelined = config.tie_embeddings, layout.pp > 1
+    head_unit = 0 if tied and not pipelined else 2 + config.num_layers
+    params: list[Param] = []
+    for stage in rank_stages(layout, pp_rank):
+        if stage == 0:
+            params.append(Param(vocab_rows * h, stage=stage, unit=0, root=tied and not pipelined,
+                                tied=tied and pipelined))
+        elif stage == last and tied:
+            params.append(Param(vocab_rows * h, stage=stage, unit=0, root=True, tied=True))
+        if stage == 0 and config.position == "learned":
+            params.append(Param(config.max_seq_len * h, partial=config.max_seq_len * h
+                                if sp else 0, stage=stage, unit=1 if tied and pipelined else 0,
+                                root=tied and not pipelined))
+        for layer in stage_blocks(config, layout, stage):
+            params += [replace(p, stage=stage, unit=None if p.expert else 2 + layer)
+                       for p in block_params(config, layout, layer)]
+        if stage == last:
+            params += [replace(p, stage=stage, unit=head_unit, root=head_unit == 0)
+                       for p in _norm(config, sp)]
+            if not tied:
+                params.append(Param(vocab_rows * h, matmul=True, stage=stage, unit=head_unit))
+    return tuple(params)

@@ -1,0 +1,147 @@
+"""Parameters, gradients and optimizer state one rank of tetrad's runtime holds (the `tetrad`
+runtime profile: tetrad.planner.eager), from the rank's own tensors (eager_params).
+
+Without ZeRO, torch.optim.AdamW steps every tensor the rank holds and keeps a 4-byte fp32 step
+count per tensor. tetrad's ZeRO engines take the rank's replicated tensors (all but its experts):
+ZeRO-1/2 in flat buckets of about 25 MiB (of fp32 parameters, in reverse registration order),
+each padded to a multiple of the group, ZeRO-2 under a pipeline each stage's apart (a tied
+embedding's copy alone); ZeRO-3 in units (eager_params), each padded, gathered one while
+prefetching the next of its stage, a root unit gathered around its stage's forward besides. The
+engine keeps the fp32 gradient of its shard beside a 16-bit one; offload keeps fp32 master,
+moments and gradient shard on the host. Experts (ep > 1) stay out of ZeRO: fp32 parameters with
+an AdamW of their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from tetrad.config import ModelConfig
+from tetrad.planner.eager_params import Param, rank_parameters
+from tetrad.planner.layout import TrainLayout
+from tetrad.planner.precision import TrainingPrecision
+
+FP32 = 4
+BUCKET_BYTES = 25 * 2**20  # tetrad.parallel.data_parallel.DEFAULT_BUCKET_BYTES (torch DDP's)
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """Bytes of one rank's model state. `params` includes `params_gathered` (ZeRO-3's whole
+    units at their peak); host bytes (offload) are not GPU memory."""
+
+    params: float
+    grads: float
+    optimizer: float
+    params_gathered: float = 0.0
+    host_optimizer: float = 0.0
+    host_grads: float = 0.0
+
+
+def padded(elements: int, group: int) -> int:
+    return -(-elements // group) * group
+
+
+def bucket_elements(params: list[Param], group: int) -> list[int]:
+    """Padded elements of each flat bucket of `params` (data_parallel.bucket_params)."""
+    buckets, size = [0], 0
+    for param in reversed(params):
+        if size >= BUCKET_BYTES:
+            buckets.append(0)
+            size = 0
+        buckets[-1] += param.elements
+        size += param.elements * FP32
+    return [padded(elements, group) for elements in buckets]
+
+
+def zero_buckets(params: list[Param], layout: TrainLayout) -> list[int]:
+    """Padded elements of each flat bucket ZeRO-1/2 builds of the replicated `params`: one run of
+    buckets over them all, or under a pipeline with ZeRO-2 (zero.stage_buckets_of) one per stage,
+    a tied embedding's copy alone in a bucket after its stage's."""
+    n = layout.zero_group
+    if layout.pp == 1 or layout.zero == 1:
+        return bucket_elements(params, n)
+    buckets = []
+    for stage in sorted({p.stage for p in params}):
+        held = [p for p in params if p.stage == stage]
+        buckets += bucket_elements([p for p in held if not p.tied], n)
+        buckets += [padded(p.elements, n) for p in held if p.tied]
+    return buckets
+
+
+@dataclass(frozen=True)
+class StageUnits:
+    """Padded elements of one stage's ZeRO-3 units: its root unit (0 without one) and the others,
+    in forward order."""
+
+    root: int
+    in_turn: tuple[int, ...]
+
+    @property
+    def total(self) -> int:
+        return self.root + sum(self.in_turn)
+
+    @property
+    def gathered_peak(self) -> int:
+        """The root, a unit and the next one prefetched (forward; backward the previous)."""
+        pairs = [a + b for a, b in zip(self.in_turn, self.in_turn[1:])]
+        return self.root + max(pairs or self.in_turn)
+
+
+def zero3_units(params: list[Param], group: int) -> dict[int, StageUnits]:
+    """The ZeRO-3 units of the replicated `params`, by stage."""
+    stages: dict[int, dict[int, int]] = {}
+    for param in params:
+        units = stages.setdefault(param.stage, {})
+        units[param.unit] = units.get(param.unit, 0) + param.elements
+    roots = {(p.stage, p.unit) for p in params if p.root}
+    return {stage: StageUnits(sum(padded(units[unit], group) for unit in units
+                                  if (stage, unit) in roots),
+                              tuple(padded(units[unit], group) for unit in sorted(units)
+                                    if (stage, unit) not in roots))
+            for stage, units in sorted(stages.items())}
+
+
+def _expert_state(experts: list[Param]) -> tuple[float, float, float]:
+    """fp32 parameters, gradients and AdamW (two moments and a step count per tensor)."""
+    elements = sum(p.elements for p in experts)
+    return elements * FP32, elements * FP32, elements * 2 * FP32 + len(experts) * FP32
+
+
+@lru_cache(maxsize=1024)
+def model_state(config: ModelConfig, layout: TrainLayout, precision: TrainingPrecision,
+                pp_rank: int) -> ModelState:
+    """Parameters, gradients and optimizer state of one rank of pipeline rank `pp_rank`."""
+    params = rank_parameters(config, layout, pp_rank)
+    pb, gb = precision.param_bytes, precision.grad_bytes
+    if layout.zero == 0:
+        elements = sum(p.elements for p in params)
+        return ModelState(elements * pb, elements * gb,
+                          elements * precision.optimizer_state_bytes + len(params) * FP32)
+    replicated = [p for p in params if not p.expert]
+    expert_params, expert_grads, expert_optimizer = _expert_state(
+        [p for p in params if p.expert])
+    n = layout.zero_group
+    gathered = 0.0
+    if layout.zero == 3:
+        stages = zero3_units(replicated, n).values()
+        shard = sum(units.total for units in stages) // n
+        # Units are gathered within one stage's forward or backward at a time.
+        gathered = max(units.gathered_peak for units in stages) * pb
+        params_bytes, grads = shard * pb + gathered, shard * gb
+    else:
+        flat = sum(zero_buckets(replicated, layout))
+        shard = flat // n
+        params_bytes, grads = flat * pb, (flat if layout.zero == 1 else shard) * gb
+    # The step reads an fp32 gradient of the shard: the 16-bit one converted (on the host with
+    # offload, where the fp32 master copy and the moments live too). With fp32 parameters the
+    # device shard is its own master copy.
+    fp32_grad = shard * FP32
+    params_bytes += expert_params
+    grads += expert_grads
+    if layout.offload:
+        return ModelState(params_bytes, grads, expert_optimizer, gathered,
+                          shard * (FP32 + precision.optimizer_bytes), fp32_grad)
+    return ModelState(params_bytes, grads + (fp32_grad if gb != FP32 else 0.0),
+                      shard * precision.optimizer_state_bytes + expert_optimizer, gathered)
