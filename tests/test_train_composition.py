@@ -225,13 +225,15 @@ def llama_folder(folder: Path) -> Path:
 
 
 def test_four_ranks_and_resuming_across_layouts(corpus_file, tmp_path):
-    """Checkpoints are read in any layout: ZeRO-1 over pp2.dp2 resumes as DDP over dp2.tp2,
-    a single-process run resumes as tp2.pp2, and the ZeRO-1 run resumes in one process; each
-    finishes with the uninterrupted single-process numbers. An HF folder's weights train under
-    tp2.pp2 as in one process."""
+    """Checkpoints are read in any layout: ZeRO-1 over pp2.dp2 resumes as DDP over dp2.tp2, tp4
+    and pp4, a single-process run resumes as tp2.pp2, and the ZeRO-1 run resumes in one process;
+    each finishes with the uninterrupted single-process numbers. An HF folder's weights train
+    under tp2.pp2 as in one process."""
     model, overrides, _, _ = CASES_4["pp2.dp2 zero1"]
     single = reference(corpus_file, model, overrides, 1, tmp_path / "single", save_every=3)
     resumed = {"dp2.tp2 from zero1": (dict(dp=2, tp=2), tmp_path / "pp2.dp2 zero1"),
+               "tp4 from zero1": (dict(tp=4), tmp_path / "pp2.dp2 zero1"),
+               "pp4 from zero1": (dict(pp=4), tmp_path / "pp2.dp2 zero1"),
                "tp2.pp2 from one process": (dict(tp=2, pp=2), tmp_path / "single")}
     runs = [(run_config(corpus_file, model, overrides, tmp_path / name, resume=True, **layout),
              (source, 3)) for name, (layout, source) in resumed.items()]
