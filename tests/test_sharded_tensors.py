@@ -3,6 +3,7 @@ some held by two ranks) and ZeRO (flat ranges of a rank's rows) cut them come ba
 memory and from files; a missing element is an error, never a silent zero."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -57,6 +58,9 @@ def test_files_written_by_every_rank_read_back_whole(tmp_path):
     write_index(tmp_path, entries)
     assert sorted(p.name for p in tmp_path.glob("shard_*")) == [
         f"shard_0000{rank}.safetensors" for rank in range(4)]
+    umask = os.umask(0)
+    os.umask(umask)  # readable as the process's other files, not safetensors' owner-only 0600
+    assert {p.stat().st_mode & 0o777 for p in tmp_path.glob("shard_*")} == {0o666 & ~umask}
     reader = ShardedReader(tmp_path)
     assert torch.equal(reader.whole("model", "w"), WEIGHT)
     assert torch.equal(dict(reader.tensors("exp_avg"))["b"], bias)

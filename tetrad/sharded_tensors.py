@@ -80,10 +80,21 @@ def write_pieces(folder: Path, rank: int, pieces: list[Piece]) -> list[dict]:
                         "shape": list(piece.global_shape), "dim": piece.dim,
                         "rows": None if piece.rows is None else row_runs(piece.rows),
                         "flat": None if piece.flat is None else list(piece.flat)})
-    save_file(tensors, str(folder / file))
+    save_tensors(tensors, folder / file)
     with open(folder / file, "rb") as handle:
         os.fsync(handle.fileno())
     return entries
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path,
+                 metadata: dict[str, str] | None = None) -> None:
+    """safetensors' save_file, leaving the file readable as any other the process writes:
+    safetensors creates it owner-only (0600), which a serving job run by another user of a shared
+    filesystem could not read."""
+    save_file(tensors, str(path), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def write_index(folder: Path, entries: list[dict]) -> None:

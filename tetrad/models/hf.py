@@ -19,14 +19,13 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from tetrad.config import ModelConfig, from_dict
 from tetrad.errors import ConfigError
 from tetrad.hf_config import (hf_from_model_config, hf_model_type, model_config_from_hf,
                               read_hf_config, resolve_checkpoint)
 from tetrad.models.transformer import Transformer
-from tetrad.sharded_tensors import ShardedReader
+from tetrad.sharded_tensors import ShardedReader, save_tensors
 
 RUNTIME_TYPES = ("llama", "qwen2", "mistral", "mixtral", "gpt2")
 # Buffers some exporters save that carry no learned weights: rotary frequencies, GPT-2's mask.
@@ -222,7 +221,7 @@ def save_hf(model: Transformer, folder: str | Path, eos_id: int | None = None) -
     hf.update(bos_token_id=None, eos_token_id=eos_id,
               dtype=str(next(iter(tensors.values())).dtype).removeprefix("torch."))
     (folder / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_tensors(tensors, folder / "model.safetensors", metadata={"format": "pt"})
 
 
 def load_checkpoint_weights(model: Transformer, folder: Path) -> None:
