@@ -22,7 +22,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -121,9 +121,9 @@ class ShardedReader:
     def names(self, kind: str) -> list[str]:
         return [name for piece_kind, name in self.pieces if piece_kind == kind]
 
-    def tensors(self, kind: str) -> "LazyTensors":
+    def tensors(self, kind: str) -> "LazyMapping":
         """Every tensor of `kind` by name, each assembled only when it is looked up."""
-        return LazyTensors(self, kind)
+        return LazyMapping(self.names(kind), lambda name: self.whole(kind, name))
 
     def _read(self, entry: dict) -> Piece:
         try:
@@ -188,18 +188,18 @@ def whole_pieces(kind: str, tensors: Mapping[str, torch.Tensor]) -> list[Piece]:
     return [Piece(kind, name, tensor, tuple(tensor.shape)) for name, tensor in tensors.items()]
 
 
-class LazyTensors(Mapping):
-    """A checkpoint's tensors of one kind by name, read and assembled on lookup: a rank resuming
-    under another layout holds one whole tensor at a time besides its own pieces."""
+class LazyMapping(Mapping):
+    """Tensors by name, each computed only when looked up (`get(name)`): a rank resuming under
+    another layout holds one whole tensor at a time besides its own pieces."""
 
-    def __init__(self, reader: ShardedReader, kind: str):
-        self.reader, self.kind = reader, kind
-        self._names = reader.names(kind)
+    def __init__(self, names, get: Callable[[str], torch.Tensor]):
+        self._names, self._get = list(names), get
+        self._known = set(self._names)
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        if (self.kind, name) not in self.reader.pieces:
+        if name not in self._known:
             raise KeyError(name)
-        return self.reader.whole(self.kind, name)
+        return self._get(name)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Iterator
+from typing import Callable, ContextManager, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +55,7 @@ from tetrad.parallel.recompute import apply_recompute
 from tetrad.parallel.tensor_parallel import (TensorParallelTransformer, check_tensor_parallel,
                                              parallelize_tensor)
 from tetrad.parallel.zero import Pipelined, ZeroDataParallel
-from tetrad.sharded_tensors import Piece
+from tetrad.sharded_tensors import LazyMapping, Piece
 
 NORM_TAG = "grad_norm"
 
@@ -342,7 +342,9 @@ class ParallelModel:
         shape[dim] = int(torch.cat(indices).max()) + 1
         return tuple(shape), dim, indices[self.tensor.tp.index].cpu()
 
-    def local_named(self, whole: dict[str, torch.Tensor], names) -> dict[str, torch.Tensor]:
-        """This rank's pieces of whole tensors (as `pieces` cut them, without communication)."""
-        return {name: whole[name] if self.tensor is None else
-                self.tensor.local_part(name, whole[name]) for name in names}
+    def local_named(self, whole: Mapping[str, torch.Tensor], names) -> LazyMapping:
+        """This rank's pieces of whole tensors (as `pieces` cut them, without communication),
+        each cut when looked up."""
+        if self.tensor is None:
+            return LazyMapping(names, whole.__getitem__)
+        return LazyMapping(names, lambda name: self.tensor.local_part(name, whole[name]))

@@ -11,6 +11,7 @@ parameter segment, so the update is element for element torch's AdamW (single-te
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -193,8 +194,14 @@ def clip_shards(shards: list[FlatShard], total_norm: float, max_norm: float) -> 
         shard.main_grad.mul_(coefficient)
 
 
-def scatter_state(shard: FlatShard, full: dict[str, torch.Tensor], target: torch.Tensor) -> None:
-    """This rank's piece of whole per-parameter tensors into `target` [shard_numel]."""
+def scatter_state(shard: FlatShard, full: Mapping[str, torch.Tensor],
+                  target: torch.Tensor) -> None:
+    """This rank's piece of whole per-parameter tensors into `target` [shard_numel], looking up
+    only the parameters its range overlaps."""
     lo, hi = shard.shard_range
-    flat = shard.flatten([full[name] for name in shard.names], torch.float32)
-    target.copy_(flat[lo:hi])
+    target.zero_()  # the padding
+    for name, param, offset in zip(shard.names, shard.params, shard.offsets):
+        start, end = max(lo, offset), min(hi, offset + param.numel())
+        if start < end:
+            piece = full[name].reshape(-1)[start - offset:end - offset]
+            target[start - lo:end - lo].copy_(piece)

@@ -286,15 +286,9 @@ class ZeroStrategy(MeshStrategy):
 
     def load_state_dict(self, state: dict) -> None:
         params, moments = self._local_pieces(state)
-
-        def replicated(named: dict) -> dict:  # what the engine holds: all but the experts
-            return {name: value for name, value in named.items() if name not in self.experts}
-
-        self.engine.load_state_dict({
-            "model": replicated(params), "scaler": loss_scaler_state(state.get("scaler")),
-            "optimizer": moments and {"step": moments["step"],
-                                      "exp_avg": replicated(moments["exp_avg"]),
-                                      "exp_avg_sq": replicated(moments["exp_avg_sq"])}})
+        # The engine looks up only what its shards hold: no experts, and only their own ranges.
+        self.engine.load_state_dict({"model": params, "optimizer": moments,
+                                     "scaler": loss_scaler_state(state.get("scaler"))})
         if self.experts:
             load_named(self.expert_optimizer, self.experts, params, moments)
 
