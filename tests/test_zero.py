@@ -21,8 +21,10 @@ from tetrad.config import ParallelConfig, TrainConfig
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import OFF_STEP_TAGS, Comm, CommCounter
 from tetrad.parallel.fsdp import SHARDED
-from tetrad.parallel.mesh import ParallelDims, build_mesh
+from tetrad.parallel.mesh import Group, ParallelDims, build_mesh
+from tetrad.parallel.zero_optimizer import FlatShard, scatter_state
 from tetrad.presets import resolve_model
+from tetrad.sharded_tensors import LazyMapping
 from tetrad.train.optim import build_optimizer, parameter_groups, set_learning_rate
 from tetrad.train.strategy import DataParallelStrategy, LocalStrategy, ZeroStrategy
 
@@ -378,3 +380,20 @@ def test_four_ranks(references):
             params = gathers * share * (1 if zero == 2 else m)
             assert run["comm"] == {"grads": {"reduce_scatter": m * share},
                                    "params": {"all_gather": params}}, name
+
+
+def test_a_shard_loads_only_the_parameters_its_range_overlaps():
+    """Resuming reads a checkpoint tensor by tensor: rank 1 of 2 owns elements 7..13 of a flat
+    buffer of a [4] (0..3), b [2, 2] (4..7) and c [5] (8..12; 13 pads it to 14), so it looks up b
+    and c only, and gets exactly its elements, the padding zero."""
+    params = [torch.nn.Parameter(torch.zeros(shape)) for shape in ((4,), (2, 2), (5,))]
+    shard = FlatShard.build([(name, 0.0, p) for name, p in zip("abc", params)],
+                            Group("dp", (0, 1), 1))
+    whole = {"a": torch.arange(4.0), "b": torch.arange(4.0, 8.0).view(2, 2),
+             "c": torch.arange(8.0, 13.0)}
+    looked_up = []
+    target = torch.full((shard.shard_numel,), -1.0)
+    scatter_state(shard, LazyMapping("abc", lambda name: looked_up.append(name) or whole[name]),
+                  target)
+    assert looked_up == ["b", "c"]
+    assert target.tolist() == [7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 0.0]
