@@ -165,8 +165,13 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     if "error" in predicted:  # the planner refused the layout; the run went ahead
         lines.append(f"prediction: none (the planner: {predicted['error']})")
     elif predicted:
-        ranks = ("bytes of every pipeline stage" if "stages" in predicted else
-                 f"bytes of the fullest rank (pipeline stage {predicted.get('fullest_stage', 0)})")
+        if "stages" in predicted:
+            ranks = "bytes of every pipeline stage"
+        elif config.get("parallel", {}).get("pp", 1) == 1:
+            ranks = "bytes of a rank"  # without a pipeline every rank holds alike
+        else:
+            ranks = (f"bytes of the fullest rank (pipeline stage "
+                     f"{predicted.get('fullest_stage', 0)})")
         lines.append(f"prediction: the {predicted.get('runtime', 'megatron')} runtime's tensors; "
                      f"{ranks}, comm bytes sent per step")
     return lines
