@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from tetrad.config import ParallelConfig, TrainConfig
+from tetrad.errors import TetradError
 from tetrad.models.transformer import Transformer
-from tetrad.presets import resolve_model
+from tetrad.presets import preset, resolve_model
+from tetrad.sharded_tensors import whole_pieces, write_pieces
 from tetrad.train import checkpoint as ckpt
 from tetrad.train.trainer import train
 
@@ -158,3 +160,22 @@ def test_keep_leaves_only_the_newest_checkpoints_and_still_resumes(corpus_file, 
     assert losses(resumed) == uninterrupted[4:]
     assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == [
         ckpt.step_folder_name(4), ckpt.step_folder_name(5)]
+
+
+def test_a_checkpoint_folder_not_shared_by_every_rank_is_named(tmp_path):
+    """Ranks on another machine write into a folder rank 0 cannot see: the save stops naming the
+    rank and the fix, and `latest` never points at the incomplete folder."""
+    config = preset("tiny")
+    piece = whole_pieces("model", {"w": torch.zeros(2)})
+
+    def elsewhere(value):  # rank 1's shard went to its own machine's disk
+        entries = write_pieces(tmp_path / "other machine", 1, piece) if value else None
+        return [value, entries]
+
+    (tmp_path / "other machine").mkdir()
+    with pytest.raises(TetradError, match="rank 1 cannot write into rank 0's checkpoint folder"):
+        ckpt.save_checkpoint(tmp_path / "ckpt", 3, 0, piece, elsewhere, {}, config, {})
+    assert not (tmp_path / "ckpt" / "latest").exists()
+    with pytest.raises(TetradError, match="rank 2 cannot write"):
+        ckpt.save_checkpoint(tmp_path / "not here", 3, 2, piece, lambda value: [value], {},
+                             config, {})

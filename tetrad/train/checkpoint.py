@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 
 from tetrad.config import ModelConfig, from_dict
-from tetrad.errors import ConfigError
+from tetrad.errors import ConfigError, TetradError
 from tetrad.hf_config import resolve_checkpoint
 from tetrad.sharded_tensors import Piece, ShardedReader, write_index, write_pieces
 
@@ -74,10 +74,17 @@ def save_checkpoint(root: str | Path, step: int, rank: int, pieces: list[Piece],
             shutil.rmtree(stale, ignore_errors=True)
         staging.mkdir()
     exchange(None)  # the staging folder exists before any rank writes into it
-    entries = exchange(write_pieces(staging, rank, pieces))  # every shard is on disk
+    if not staging.is_dir():
+        raise TetradError(not_shared(root, rank))
+    by_rank = exchange(write_pieces(staging, rank, pieces))  # every shard is on disk
     if rank != 0:
         return None
-    write_index(staging, [entry for rank_entries in entries for entry in rank_entries])
+    present = {path.name for path in staging.iterdir()}
+    unseen = [writer for writer, entries in enumerate(by_rank)
+              if entries and entries[0]["file"] not in present]
+    if unseen:  # written into a folder of the same name on another machine's disk
+        raise TetradError(not_shared(root, unseen[0]))
+    write_index(staging, [entry for entries in by_rank for entry in entries])
     (staging / "model.json").write_text(json.dumps(model_config.to_dict(), indent=2))
     torch.save(training_state, staging / "training_state.pt")
     (staging / "run.json").write_text(json.dumps({"step": step, **run}, indent=2))
@@ -91,6 +98,11 @@ def save_checkpoint(root: str | Path, step: int, rank: int, pieces: list[Piece],
     if keep > 0:
         prune_checkpoints(root, keep)
     return final
+
+
+def not_shared(root: Path, rank: int) -> str:
+    return (f"rank {rank} cannot write into rank 0's checkpoint folder {root}: every rank must "
+            f"see the same --checkpoint-dir (a filesystem shared by all nodes)")
 
 
 def prune_checkpoints(root: Path, keep: int) -> None:
