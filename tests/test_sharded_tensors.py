@@ -39,6 +39,10 @@ def test_a_missing_element_is_an_error():
     pieces = [piece for rank in tp_zero_pieces(WEIGHT) for piece in rank]
     with pytest.raises(ValueError, match="model of w misses 8 of 24 elements"):
         assemble(pieces[:-1])  # the second tp shard's second half: rows 4 and 5
+    with pytest.raises(ValueError, match="model of w misses 8 of 24 elements"):
+        assemble(pieces[:2])  # no second tp shard at all: rows 4 and 5 again
+    with pytest.raises(ValueError, match="misses 12 of 24"):
+        assemble([Piece("model", "w", WEIGHT.view(-1)[:12].clone(), (6, 4), flat=(0, 12))])
 
 
 def test_row_runs_are_short_and_exact():

@@ -18,6 +18,7 @@ layout rule cannot go unnoticed.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -148,39 +149,53 @@ class ShardedReader:
 
 
 def assemble(pieces: list[Piece]) -> torch.Tensor:
-    """One tensor from pieces of it (any layout's; copies of the same elements are equal, so any
-    copy does). ValueError if an element is in none of them."""
+    """One tensor from pieces of it, any layout's. Pieces of the same box (a tp shard's rows, or
+    the whole tensor) must cover it together (ZeRO ranks split it into flat ranges); boxes may
+    share rows (replicated kv heads: equal copies, any does). Plain slice copies, coverage kept
+    as ranges: ValueError naming how many elements no piece holds."""
     first = pieces[0]
-    whole = first.data.new_zeros(first.global_shape)
-    covered = torch.zeros(first.global_shape, dtype=torch.bool)
+    shape, numel = first.global_shape, math.prod(first.global_shape)
     boxes: dict[tuple, list[Piece]] = {}
     for piece in pieces:
         rows = None if piece.rows is None else tuple(piece.rows.tolist())
         boxes.setdefault((piece.dim, rows), []).append(piece)
-    for (dim, _), box_pieces in boxes.items():
-        rows = box_pieces[0].rows
-        box_shape = list(first.global_shape)
+    whole, rows_held = None, None
+    for (dim, rows), box_pieces in boxes.items():
+        box_shape = list(shape)
         if dim is not None:
             box_shape[dim] = len(rows)
-        box = first.data.new_zeros(box_shape)
-        held = torch.zeros(box_shape, dtype=torch.bool)
-        for piece in box_pieces:
-            start, end = piece.flat or (0, box.numel())
-            box.view(-1)[start:end] = piece.data.reshape(-1)
-            held.view(-1)[start:end] = True
+        box = _assemble_box(box_pieces, box_shape, numel)
         if dim is None:
-            whole[held] = box[held]
-            covered |= held
-        else:  # only the elements this box's pieces held: another box may hold the rest
-            rows = rows.to(torch.long)
-            target = whole.index_select(dim, rows)
-            target[held] = box[held]
-            whole.index_copy_(dim, rows, target)
-            covered.index_copy_(dim, rows, covered.index_select(dim, rows) | held)
-    if not bool(covered.all()):
-        raise ValueError(f"{first.kind} of {first.name} misses {int((~covered).sum())} of "
-                         f"{covered.numel()} elements")
+            return box
+        if whole is None:
+            whole = box.new_empty(shape)
+            rows_held = torch.zeros(shape[dim], dtype=torch.bool)
+        index = torch.tensor(rows, dtype=torch.long)
+        whole.index_copy_(dim, index, box)
+        rows_held[index] = True
+    if not bool(rows_held.all()):
+        missing = int((~rows_held).sum()) * (numel // shape[first.dim])
+        raise ValueError(f"{first.kind} of {first.name} misses {missing} of {numel} elements")
     return whole
+
+
+def _assemble_box(pieces: list[Piece], box_shape: list[int], numel: int) -> torch.Tensor:
+    """One box from its whole piece or its flat ranges, which must cover it."""
+    box = pieces[0].data.new_empty(box_shape)
+    flat = box.view(-1)
+    ranges = []
+    for piece in pieces:
+        start, end = piece.flat or (0, flat.numel())
+        flat[start:end] = piece.data.reshape(-1)
+        ranges.append((start, end))
+    held = reach = 0
+    for start, end in sorted(ranges):  # the union's size: overlapping ranges count once
+        held += max(0, end - max(start, reach))
+        reach = max(reach, end)
+    if held < flat.numel():
+        raise ValueError(f"{pieces[0].kind} of {pieces[0].name} misses {flat.numel() - held} of "
+                         f"{numel} elements")
+    return box
 
 
 def whole_pieces(kind: str, tensors: Mapping[str, torch.Tensor]) -> list[Piece]:

@@ -42,18 +42,21 @@ def step_folder_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def _fsync_folder(folder: Path) -> None:
-    for path in folder.iterdir():
-        with open(path, "rb") as handle:
-            os.fsync(handle.fileno())
+def _fsync(path: Path) -> None:
+    """Flush a file, or a folder's entries (a rename is durable once its folder is flushed)."""
+    handle = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
 
 
 def _write_atomic(path: Path, text: str) -> None:
     temporary = path.with_name(f".tmp-{path.name}-{os.getpid()}")
     temporary.write_text(text)
-    with open(temporary, "rb") as handle:
-        os.fsync(handle.fileno())
+    _fsync(temporary)
     os.replace(temporary, path)
+    _fsync(path.parent)
 
 
 def save_checkpoint(root: str | Path, step: int, rank: int, pieces: list[Piece],
@@ -70,8 +73,11 @@ def save_checkpoint(root: str | Path, step: int, rank: int, pieces: list[Piece],
     staging = root / f".tmp-{final.name}"
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".tmp-step_*"):
-            shutil.rmtree(stale, ignore_errors=True)
+        for stale in root.glob(".tmp-*"):  # what a killed save left
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
         staging.mkdir()
     exchange(None)  # the staging folder exists before any rank writes into it
     if not staging.is_dir():
@@ -90,11 +96,19 @@ def save_checkpoint(root: str | Path, step: int, rank: int, pieces: list[Piece],
     (staging / "run.json").write_text(json.dumps({"step": step, **run}, indent=2))
     if tokenizer is not None:
         tokenizer.save(staging)
-    _fsync_folder(staging)
+    for path in staging.iterdir():  # the shards were flushed by their writers
+        if not path.name.startswith("shard_"):
+            _fsync(path)
+    _fsync(staging)
+    # Replacing a step folder (a run rewound past it saves it again): the old one moves aside
+    # and is deleted last, so `latest` names a missing folder for two renames, not a deletion.
+    replaced = root / f".tmp-replaced-{final.name}"
     if final.exists():
-        shutil.rmtree(final)
+        os.rename(final, replaced)
     os.rename(staging, final)
+    _fsync(root)
     _write_atomic(root / LATEST, final.name)
+    shutil.rmtree(replaced, ignore_errors=True)
     if keep > 0:
         prune_checkpoints(root, keep)
     return final

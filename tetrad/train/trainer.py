@@ -120,13 +120,7 @@ def train(config: TrainConfig, make_strategy: Callable[..., Any] = build_strateg
     model = build_model(model_config, config).to(device)
     num_parameters = count_parameters(model)  # before a layout spreads the model over ranks
     strategy = make_strategy(model, config, device)
-    start_step = 0
-    if resume_from is not None:
-        start_step, state = ckpt.load_checkpoint(resume_from, model_config)
-        strategy.load_state_dict(state)
-        # A rank the saving layout did not have continues from rank 0's generator.
-        rngs = state["rng"]
-        torch.set_rng_state(rngs[strategy.rank] if strategy.rank < len(rngs) else rngs[0])
+    start_step = resume(strategy, resume_from, model_config) if resume_from is not None else 0
     gpu = device_gpu(device)
     predicted = predict(model_config, config, gpu)
     peak_flops = gpu.peak(config.dtype) * strategy.world_size if gpu else None
@@ -195,6 +189,17 @@ def evaluate(model, dataset: Dataset, config: TrainConfig, device: torch.device)
               for batch in dataset.validation.in_order(config.batch_size, VALIDATION_BATCHES)]
     model.train(was_training)
     return sum(losses) / len(losses)
+
+
+def resume(strategy, folder: Path, model_config: ModelConfig) -> int:
+    """Load a checkpoint of any layout into `strategy`; returns its step. The checkpoint's files
+    are let go on return (pruning with --keep then frees their space)."""
+    step, state = ckpt.load_checkpoint(folder, model_config)
+    strategy.load_state_dict(state)
+    # A rank the saving layout did not have continues from rank 0's generator.
+    rngs = state["rng"]
+    torch.set_rng_state(rngs[strategy.rank] if strategy.rank < len(rngs) else rngs[0])
+    return step
 
 
 def save(strategy, config: TrainConfig, model_config: ModelConfig, tokenizer: AnyTokenizer,
