@@ -46,13 +46,11 @@ from torch import nn
 
 from tetrad.config import ModelConfig
 from tetrad.errors import ConfigError
-from tetrad.models.moe import MoE
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm
 from tetrad.parallel.grad_norm import scale_to_max_norm_
 from tetrad.parallel.mesh import Group, Mesh
-from tetrad.parallel.tp_operators import (GatherFromSequence, ScatterToSequence,
-                                          TensorParallel)
+from tetrad.parallel.tp_operators import TensorParallel, keep_moe_whole
 from tetrad.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 # The layers. Each remembers which rows (or columns) of the full weight every rank holds:
@@ -92,25 +90,6 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.tp.leave(F.linear(x, self.weight))
         return out if self.bias is None else out + self.bias
-
-
-def keep_moe_whole(moe: MoE, tp: TensorParallel) -> None:
-    """An MoE layer under sequence parallelism, its experts kept whole: hooks around its forward
-    gather the sequence first (every tp rank routes every token through whole experts, the same
-    computation everywhere) and keep this rank's shard of the output. Backward gathers the output
-    gradient, so the router's and experts' gradients are whole and equal on every rank, and keeps
-    the shard of the input gradient. Hooks leave the module (and whatever else wraps it) as it is.
-    Without SP nothing is needed: the input is already the same on every rank."""
-
-    def gather(module: nn.Module, args: tuple) -> tuple:
-        return (GatherFromSequence.apply(args[0], tp, False), *args[1:])
-
-    def keep_shard(module: nn.Module, args: tuple, output: tuple) -> tuple:
-        out, aux_loss = output
-        return ScatterToSequence.apply(out, tp), aux_loss
-
-    moe.register_forward_pre_hook(gather)
-    moe.register_forward_hook(keep_shard)
 
 
 def _sections(*ranges: tuple[int, int]) -> torch.Tensor:

@@ -18,7 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
+from tetrad.models.moe import MoE
 from tetrad.parallel.comm import Comm
 from tetrad.parallel.mesh import Group
 
@@ -169,3 +171,22 @@ def g_seq(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
 
 def g_bar_seq(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return ReduceScatterToSequence.apply(x, tp)
+
+
+def keep_moe_whole(moe: MoE, tp: TensorParallel) -> None:
+    """An MoE layer under sequence parallelism, its experts kept whole: hooks around its forward
+    gather the sequence first (every tp rank routes every token through whole experts, the same
+    computation everywhere) and keep this rank's shard of the output. Backward gathers the output
+    gradient, so the router's and experts' gradients are whole and equal on every rank, and keeps
+    the shard of the input gradient. Hooks leave the module (and whatever else wraps it) as it is.
+    Without SP nothing is needed: the input is already the same on every rank."""
+
+    def gather(module: nn.Module, args: tuple) -> tuple:
+        return (GatherFromSequence.apply(args[0], tp, False), *args[1:])
+
+    def keep_shard(module: nn.Module, args: tuple, output: tuple) -> tuple:
+        out, aux_loss = output
+        return ScatterToSequence.apply(out, tp), aux_loss
+
+    moe.register_forward_pre_hook(gather)
+    moe.register_forward_hook(keep_shard)
