@@ -179,3 +179,6 @@ def test_a_checkpoint_folder_not_shared_by_every_rank_is_named(tmp_path):
     with pytest.raises(TetradError, match="rank 2 cannot write"):
         ckpt.save_checkpoint(tmp_path / "not here", 3, 2, piece, lambda value: [value], {},
                              config, {})
+    # A rank with nothing to write (a parameter server's other workers) need not see it.
+    assert ckpt.save_checkpoint(tmp_path / "not here", 3, 2, [], lambda value: [value], {},
+                                config, {}) is None

@@ -80,7 +80,7 @@ def save_checkpoint(root: str | Path, step: int, rank: int, pieces: list[Piece],
                 stale.unlink(missing_ok=True)
         staging.mkdir()
     exchange(None)  # the staging folder exists before any rank writes into it
-    if not staging.is_dir():
+    if pieces and not staging.is_dir():
         raise TetradError(not_shared(root, rank))
     by_rank = exchange(write_pieces(staging, rank, pieces))  # every shard is on disk
     if rank != 0:
