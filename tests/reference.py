@@ -10,6 +10,18 @@ import torch.nn.functional as F
 from tetrad.models.transformer import Transformer
 
 
+def token_batch(vocab_size: int, rows: int, seq_len: int, step: int) -> torch.Tensor:
+    """The same random windows [rows, seq_len + 1] of step `step` on every rank and reference."""
+    return torch.randint(vocab_size, (rows, seq_len + 1),
+                         generator=torch.Generator().manual_seed(1000 + step))
+
+
+def seeded_model(config, seed: int) -> Transformer:
+    """The same initial model on every rank and reference."""
+    torch.manual_seed(seed)
+    return Transformer(config)
+
+
 def objective(model: Transformer, logits: torch.Tensor, targets: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """(cross-entropy, load-balance loss or None for a dense model, what backward is run on)."""

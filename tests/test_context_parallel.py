@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist import run_ranks
-from reference import objective, train_reference
+from reference import objective, seeded_model, token_batch, train_reference
 
 from tetrad.config import ModelConfig
 from tetrad.errors import ConfigError
@@ -42,13 +42,11 @@ RING_BATCH, RING_SEQ, HEAD_DIM = 2, 16, 8
 
 
 def batch(step: int) -> torch.Tensor:
-    return torch.randint(LLAMA.vocab_size, (BATCH, SEQ + 1),
-                         generator=torch.Generator().manual_seed(1000 + step))
+    return token_batch(LLAMA.vocab_size, BATCH, SEQ, step)
 
 
 def build_model(config: ModelConfig) -> Transformer:
-    torch.manual_seed(SEED)
-    return Transformer(config)
+    return seeded_model(config, SEED)
 
 
 def reference(config: ModelConfig) -> dict:

@@ -12,7 +12,7 @@ cross only the expert-data-parallel group.
 import pytest
 import torch
 from dist import run_ranks
-from reference import objective, train_reference
+from reference import objective, seeded_model, token_batch, train_reference
 
 from tetrad.errors import ConfigError
 from tetrad.models.moe import MoE
@@ -34,13 +34,11 @@ CASES = {2: [(2, 1, 1, None), (2, 1, 2, None), (1, 2, 2, None), (2, 1, 2, CAPACI
 
 
 def batch(step: int) -> torch.Tensor:
-    return torch.randint(MOE.vocab_size, (BATCH, SEQ + 1),
-                         generator=torch.Generator().manual_seed(1000 + step))
+    return token_batch(MOE.vocab_size, BATCH, SEQ, step)
 
 
 def build_model() -> Transformer:
-    torch.manual_seed(SEED)
-    return Transformer(MOE)
+    return seeded_model(MOE, SEED)
 
 
 def one_rank_mesh():

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from dist import run_ranks
-from reference import train_reference
+from reference import seeded_model, token_batch, train_reference
 
 from tetrad.config import ModelConfig
 from tetrad.errors import ConfigError
@@ -54,13 +54,11 @@ TORCH_SCHEDULES = ("ScheduleGPipe", "Schedule1F1B")
 
 
 def batch(step: int) -> torch.Tensor:
-    return torch.randint(LLAMA.vocab_size, (BATCH, SEQ + 1),
-                         generator=torch.Generator().manual_seed(1000 + step))
+    return token_batch(LLAMA.vocab_size, BATCH, SEQ, step)
 
 
 def build_model(config: ModelConfig) -> Transformer:
-    torch.manual_seed(SEED)
-    return Transformer(config)
+    return seeded_model(config, SEED)
 
 
 def reference(config: ModelConfig, microbatches: int) -> dict:

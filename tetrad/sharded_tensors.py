@@ -33,13 +33,14 @@ from tetrad.errors import ConfigError
 
 INDEX = "index.json"
 FORMAT = "tetrad-sharded/1"
+CHECKPOINT_KINDS = ("model", "exp_avg", "exp_avg_sq")  # parameters and AdamW's two moments
 
 
 @dataclass
 class Piece:
-    """What one rank holds of one tensor (`kind`: "model", "exp_avg" or "exp_avg_sq")."""
+    """What one rank holds of one tensor."""
 
-    kind: str
+    kind: str  # one of CHECKPOINT_KINDS
     name: str  # the single-process parameter name
     data: torch.Tensor  # shaped like the box, or 1-D for a flat range
     global_shape: tuple[int, ...]

@@ -55,7 +55,7 @@ from tetrad.parallel.recompute import apply_recompute
 from tetrad.parallel.tensor_parallel import (TensorParallelTransformer, check_tensor_parallel,
                                              parallelize_tensor)
 from tetrad.parallel.zero import Pipelined, ZeroDataParallel
-from tetrad.sharded_tensors import LazyMapping, Piece
+from tetrad.sharded_tensors import CHECKPOINT_KINDS, LazyMapping, Piece
 
 NORM_TAG = "grad_norm"
 
@@ -311,9 +311,10 @@ class ParallelModel:
                                 *(split or (tuple(tensors[name].shape),))))
         return pieces
 
-    def engine_pieces(self) -> list[Piece]:
-        """What this rank writes of a ZeRO engine's state: the fp32 master parameters and AdamW
-        moments of its flat shards, each a flat range of a parameter (of its tp shard)."""
+    def engine_pieces(self, kinds: tuple[str, ...] = CHECKPOINT_KINDS) -> list[Piece]:
+        """What this rank writes of a ZeRO engine's state: of `kinds`, the fp32 master parameters
+        ("model") and AdamW moments of its flat shards, each a flat range of a parameter (of its
+        tp shard)."""
         first_tp = self.mesh.dims.coords(self.mesh.rank)["tp"] == 0
         pieces = []
         for shard in self.engine.shards:
@@ -324,7 +325,7 @@ class ParallelModel:
                 if start >= end or id(param) in self.duplicate or (split is None and not first_tp):
                     continue
                 placement = split or (tuple(param.shape), None, None)
-                for kind in ("model", "exp_avg", "exp_avg_sq"):
+                for kind in kinds:
                     flat = getattr(shard, "master" if kind == "model" else kind)
                     # A copy: slices of one buffer would carry the whole buffer when pickled,
                     # and safetensors refuses tensors that share memory.
@@ -338,9 +339,8 @@ class ParallelModel:
         if self.tensor is None or name not in self.tensor.shards:
             return None
         dim, indices = self.tensor.shards[name]
-        shape = list(self.params[name].shape)
-        shape[dim] = int(torch.cat(indices).max()) + 1
-        return tuple(shape), dim, indices[self.tensor.tp.index].cpu()
+        return (self.tensor.whole_shape(name, self.params[name].shape), dim,
+                indices[self.tensor.tp.index].cpu())
 
     def local_named(self, whole: Mapping[str, torch.Tensor], names) -> LazyMapping:
         """This rank's pieces of whole tensors (as `pieces` cut them, without communication),

@@ -360,12 +360,17 @@ class TensorParallelTransformer(nn.Module):
         value = value.contiguous()
         pieces = value.new_empty((self.tp.size, *value.shape))
         self.tp.comm.all_gather(pieces.view(-1), value.view(-1), self.tp.group, "checkpoint")
-        shape = list(value.shape)
-        shape[dim] = int(torch.cat(indices).max()) + 1
-        whole = value.new_empty(shape)
+        whole = value.new_empty(self.whole_shape(name, value.shape))
         for rank, rows in enumerate(indices):  # replicated rows are equal: any copy does
             whole.index_copy_(dim, rows.to(value.device), pieces[rank])
         return whole
+
+    def whole_shape(self, name: str, local_shape) -> tuple[int, ...]:
+        """The single-process shape of split parameter `name`, from this rank's shape of it."""
+        dim, indices = self.shards[name]
+        shape = list(local_shape)
+        shape[dim] = int(torch.cat(indices).max()) + 1
+        return tuple(shape)
 
     def local_part(self, name: str, whole: torch.Tensor) -> torch.Tensor:
         """This rank's piece of a tensor shaped like the single-process parameter `name`: the

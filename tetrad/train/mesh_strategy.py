@@ -21,7 +21,7 @@ from tetrad.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 from tetrad.parallel.mesh import Mesh
 from tetrad.parallel.parallelize import DataParallelOptions, ParameterView, parallelize
 from tetrad.parallel.zero_optimizer import LossScaler
-from tetrad.sharded_tensors import Piece, assemble
+from tetrad.sharded_tensors import CHECKPOINT_KINDS, Piece, assemble
 from tetrad.train.local_strategy import (COMPUTE_DTYPES, LocalStrategy, load_named,
                                          named_moments, named_state, optimizer_state_bytes,
                                          tensor_bytes)
@@ -122,6 +122,15 @@ class MeshStrategy(LocalStrategy):
     def checkpoint_state(self) -> tuple[list[Piece], dict]:
         """This rank's pieces of the parameters and AdamW moments (what it alone writes in a
         sharded checkpoint), and the state every rank shares (optimizer step, loss scaler)."""
+        return self._pieces(CHECKPOINT_KINDS), {
+            "optimizer": {"step": self._optimizer_step()},
+            "scaler": self.scaler.state_dict() if self.scaler else None}
+
+    def _pieces(self, kinds: tuple[str, ...]) -> list[Piece]:
+        """This rank's pieces of `kinds` (of CHECKPOINT_KINDS)."""
+        raise NotImplementedError
+
+    def _optimizer_step(self) -> int:
         raise NotImplementedError
 
     def exchange(self, value: Any) -> list[Any]:
@@ -141,9 +150,8 @@ class MeshStrategy(LocalStrategy):
 
     def whole_model(self) -> nn.Module:
         """Every rank's parameter pieces exchanged and assembled: the whole model on each rank."""
-        pieces = [piece for piece in self.checkpoint_state()[0] if piece.kind == "model"]
         by_name: dict[str, list[Piece]] = {}
-        for rank_pieces in self.exchange(pieces):
+        for rank_pieces in self.exchange(self._pieces(("model",))):
             for piece in rank_pieces:
                 by_name.setdefault(piece.name, []).append(piece)
         whole = Transformer(self.parallel.config)
@@ -151,11 +159,11 @@ class MeshStrategy(LocalStrategy):
                               strict=False)
         return whole.to(self.device)
 
-    def _named_pieces(self, params: dict[str, nn.Parameter],
-                      optimizer: torch.optim.Optimizer) -> list[Piece]:
-        """Pieces of parameters a torch AdamW steps whole on this rank, with its moments."""
+    def _named_pieces(self, params: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer,
+                      kinds: tuple[str, ...]) -> list[Piece]:
+        """Pieces of `kinds` of parameters a torch AdamW steps whole on this rank."""
         return [piece for kind, tensors in named_state(params, optimizer).items()
-                for piece in self.parallel.pieces(kind, tensors)]
+                if kind in kinds for piece in self.parallel.pieces(kind, tensors)]
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float | None:
@@ -216,10 +224,11 @@ class DataParallelStrategy(MeshStrategy):
         self.comm.end_step()
         return applied
 
-    def checkpoint_state(self) -> tuple[list[Piece], dict]:
-        return self._named_pieces(self.params, self.optimizer), {
-            "optimizer": {"step": named_moments(self.optimizer, self.params)[2]},
-            "scaler": self.scaler.state_dict() if self.scaler else None}
+    def _pieces(self, kinds: tuple[str, ...]) -> list[Piece]:
+        return self._named_pieces(self.params, self.optimizer, kinds)
+
+    def _optimizer_step(self) -> int:
+        return named_moments(self.optimizer, self.params)[2]
 
     def load_state_dict(self, state: dict) -> None:
         load_named(self.optimizer, self.params, *self._local_pieces(state))
@@ -278,11 +287,13 @@ class ZeroStrategy(MeshStrategy):
         self.comm.end_step()
         return applied
 
-    def checkpoint_state(self) -> tuple[list[Piece], dict]:
-        experts = self._named_pieces(self.experts, self.expert_optimizer) if self.experts else []
-        return self.parallel.engine_pieces() + experts, {
-            "optimizer": {"step": self.engine.optimizer.step_count},
-            "scaler": self.scaler.state_dict() if self.scaler else None}
+    def _pieces(self, kinds: tuple[str, ...]) -> list[Piece]:
+        experts = (self._named_pieces(self.experts, self.expert_optimizer, kinds)
+                   if self.experts else [])
+        return self.parallel.engine_pieces(kinds) + experts
+
+    def _optimizer_step(self) -> int:
+        return self.engine.optimizer.step_count
 
     def load_state_dict(self, state: dict) -> None:
         params, moments = self._local_pieces(state)

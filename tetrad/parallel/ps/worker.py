@@ -36,7 +36,7 @@ from tetrad.parallel.mesh import Group
 from tetrad.parallel.ps.protocol import (FOREVER_S, Kind, KeyLayout, Message, PSOptions,
                                          allocate, check_run, nbytes, payload_spec,
                                          per_step_by_tag, receive, record_received, send)
-from tetrad.sharded_tensors import Piece, whole_pieces
+from tetrad.sharded_tensors import CHECKPOINT_KINDS, Piece, whole_pieces
 
 
 class ParameterServerWorker:
@@ -285,7 +285,7 @@ class ParameterServerWorker:
                 named[self.layout.sparse] = table
             return named
 
-        pieces = [piece for index, kind in enumerate(("model", "exp_avg", "exp_avg_sq"))
+        pieces = [piece for index, kind in enumerate(CHECKPOINT_KINDS)
                   for piece in whole_pieces(kind, by_name(dense[index], tables[index]))]
         # The scheduler's count: in async mode a worker that died between two pushes leaves the
         # servers one update apart.
