@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tetrad"
 
 # Modules that run without torch: the planner answers on a laptop in milliseconds.
 TORCH_FREE = ["config", "errors", "hardware", "presets", "hf_config", "tokenizer", "text_sources",
-              "planner", "schedules"]
+              "planner", "schedules", "modelfile", "store", "safetensors_subset"]
 
 # Where a module lives -> module prefixes it must never import.
 FORBIDDEN = {
