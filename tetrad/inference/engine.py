@@ -68,6 +68,9 @@ class LLM:
         if getattr(tokenizer, "eos_id", None) is not None:
             self.eos_token_ids = tuple(sorted({*self.eos_token_ids, tokenizer.eos_id}))
         self.model_config = model.config
+        # A vocabulary rounded up past the tokenizer's: sample only ids the tokenizer decodes.
+        self.num_sampleable = min(model.config.vocab_size,
+                                  getattr(tokenizer, "vocab_size", model.config.vocab_size))
         self.max_model_len = min(config.max_model_len or model.config.max_seq_len,
                                  model.config.max_seq_len)
         self.tp: TensorParallelDriver | None = None
@@ -141,7 +144,7 @@ class LLM:
             to_sample = self.scheduler.advance(batch)
             rows = torch.tensor([row for _, row in to_sample], device=logits.device)
             seqs = [seq for seq, _ in to_sample]
-            tokens = self.sampler(logits[rows], seqs) if seqs else []
+            tokens = self.sampler(logits[rows, :self.num_sampleable], seqs) if seqs else []
             self.scheduler.append_tokens(list(zip(seqs, tokens)), self.eos_token_ids)
             now = time.perf_counter()
             for seq, token in zip(seqs, tokens):
