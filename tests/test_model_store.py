@@ -52,7 +52,8 @@ def create(folder, text: str, name: str = "pirate"):
 
 
 @pytest.mark.parametrize("name, full", [("pirate", "pirate:latest"), ("Pirate:V1", "pirate:v1"),
-                                        ("me/pirate:7b-q.1", "me/pirate:7b-q.1")])
+                                        ("me/pirate:7b-q.1", "me/pirate:7b-q.1"),
+                                        ("library/pirate", "pirate:latest")])
 def test_names_are_ollamas(name, full):
     assert parse_name(name) == full
 
@@ -91,6 +92,15 @@ def test_from_a_stored_model_inherits_its_settings_and_overrides_some(hf_folder,
     assert child.parameters == {"temperature": 0.9, "top_k": 5}
     assert (child.folder / "chat_template.jinja").read_text() == "{{ messages[0].content }}"
     assert [m.name for m in ModelStore().list()] == ["pirate:hot", "pirate:latest"]
+
+
+def test_no_name_holds_another_in_its_folder(hf_folder, tmp_path):
+    create(tmp_path, "FROM ./hf\n", "me/pirate:v1")
+    create(tmp_path, "FROM ./hf\n", "me:pirate")
+    create(tmp_path, "FROM ./hf\n", "pirate")
+    assert [m.name for m in ModelStore().list()] == ["me/pirate:v1", "me:pirate", "pirate:latest"]
+    ModelStore().remove("me:pirate")
+    assert [m.name for m in ModelStore().list()] == ["me/pirate:v1", "pirate:latest"]
 
 
 def test_create_replaces_a_name_and_a_failed_create_leaves_the_store_as_it_was(hf_folder,
@@ -180,6 +190,9 @@ def test_a_trained_model_is_stored_as_its_parameters_and_runs_by_name(
     shown = capsys.readouterr().out
     assert "context 64 tokens" in shown and "temperature=0.0" in shown
     assert "system: 'Be brief.'; 1 messages" in shown
+
+    assert main(["export", "brief", "--out", str(tmp_path / "exported")]) == 0
+    assert torch.equal(load_pretrained(tmp_path / "exported").embed.weight, kept.embed.weight)
 
     captured = {}
     monkeypatch.setattr("tetrad.inference.server.build_app",

@@ -1,7 +1,8 @@
 """The local model store behind `tetrad create / list / show / rm` and every command that takes a
 model by name (torch-free).
 
-A stored model is a model folder under the store's root, `<root>/<name>/<tag>/`: the weights,
+A stored model is a model folder under the store's root, `<root>/<namespace>/<name>/<tag>/`
+(namespace `library` when the name has none, as in Ollama): the weights,
 config and tokenizer files of the folder it was created from, `chat_template.jinja` when the
 Modelfile has a TEMPLATE, and `tetrad-model.json` (the Modelfile's settings, where it came from,
 when). Names are Ollama's: `name[:tag]` (tag `latest` by default), lowercase letters, digits and
@@ -35,6 +36,7 @@ from tetrad.safetensors_subset import tensor_keys, write_subset
 STORE_ENV = "TETRAD_HOME"  # the store is $TETRAD_HOME/models
 MANIFEST = "tetrad-model.json"
 DEFAULT_TAG = "latest"
+DEFAULT_NAMESPACE = "library"  # every folder is three deep, so no name's folder holds another's
 NAME_PART = r"[a-z0-9][a-z0-9._-]{0,63}"
 NAME = re.compile(rf"(?:({NAME_PART})/)?({NAME_PART})(?::({NAME_PART}))?")
 # Never taken from a source folder: training state, and weight formats tetrad does not read.
@@ -58,7 +60,8 @@ def parse_name(name: str) -> str:
         raise ConfigError(f"{name!r} is not a model name: use name[:tag] of lowercase letters, "
                           f"digits, '.', '_' and '-' (e.g. shakespeare:v1), at most 64 each")
     namespace, base, tag = match.groups()
-    return f"{namespace + '/' if namespace else ''}{base}:{tag or DEFAULT_TAG}"
+    prefix = f"{namespace}/" if namespace not in (None, DEFAULT_NAMESPACE) else ""
+    return f"{prefix}{base}:{tag or DEFAULT_TAG}"
 
 
 def is_model_folder(folder: Path) -> bool:
@@ -107,7 +110,8 @@ class ModelStore:
 
     def folder(self, name: str) -> Path:
         base, _, tag = parse_name(name).rpartition(":")
-        return self.root.joinpath(*base.split("/"), tag)
+        namespace, _, base = base.rpartition("/")
+        return self.root / (namespace or DEFAULT_NAMESPACE) / base / tag
 
     def get(self, name: str) -> StoredModel | None:
         folder = self.folder(name)
@@ -124,13 +128,13 @@ class ModelStore:
 
     def list(self) -> list[StoredModel]:
         models = []
-        for manifest in sorted(self.root.glob(f"**/{MANIFEST}")):
+        for manifest in sorted(self.root.glob(f"*/*/*/{MANIFEST}")):
             folder = manifest.parent
             if any(part.startswith(".") for part in folder.relative_to(self.root).parts):
                 continue  # a create in progress
-            models.append(StoredModel(json.loads(manifest.read_text())["name"], folder,
-                                      json.loads(manifest.read_text())))
-        return models
+            values = json.loads(manifest.read_text())
+            models.append(StoredModel(values["name"], folder, values))
+        return sorted(models, key=lambda model: model.name)
 
     def create(self, name: str, modelfile: Modelfile, modelfile_text: str = "",
                origin: str | None = None) -> StoredModel:
