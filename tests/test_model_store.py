@@ -3,8 +3,8 @@ parameters only, and stored names with their Modelfile defaults in generate / ru
 
 import io
 import json
-import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -213,6 +213,26 @@ def test_save_as_without_a_checkpoint_dir_leaves_only_the_stored_model(corpus_fi
     assert not [p for p in root.iterdir() if p.name.startswith(".")]
     assert main([*TRAIN, "--data", corpus_file, "--save-as", "Bad Name"]) == 2
     assert "is not a model name" in capsys.readouterr().err
+
+
+def test_a_run_whose_storing_fails_keeps_its_checkpoint_and_says_where(corpus_file, capsys,
+                                                                      monkeypatch):
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ModelStore, "create", full_disk)
+    assert main([*TRAIN, "--data", corpus_file, "--save-as", "quick"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress bar
+    assert err.startswith("tetrad train: error: the run finished, but storing it as quick "
+                          "failed ([Errno 28] No space left on device)"), err
+    checkpoint = err.split("its checkpoint is ")[1].split(":")[0]
+    assert (Path(checkpoint) / "model.json").is_file()
+
+
+def test_save_as_under_torchrun_needs_a_shared_checkpoint_dir(monkeypatch, capsys):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    assert main([*TRAIN, "--save-as", "quick"]) == 2
+    assert "needs --checkpoint-dir" in capsys.readouterr().err
 
 
 def test_the_server_takes_modelfile_defaults_for_the_fields_a_request_leaves_out():

@@ -114,15 +114,15 @@ def run(args: argparse.Namespace) -> int:
     overrides = {key: value for key, value in vars(args).items()
                  if key not in ("command", "run", "config", "save_as")}
     config = build_train_config(getattr(args, "config", None), overrides)
+    if save_as is not None:
+        return train_and_store(config, save_as)
 
     from tetrad.train.launch import run_training
 
-    if save_as is None:
-        return finish(run_training(config), config)
-    return train_and_store(config, save_as, run_training)
+    return finish(run_training(config), config)
 
 
-def train_and_store(config, name: str, run_training) -> int:
+def train_and_store(config, name: str) -> int:
     """Train, then store the final checkpoint under `name`. Without --checkpoint-dir the run
     checkpoints into a staging folder inside the store (one filesystem, so storing hardlinks);
     the folder goes once the model is stored, and stays, named, if storing fails."""
@@ -133,10 +133,14 @@ def train_and_store(config, name: str, run_training) -> int:
     from tetrad.errors import TetradError
     from tetrad.modelfile import Modelfile
     from tetrad.store import ModelStore
+    from tetrad.train.launch import run_training, started_by_torchrun
 
     store = ModelStore()
     staging = None
     if not config.checkpoint_dir:
+        if started_by_torchrun():  # each rank would stage in a folder of its own
+            raise TetradError("--save-as under torchrun needs --checkpoint-dir (a folder every "
+                              "rank sees)")
         store.root.mkdir(parents=True, exist_ok=True)
         staging = tempfile.mkdtemp(prefix=".tmp-train-", dir=store.root)
         config = dataclasses.replace(config, checkpoint_dir=staging)
