@@ -171,6 +171,8 @@ def test_a_trained_model_is_stored_as_its_parameters_and_runs_by_name(
     assert shard.stat().st_size == 8 + header + sum(
         p.numel() * p.element_size() for p in trained.parameters())
     assert not (stored.folder / "training_state.pt").exists()
+    from_root = create(tmp_path, f"FROM {run}\n", "from-root")  # a root leads to its latest step
+    assert (from_root.folder / "shard_00000.safetensors").read_bytes() == shard.read_bytes()
 
     modelfile = tmp_path / "Modelfile"
     modelfile.write_text("FROM mine\nSYSTEM Be brief.\nPARAMETER temperature 0\n"
