@@ -68,6 +68,15 @@ class ModelConfig:
     norm_eps: float = 1e-5
     position: str = "rope"  # rope | learned
     rope_theta: float = 10000.0
+    # YaRN context extension (DeepSeek-V3): frequencies interpolated by rope_factor beyond the
+    # rope_original_max_seq_len the model was pretrained at, with its attention-scale corrections.
+    rope_scaling: str = "none"  # none | yarn
+    rope_factor: float = 1.0
+    rope_original_max_seq_len: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
     mlp: str = "swiglu"  # swiglu | gelu
     tie_embeddings: bool = False
     qkv_bias: bool = False  # biases on Q/K/V only (Qwen2)
@@ -80,6 +89,15 @@ class ModelConfig:
     moe_ffn_hidden_size: int = 0  # 0 means ffn_hidden_size
     num_dense_layers: int = 0  # leading layers that stay dense (DeepSeek's first_k_dense_replace)
     router_aux_loss_coef: float = 0.01
+    # Routing: Mixtral scores experts by softmax; DeepSeek-V3 by sigmoid, picks the top
+    # topk_expert_groups of num_expert_groups groups first, and balances load without an
+    # auxiliary loss by a per-expert bias on the choice (moved by router_bias_update_rate per step).
+    router_score: str = "softmax"  # softmax | sigmoid
+    norm_topk_prob: bool = True  # renormalize the k chosen weights to sum to one
+    routed_scaling_factor: float = 1.0
+    num_expert_groups: int = 1
+    topk_expert_groups: int = 1
+    router_bias_update_rate: float = 0.0
     # Multi-head latent attention (DeepSeek-V2/V3) when attention == "mla".
     attention: str = "mha"  # mha (covers GQA/MQA through num_kv_heads) | mla
     q_lora_rank: int = 0
@@ -98,6 +116,12 @@ class ModelConfig:
         check_choice("position", self.position, ("rope", "learned"))
         check_choice("mlp", self.mlp, ("swiglu", "gelu"))
         check_choice("attention", self.attention, ("mha", "mla"))
+        check_choice("rope_scaling", self.rope_scaling, ("none", "yarn"))
+        check_choice("router_score", self.router_score, ("softmax", "sigmoid"))
+        if self.rope_scaling == "yarn" and not (self.rope_factor >= 1
+                                                and self.rope_original_max_seq_len > 0):
+            raise ConfigError("rope_scaling = 'yarn' needs rope_factor >= 1 and "
+                              "rope_original_max_seq_len > 0")
         if self.head_dim == 0:
             if self.hidden_size % self.num_heads:
                 raise ConfigError(
@@ -119,10 +143,30 @@ class ModelConfig:
                 raise ConfigError("num_dense_layers must leave at least one MoE layer")
             if self.moe_ffn_hidden_size == 0:
                 object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
+            self._check_expert_groups()
         if self.attention == "mla" and not (self.kv_lora_rank and self.qk_rope_head_dim
                                             and self.qk_nope_head_dim and self.v_head_dim):
             raise ConfigError("attention = 'mla' needs kv_lora_rank, qk_nope_head_dim, "
                               "qk_rope_head_dim and v_head_dim")
+        if self.attention == "mla" and (self.position != "rope" or self.qk_rope_head_dim % 2):
+            raise ConfigError("attention = 'mla' needs position = 'rope' and an even "
+                              "qk_rope_head_dim")
+
+    def _check_expert_groups(self) -> None:
+        groups, kept = self.num_expert_groups, self.topk_expert_groups
+        if groups < 1 or self.num_experts % groups:
+            raise ConfigError(f"num_expert_groups {groups} must divide num_experts "
+                              f"{self.num_experts}")
+        if not 0 < kept <= groups:
+            raise ConfigError(f"topk_expert_groups must be in 1..num_expert_groups ({groups}), "
+                              f"got {kept}")
+        if groups > 1 and self.num_experts // groups < 2:
+            raise ConfigError("group-limited routing scores a group by its two best experts: "
+                              "each of the num_expert_groups needs 2 experts or more")
+        if kept * (self.num_experts // groups) < self.num_experts_per_token:
+            raise ConfigError(f"topk_expert_groups {kept} of {groups} groups keep fewer experts "
+                              f"than num_experts_per_token {self.num_experts_per_token}")
+        check_positive("router_bias_update_rate", self.router_bias_update_rate, allow_zero=True)
 
     @property
     def is_moe(self) -> bool:

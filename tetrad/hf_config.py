@@ -1,7 +1,7 @@
 """HF `config.json` <-> ModelConfig, without torch (the planner reads HF configs too).
 
-Supported model types: llama, qwen2, mistral, mixtral, gpt2, deepseek_v3 (read only: the runtime
-has no MLA layers yet, the planner does). Also where a checkpoint path leads (`resolve_checkpoint`),
+Supported model types: llama, qwen2, mistral, mixtral, gpt2, deepseek_v3 (loaded, trained and
+served in one process; not yet exported). Also where a checkpoint path leads (`resolve_checkpoint`),
 so that torch-free readers (tokenizer, planner) and the model loader agree on it.
 """
 
@@ -60,8 +60,42 @@ def model_config_from_hf(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
             num_dense_layers=hf.get("first_k_dense_replace", 0), attention="mla",
             q_lora_rank=hf.get("q_lora_rank") or 0, kv_lora_rank=hf["kv_lora_rank"],
             qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
-            v_head_dim=hf["v_head_dim"], head_dim=hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"])
+            v_head_dim=hf["v_head_dim"], head_dim=hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"],
+            router_score="sigmoid",  # as transformers, whatever the config's scoring_func
+            norm_topk_prob=hf.get("norm_topk_prob", True),
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            num_expert_groups=hf.get("n_group") or 1, topk_expert_groups=hf.get("topk_group") or 1,
+            # DeepSeek-V3 balances its experts by the routing bias, not by an auxiliary loss
+            # (its paper's update speed, 0.001 per step, for training from this config).
+            router_aux_loss_coef=0.0, router_bias_update_rate=0.001)
+    fields.update(_rope_scaling(hf, fields["max_seq_len"]))
     return ModelConfig(**fields)
+
+
+def rope_scaling_parameters(hf: dict[str, Any]) -> dict[str, Any]:
+    """The rope scaling entry of an HF config: `rope_scaling` (transformers 4) or
+    `rope_parameters` (5), with its type under `rope_type` or `type`; {} when there is none."""
+    return hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+
+
+def rope_scaling_type(hf: dict[str, Any]) -> str:
+    scaling = rope_scaling_parameters(hf)
+    return scaling.get("rope_type", scaling.get("type", "default"))
+
+
+def _rope_scaling(hf: dict[str, Any], max_seq_len: int) -> dict[str, Any]:
+    """YaRN's ModelConfig fields (other scalings are refused when weights are loaded)."""
+    if rope_scaling_type(hf) != "yarn":
+        return {}
+    scaling = rope_scaling_parameters(hf)
+    original = scaling["original_max_position_embeddings"]
+    return dict(rope_scaling="yarn", rope_factor=float(scaling.get("factor") or
+                                                       max_seq_len / original),
+                rope_original_max_seq_len=original,
+                yarn_beta_fast=float(scaling.get("beta_fast") or 32),
+                yarn_beta_slow=float(scaling.get("beta_slow") or 1),
+                yarn_mscale=float(scaling.get("mscale") or 0),
+                yarn_mscale_all_dim=float(scaling.get("mscale_all_dim") or 0))
 
 
 def _rope_theta(hf: dict[str, Any]) -> float:

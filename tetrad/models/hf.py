@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,27 +22,26 @@ from safetensors import safe_open
 from tetrad.config import ModelConfig, from_dict
 from tetrad.errors import ConfigError
 from tetrad.hf_config import (hf_from_model_config, hf_model_type, model_config_from_hf,
-                              read_hf_config, resolve_checkpoint)
+                              read_hf_config, resolve_checkpoint, rope_scaling_parameters,
+                              rope_scaling_type)
+from tetrad.models.hf_deepseek import check_deepseek_support, deepseek_rules, is_extra_layer
+from tetrad.models.hf_rules import Rule
 from tetrad.models.transformer import Transformer
 from tetrad.sharded_tensors import ShardedReader, save_tensors
 
-RUNTIME_TYPES = ("llama", "qwen2", "mistral", "mixtral", "gpt2")
+RUNTIME_TYPES = ("llama", "qwen2", "mistral", "mixtral", "gpt2", "deepseek_v3")
 # Buffers some exporters save that carry no learned weights: rotary frequencies, GPT-2's mask.
 IGNORED = re.compile(r"rotary_emb\.inv_freq$|\.attn\.(masked_)?bias$")
 
 
-@dataclass(frozen=True)
-class Rule:
-    tetrad: str
-    hf: tuple[str, ...]  # concatenated along dim 0, in this order
-    sizes: tuple[int, ...] = ()  # rows of each HF piece, when there are several
-    transpose: bool = False  # GPT-2's Conv1D stores [in, out]
-
-
-def rules(config: ModelConfig, model_type: str, prefix: str = "transformer.") -> list[Rule]:
-    """The mapping for one model. `prefix` is GPT-2's: its base-model checkpoints have none."""
+def rules(config: ModelConfig, model_type: str, prefix: str = "transformer.",
+          rope_interleave: bool = True) -> list[Rule]:
+    """The mapping for one model. `prefix` is GPT-2's: its base-model checkpoints have none;
+    `rope_interleave` DeepSeek's (its rope dims rotate in adjacent pairs)."""
     if model_type == "gpt2":
         return _gpt2_rules(config, prefix)
+    if model_type == "deepseek_v3":
+        return deepseek_rules(config, rope_interleave)
     return _llama_rules(config)
 
 
@@ -102,11 +100,13 @@ def check_runtime_support(hf: dict[str, Any]) -> None:
     if model_type not in RUNTIME_TYPES:
         raise ConfigError(f"cannot load HF model_type {model_type!r} weights "
                           f"(supported: {', '.join(RUNTIME_TYPES)})")
-    scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    rope_type = rope_scaling_type(hf)
+    if model_type == "deepseek_v3":
+        check_deepseek_support(hf, rope_scaling_parameters(hf))
+        return
     if rope_type != "default":
-        raise ConfigError(f"rope scaling {rope_type!r} is not supported: tetrad implements "
-                          f"plain rope only")
+        raise ConfigError(f"rope scaling {rope_type!r} is not supported for {model_type}: "
+                          f"tetrad implements plain rope (and yarn for deepseek_v3)")
     if model_type == "gpt2":
         if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
             raise ConfigError(f"GPT-2 activation {hf['activation_function']!r} is not supported "
@@ -165,7 +165,7 @@ def load_hf_weights(model: Transformer, folder: str | Path) -> None:
     weights = HFWeights(folder)
     names = weights.names()
     prefix = "transformer." if any(n.startswith("transformer.") for n in names) else ""
-    model_rules = rules(model.config, hf["model_type"], prefix)
+    model_rules = rules(model.config, hf["model_type"], prefix, hf.get("rope_interleave", True))
     missing = [name for rule in model_rules for name in rule.hf if name not in names]
     if missing:
         raise ConfigError(f"{folder} lacks {len(missing)} tensors the model needs (e.g. "
@@ -175,7 +175,8 @@ def load_hf_weights(model: Transformer, folder: str | Path) -> None:
     # Some exporters save lm_head next to the embedding it is tied to: a harmless duplicate.
     if model.config.tie_embeddings:
         used.add("lm_head.weight")
-    unused = sorted(name for name in names - used if not IGNORED.search(name))
+    unused = sorted(name for name in names - used
+                    if not (IGNORED.search(name) or is_extra_layer(name, model.config, hf)))
     if unused:
         raise ConfigError(f"{folder} has {len(unused)} tensors the model does not use (e.g. "
                           f"{', '.join(unused[:3])}): the weights do not match the model config")
@@ -184,6 +185,8 @@ def load_hf_weights(model: Transformer, folder: str | Path) -> None:
         for rule in model_rules:
             parts = [weights.get(name) for name in rule.hf]
             tensor = torch.cat([p.t() if rule.transpose else p for p in parts])
+            if rule.rows:
+                tensor = tensor[list(rule.rows)]
             _check_shape(params[rule.tetrad], tensor, rule.tetrad,
                          f"{' + '.join(rule.hf)} in {folder}")
             params[rule.tetrad].copy_(tensor)

@@ -39,16 +39,24 @@ class RotaryEmbedding(nn.Module):
     """Rotary position embedding in the half-split layout (the HF convention): the first and
     second halves of each head's dimensions form the rotated pairs."""
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, head_dim: int, theta: float, inv_freq: torch.Tensor | None = None,
+                 attention_factor: float = 1.0):
+        """`inv_freq` and `attention_factor` (which scales cos and sin) come from rope scaling
+        (tetrad.models.rope); plain rope derives the frequencies from theta."""
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        if inv_freq is None:
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32)
+                                        / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.attention_factor = attention_factor
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [seq] or [batch, seq] -> cos, sin: [..., seq, head_dim]
         freqs = positions.float().unsqueeze(-1) * self.inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos(), angles.sin()
+        if self.attention_factor == 1.0:
+            return angles.cos(), angles.sin()
+        return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

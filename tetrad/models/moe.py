@@ -1,8 +1,11 @@
 """Mixture of experts: a top-k router, routed experts, optional always-on shared experts.
 
-Routing is dropless (every token reaches its k experts). The router follows Mixtral: softmax over
-all experts, keep the top k, renormalize their weights to sum to one. The auxiliary load-balance
-loss is Switch Transformer's: num_experts * sum_e(fraction of routed slots to e * mean prob of e).
+Routing is dropless (every token reaches its k experts). The router follows Mixtral by default:
+softmax over all experts, keep the top k, renormalize their weights to sum to one. DeepSeek-V3's
+fields change it: sigmoid scores, a balancing bias on the choice only, group-limited top-k, and
+weights renormalized (norm_topk_prob) and scaled (routed_scaling_factor). The auxiliary
+load-balance loss is Switch Transformer's: num_experts * sum_e(fraction of routed slots to e * mean
+prob of e), with sigmoid scores normalized per token to make the probabilities.
 """
 
 from __future__ import annotations
@@ -22,22 +25,65 @@ class Router(nn.Module):
         super().__init__()
         self.top_k = config.num_experts_per_token
         self.num_experts = config.num_experts
+        self.sigmoid = config.router_score == "sigmoid"
+        self.groups, self.kept_groups = config.num_expert_groups, config.topk_expert_groups
+        self.normalize, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        # Aux-loss-free balancing (DeepSeek-V3): a bias added to the scores only to choose the
+        # experts, never to weight them, and moved against each expert's load after every step
+        # (update_bias). A parameter without gradient, so checkpoints carry it.
+        self.bias_update_rate = config.router_bias_update_rate
+        self.bias = (nn.Parameter(torch.zeros(config.num_experts), requires_grad=False)
+                     if self.sigmoid else None)
+        self.register_buffer("load", torch.zeros(config.num_experts), persistent=False)
         # Context parallelism splits each sequence over ranks; it sets this to average the
         # routed fractions over them, so the loss balances whole sequences as on one device.
         self.reduce_fraction: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [tokens, hidden] -> (weights [tokens, k], experts [tokens, k], aux_loss [])."""
-        probs = F.softmax(self.gate(x).float(), dim=-1)
-        weights, experts = probs.topk(self.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        logits = self.gate(x).float()
+        scores = logits.sigmoid() if self.sigmoid else F.softmax(logits, dim=-1)
+        experts = self._choose(scores if self.bias is None else scores + self.bias)
+        weights = scores.gather(1, experts)
+        if self.normalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights * self.scaling
         routed = F.one_hot(experts, self.num_experts).sum(dim=1).float()  # [tokens, experts]
+        if self.training and self.bias_update_rate:
+            self.load += routed.detach().sum(dim=0)
         fraction_routed = routed.mean(dim=0) / self.top_k
         if self.reduce_fraction is not None:
             fraction_routed = self.reduce_fraction(fraction_routed)
+        probs = scores / scores.sum(dim=-1, keepdim=True) if self.sigmoid else scores
         aux_loss = self.num_experts * (fraction_routed * probs.mean(dim=0)).sum()
         return weights.to(x.dtype), experts, aux_loss
+
+    def _choose(self, scores: torch.Tensor) -> torch.Tensor:
+        """The top-k experts, within the best topk_expert_groups groups (a group scored by the
+        sum of its two best experts) when the experts are grouped."""
+        if self.groups > 1:
+            grouped = scores.view(-1, self.groups, self.num_experts // self.groups)
+            best_groups = grouped.topk(2, dim=-1)[0].sum(dim=-1).topk(self.kept_groups, dim=-1)[1]
+            keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best_groups,
+                                                                                  True)
+            scores = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
+        return scores.topk(self.top_k, dim=-1)[1]
+
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """Move each expert's bias by the update rate towards the mean load: down when it took
+        more than its share of tokens since the last update, up when it took fewer."""
+        if self.bias is not None and self.bias_update_rate and self.load.any():
+            self.bias += self.bias_update_rate * torch.sign(self.load.mean() - self.load)
+            self.load.zero_()
+
+
+def update_router_biases(model: nn.Module) -> None:
+    """After an optimizer step: aux-loss-free balancing's bias update in every router."""
+    for module in model.modules():
+        if isinstance(module, Router):
+            module.update_bias()
 
 
 class MoE(nn.Module):

@@ -3,8 +3,9 @@
 Parameter names (the checkpoint format and the HF mapping rely on them):
   embed.weight, pos_embed.weight (learned positions only),
   layers.{i}.attn_norm.*, layers.{i}.attn.qkv.*, layers.{i}.attn.out.*,
+  (MLA instead of qkv: layers.{i}.attn.q_down/q_norm/q_up or attn.q, attn.kv_down/kv_norm/kv_up)
   layers.{i}.mlp_norm.*, layers.{i}.mlp.up.*, layers.{i}.mlp.down.*   (dense layers)
-  layers.{i}.mlp.router.gate.weight, layers.{i}.mlp.experts.{e}.up/down.*, layers.{i}.mlp.shared.*
+  layers.{i}.mlp.router.gate.weight (.router.bias: sigmoid routing), layers.{i}.mlp.experts.{e}.up/down.*, layers.{i}.mlp.shared.*
   norm.*, lm_head.weight (absent when tied: the embedding is reused).
 """
 
@@ -19,15 +20,18 @@ from torch import nn
 
 from tetrad.config import ModelConfig
 from tetrad.errors import ConfigError
-from tetrad.models.layers import MLP, Attention, RotaryEmbedding, init_weights, make_norm
+from tetrad.models.layers import MLP, Attention, init_weights, make_norm
+from tetrad.models.mla import MultiHeadLatentAttention
 from tetrad.models.moe import MoE
+from tetrad.models.rope import make_rotary
 
 
 class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.attn_norm = make_norm(config)
-        self.attn = Attention(config)
+        self.attn = (MultiHeadLatentAttention(config) if config.attention == "mla"
+                     else Attention(config))
         self.mlp_norm = make_norm(config)
         self.mlp = MoE(config) if config.is_moe_layer(layer) else MLP(config)
         self.is_moe = config.is_moe_layer(layer)
@@ -45,15 +49,11 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        if config.attention == "mla":
-            raise ConfigError("multi-head latent attention (MLA) is modelled by the planner only; "
-                              "the runtime trains mha/gqa models")
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.pos_embed = (nn.Embedding(config.max_seq_len, config.hidden_size)
                           if config.position == "learned" else None)
-        self.rotary = (RotaryEmbedding(config.head_dim, config.rope_theta)
-                       if config.position == "rope" else None)
+        self.rotary = make_rotary(config)
         self.layers = nn.ModuleList(Block(config, layer) for layer in range(config.num_layers))
         self.norm = make_norm(config)
         self.lm_head = (None if config.tie_embeddings

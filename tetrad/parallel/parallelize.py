@@ -77,6 +77,20 @@ def check_parallel(config: ModelConfig, parallel: ParallelConfig, seq_len: int) 
     partition(config, parallel.pp * parallel.vpp, seq_len, parallel.stage_layers or None)
 
 
+def check_single_process_features(config: ModelConfig, parallel: ParallelConfig) -> None:
+    """DeepSeek's features that the multi-process layouts do not handle yet (issue 16 item 2):
+    tensor parallelism splits a fused QKV that MLA does not have, ring attention and the pipeline
+    are untested with it, and the balancing bias of sigmoid routing would drift apart on ranks
+    that each count only their own tokens."""
+    features = [name for name, present in (
+        ("multi-head latent attention", config.attention == "mla"),
+        ("sigmoid routing (aux-loss-free balancing)", config.router_score == "sigmoid"))
+        if present]
+    if features and parallel.num_processes > 1:
+        raise ConfigError(f"{' and '.join(features)} trains in one process only so far: run "
+                          f"with --nproc 1 (no --dp/--tp/--pp/--cp/--ep/--strategy ps)")
+
+
 @dataclass(frozen=True)
 class DataParallelOptions:
     """What the data-parallel engine takes from the training recipe."""

@@ -140,6 +140,9 @@ def _fits(config: ModelConfig, tp: int) -> bool:
 def check_tensor_parallel(config: ModelConfig, tp: int, sequence_parallel: bool = False,
                           seq_len: int | None = None) -> None:
     """Raise ConfigError, before anything starts, when `config` cannot be split over `tp` ranks."""
+    if tp > 1 and config.attention == "mla":
+        raise ConfigError("tensor parallelism does not split multi-head latent attention (MLA) "
+                          "yet: use tp 1 for this model")
     if tp == 1 or (_fits(config, tp) and not (sequence_parallel and seq_len and seq_len % tp)):
         return
     valid = [t for t in range(1, config.num_heads + 1) if _fits(config, t)]

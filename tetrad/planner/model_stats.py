@@ -2,7 +2,7 @@
 
 Counts follow tetrad's own Transformer (tetrad/models/transformer.py) element for element: fused
 QKV and gate+up matmuls, biases where the config has them, one or two norms per block, a position
-table for learned positions, an untied or tied LM head. MLA attention (planner only) follows the
+table for learned positions, an untied or tied LM head. MLA attention (tetrad/models/mla.py) follows the
 DeepSeek-V3 layout: q down/up projections with a norm between, a joint KV down-projection that also
 carries the shared rope key, a KV norm, a KV up-projection and the output projection.
 """
@@ -62,6 +62,12 @@ def attention_params(config: ModelConfig) -> tuple[int, int]:
     return sharded, (h if config.bias else 0)
 
 
+def router_params(config: ModelConfig) -> int:
+    """The gate, plus the aux-loss-free balancing bias of sigmoid routing (DeepSeek-V3)."""
+    bias = config.num_experts if config.router_score == "sigmoid" else 0
+    return config.hidden_size * config.num_experts + bias
+
+
 @lru_cache(maxsize=256)
 def layer_params(config: ModelConfig, layer: int) -> LayerParams:
     attn_sharded, attn_replicated = attention_params(config)
@@ -73,7 +79,7 @@ def layer_params(config: ModelConfig, layer: int) -> LayerParams:
     shared_sharded, shared_replicated = (
         mlp_params(config, config.moe_ffn_hidden_size * config.num_shared_experts)
         if config.num_shared_experts else (0, 0))
-    router = config.hidden_size * config.num_experts
+    router = router_params(config)
     return LayerParams(attn_sharded + shared_sharded,
                        attn_replicated + shared_replicated + router + norms,
                        config.num_experts * (expert_sharded + expert_replicated))
@@ -97,7 +103,7 @@ def unquantized_layer_params(config: ModelConfig, layer: int) -> int:
     """Parameters of a block that quantized checkpoints keep in 16 bits: norms, biases, router."""
     norms = 2 * norm_params(config) + (config.q_lora_rank + config.kv_lora_rank
                                        if config.attention == "mla" else 0)
-    router = config.hidden_size * config.num_experts if config.is_moe_layer(layer) else 0
+    router = router_params(config) if config.is_moe_layer(layer) else 0
     return norms + bias_params(config, layer) + router
 
 

@@ -204,10 +204,11 @@ def _stop(workers: list, grace_s: float) -> None:
 def check_layout(config: TrainConfig, world_size: int) -> None:
     """What can be wrong with a distributed run's layout, as one ConfigError saying the fix."""
     from tetrad.parallel.mesh import ParallelDims
-    from tetrad.parallel.parallelize import check_parallel
+    from tetrad.parallel.parallelize import check_parallel, check_single_process_features
     from tetrad.presets import resolve_model
 
     parallel = config.parallel
+    check_single_process_features(resolve_model(config.model, config.model_overrides), parallel)
     if parallel.strategy == "ps":
         check_ps_layout(config, world_size)
         return

@@ -13,6 +13,7 @@ from torch import nn
 
 from tetrad.config import TrainConfig
 from tetrad.memory import ActivationMeter
+from tetrad.models.moe import update_router_biases
 from tetrad.sharded_tensors import Piece, whole_pieces
 from tetrad.train.optim import build_optimizer, parameter_groups, set_learning_rate
 
@@ -111,6 +112,7 @@ class LocalStrategy:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
+        update_router_biases(self.model)  # aux-loss-free balancing: after the step, as DeepSeek
         return scale_before is None or self.scaler.get_scale() >= scale_before
 
     def global_mean(self, value: float) -> float:

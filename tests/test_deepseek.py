@@ -1,0 +1,185 @@
+"""DeepSeek-V3 in the runtime: MLA, DeepSeek routing and YaRN load from HF folders with
+transformers' logits, the absorbed MLA form equals the expanded one, the router does what
+DeepSeek's does, one-process training learns, and multi-process layouts refuse in one line."""
+
+import dataclasses
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
+
+from tetrad import load_pretrained  # noqa: E402
+from tetrad.config import ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
+from tetrad.errors import ConfigError  # noqa: E402
+from tetrad.hf_config import model_config_from_hf  # noqa: E402
+from tetrad.models.layers import causal_attention  # noqa: E402
+from tetrad.models.moe import Router  # noqa: E402
+from tetrad.models.transformer import Transformer, count_parameters  # noqa: E402
+from tetrad.parallel.parallelize import check_single_process_features  # noqa: E402
+from tetrad.parallel.tensor_parallel import check_tensor_parallel  # noqa: E402
+from tetrad.planner import model_stats  # noqa: E402
+from tetrad.train.trainer import train  # noqa: E402
+
+VOCAB = 256  # the byte tokenizer's, for the training test
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 0.8, "mscale_all_dim": 0.7}
+BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+            n_routed_experts=8, kv_lora_rank=12, qk_rope_head_dim=8, v_head_dim=10,
+            qk_nope_head_dim=6, num_experts_per_tok=3, first_k_dense_replace=1,
+            max_position_embeddings=128, tie_word_embeddings=False)
+CASES = {
+    # DeepSeek-V3's shape: low-rank q, groups, scaled weights, yarn, interleaved rope.
+    "v3": dict(q_lora_rank=20, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+               rope_parameters=YARN),
+    # DeepSeek-V2-Lite's: full-rank q, no groups, unnormalized weights, plain half-split rope.
+    "lite": dict(q_lora_rank=None, n_group=1, topk_group=1, norm_topk_prob=False,
+                 rope_interleave=False, rope_parameters={"rope_type": "default",
+                                                         "rope_theta": 500.0}),
+}
+
+
+def hf_model(case: str, seed: int = 0) -> DeepseekV3ForCausalLM:
+    """A tiny random HF model with every weight (the routing bias too) far from its init, so that
+    a swapped, dropped or misordered tensor changes the logits and the routing."""
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**BASE, **CASES[case]))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator) * 0.3
+            param.copy_(noise + 1.0 if "norm" in name else noise)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.2)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def saved(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    model = hf_model(request.param)
+    model.save_pretrained(folder)
+    return model, folder
+
+
+def tokens(seq: int = 48, batch: int = 2, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def test_hf_logits_match_transformers(saved):
+    hf, folder = saved
+    model = load_pretrained(folder)
+    ids = tokens()  # 48 positions: past yarn's original 16, where its interpolation matters
+    with torch.no_grad():
+        expected, actual = hf(ids).logits, model(ids)
+    assert expected.abs().max() > 1.0  # the comparison is not between two near-zero tensors
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
+
+
+def test_the_planner_counts_the_runtime_parameters(saved):
+    model = load_pretrained(saved[1])
+    assert model_stats.count_parameters(model.config) == count_parameters(model)
+
+
+def test_absorbed_attention_equals_expanded(saved):
+    """The serving engine's form (attention over the latent, kv_up folded into query and output)
+    gives the training form's logits: run it through plain causal attention over the call."""
+    model = load_pretrained(saved[1])
+    ids = tokens(seq=20, batch=1)
+    with torch.no_grad():
+        expanded = model(ids)
+        x = model.embed(ids)
+        rope = model.rotary(torch.arange(ids.shape[1]))
+        for layer in model.layers:
+            x = layer(x, rope, causal_attention)
+        absorbed = model.output(model.norm(x))
+    torch.testing.assert_close(absorbed, expanded, atol=1e-4, rtol=0)
+
+
+def router(**fields) -> Router:
+    config = ModelConfig(hidden_size=8, num_heads=2, num_experts=8, num_experts_per_token=2,
+                         router_score="sigmoid", **fields)
+    torch.manual_seed(0)
+    return Router(config)
+
+
+def test_group_limited_routing_picks_only_from_the_best_groups():
+    gate = router(num_expert_groups=4, topk_expert_groups=1)
+    x = torch.randn(64, 8)
+    with torch.no_grad():
+        scores = gate.gate(x).sigmoid()
+        _, experts, _ = gate(x)
+    best_pair = scores.view(64, 4, 2).sum(-1).argmax(-1)  # a group of two: its sum is its score
+    assert torch.equal(experts.sort(-1)[0], torch.stack((2 * best_pair, 2 * best_pair + 1), -1))
+
+
+def test_balancing_bias_steers_the_choice_not_the_weights():
+    gate = router(routed_scaling_factor=2.0)
+    x = torch.randn(32, 8)
+    with torch.no_grad():
+        gate.bias[5] = 10.0  # every token now chooses expert 5
+        weights, experts, _ = gate(x)
+        scores = gate.gate(x).sigmoid()
+    assert (experts == 5).any(-1).all()
+    chosen = scores.gather(1, experts)
+    torch.testing.assert_close(weights, 2.0 * chosen / chosen.sum(-1, keepdim=True))
+
+
+def test_bias_update_moves_against_the_load():
+    gate = router(router_bias_update_rate=0.01).train()
+    with torch.no_grad():
+        gate.gate.weight.zero_()
+        gate.gate.weight[3] = 1.0  # expert 3 scores highest for positive inputs
+        gate(torch.rand(16, 8))
+    load = gate.load.clone()
+    gate.update_bias()
+    assert load[3] == 16
+    expected = 0.01 * torch.sign(load.mean() - load)
+    torch.testing.assert_close(gate.bias.detach(), expected)
+    assert not gate.load.any()
+
+
+def test_training_a_deepseek_folder_in_one_process_learns(saved, corpus_file, tmp_path):
+    _, folder = saved
+    config = TrainConfig(model=str(folder), data=corpus_file, tokenizer="byte", steps=12,
+                         batch_size=4, seq_len=32, lr=3e-3, warmup_steps=0, sample_tokens=0,
+                         log_every=1, model_overrides={"vocab_size": 256})
+    steps = train(config, show_progress=False).report["steps"]
+    losses = [step["loss"] for step in steps]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
+
+
+def test_multi_process_layouts_refuse_mla_and_sigmoid_routing():
+    mla = model_config_from_hf(DeepseekV3Config(**BASE, **CASES["v3"]).to_dict())
+    for layout in (dict(dp=2), dict(tp=2), dict(pp=2), dict(cp=2), dict(dp=2, ep=2),
+                   dict(strategy="ps", servers=1, dp=2)):
+        with pytest.raises(ConfigError, match="one process only"):
+            check_single_process_features(mla, ParallelConfig(**layout))
+    check_single_process_features(mla, ParallelConfig())
+    sigmoid_only = dataclasses.replace(ModelConfig(num_experts=4, num_experts_per_token=2),
+                                       router_score="sigmoid")
+    with pytest.raises(ConfigError, match="sigmoid routing"):
+        check_single_process_features(sigmoid_only, ParallelConfig(dp=2))
+    with pytest.raises(ConfigError, match="latent attention"):
+        check_tensor_parallel(mla, 2)
+
+
+def test_training_cli_refuses_a_deepseek_layout_in_one_line(saved, corpus_file, capsys):
+    from tetrad.cli.main import main
+
+    code = main(["train", "--model", str(saved[1]), "--data", corpus_file, "--nproc", "2",
+                 "--dp", "2", "--steps", "1"])
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert "one process only" in err and len(err.splitlines()) == 1
+
+
+def test_yarn_needs_its_lengths():
+    with pytest.raises(ConfigError, match="rope_original_max_seq_len"):
+        ModelConfig(rope_scaling="yarn", rope_factor=4.0)
+    with pytest.raises(ConfigError, match="num_expert_groups"):
+        ModelConfig(num_experts=6, num_experts_per_token=2, num_expert_groups=4)
