@@ -2,13 +2,11 @@
 transformers' logits, the absorbed MLA form equals the expanded one, the router does what
 DeepSeek's does, one-process training learns, and multi-process layouts refuse in one line."""
 
-import dataclasses
-
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
+from deepseek_models import CASES, VOCAB, hf_config, hf_model  # noqa: E402
 
 from tetrad import load_pretrained  # noqa: E402
 from tetrad.config import ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
@@ -16,46 +14,11 @@ from tetrad.errors import ConfigError  # noqa: E402
 from tetrad.hf_config import model_config_from_hf  # noqa: E402
 from tetrad.models.layers import causal_attention  # noqa: E402
 from tetrad.models.moe import Router  # noqa: E402
-from tetrad.models.transformer import Transformer, count_parameters  # noqa: E402
+from tetrad.models.transformer import count_parameters  # noqa: E402
 from tetrad.parallel.parallelize import check_single_process_features  # noqa: E402
 from tetrad.parallel.tensor_parallel import check_tensor_parallel  # noqa: E402
 from tetrad.planner import model_stats  # noqa: E402
 from tetrad.train.trainer import train  # noqa: E402
-
-VOCAB = 256  # the byte tokenizer's, for the training test
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-        "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1,
-        "mscale": 0.8, "mscale_all_dim": 0.7}
-BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
-            n_routed_experts=8, kv_lora_rank=12, qk_rope_head_dim=8, v_head_dim=10,
-            qk_nope_head_dim=6, num_experts_per_tok=3, first_k_dense_replace=1,
-            max_position_embeddings=128, tie_word_embeddings=False)
-CASES = {
-    # DeepSeek-V3's shape: low-rank q, groups, scaled weights, yarn, interleaved rope.
-    "v3": dict(q_lora_rank=20, n_group=4, topk_group=2, routed_scaling_factor=2.5,
-               rope_parameters=YARN),
-    # DeepSeek-V2-Lite's: full-rank q, no groups, unnormalized weights, plain half-split rope.
-    "lite": dict(q_lora_rank=None, n_group=1, topk_group=1, norm_topk_prob=False,
-                 rope_interleave=False, rope_parameters={"rope_type": "default",
-                                                         "rope_theta": 500.0}),
-}
-
-
-def hf_model(case: str, seed: int = 0) -> DeepseekV3ForCausalLM:
-    """A tiny random HF model with every weight (the routing bias too) far from its init, so that
-    a swapped, dropped or misordered tensor changes the logits and the routing."""
-    torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(DeepseekV3Config(**BASE, **CASES[case]))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator) * 0.3
-            param.copy_(noise + 1.0 if "norm" in name else noise)
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.2)
-    return model.eval()
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -154,14 +117,13 @@ def test_training_a_deepseek_folder_in_one_process_learns(saved, corpus_file, tm
 
 
 def test_multi_process_layouts_refuse_mla_and_sigmoid_routing():
-    mla = model_config_from_hf(DeepseekV3Config(**BASE, **CASES["v3"]).to_dict())
+    mla = model_config_from_hf(hf_config("v3").to_dict())
     for layout in (dict(dp=2), dict(tp=2), dict(pp=2), dict(cp=2), dict(dp=2, ep=2),
                    dict(strategy="ps", servers=1, dp=2)):
         with pytest.raises(ConfigError, match="one process only"):
             check_single_process_features(mla, ParallelConfig(**layout))
     check_single_process_features(mla, ParallelConfig())
-    sigmoid_only = dataclasses.replace(ModelConfig(num_experts=4, num_experts_per_token=2),
-                                       router_score="sigmoid")
+    sigmoid_only = ModelConfig(num_experts=4, num_experts_per_token=2, router_score="sigmoid")
     with pytest.raises(ConfigError, match="sigmoid routing"):
         check_single_process_features(sigmoid_only, ParallelConfig(dp=2))
     with pytest.raises(ConfigError, match="latent attention"):

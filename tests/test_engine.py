@@ -170,15 +170,22 @@ def save_random_hf_model(folder, model_type):
     return model.eval()
 
 
+def hf_greedy(hf_model, prompts, max_tokens=12):
+    """HF generate()'s greedy continuation of each prompt."""
+    expected = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens,
+                                    do_sample=False,
+                                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        expected.append(out[0, len(prompt):].tolist())
+    return expected
+
+
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 def test_greedy_equals_hf_generate(tmp_path, model_type):
     hf_model = save_random_hf_model(tmp_path, model_type)
-    expected = []
-    for prompt in PROMPTS:
-        with torch.no_grad():
-            out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-        expected.append(out[0, len(prompt):].tolist())
+    expected = hf_greedy(hf_model, PROMPTS)
     for config in (dict(), dict(enable_prefix_caching=False), dict(num_blocks=12)):
         llm = LLM(tmp_path, log=None, block_size=4, **config)
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected, config

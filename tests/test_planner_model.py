@@ -11,13 +11,13 @@ from tetrad.planner.model_stats import active_parameters, count_parameters, para
 from tetrad.presets import preset
 
 # Hugging Face model cards / safetensors metadata (total parameters). DeepSeek-V3's 671,026,419,200
-# includes 256 router score-correction biases in each of its 58 MoE layers, which tetrad's router
-# does not have; its multi-token-prediction module is not part of the served model.
+# includes 256 router score-correction biases in each of its 58 MoE layers (tetrad's router.bias);
+# its multi-token-prediction module is not part of the served model.
 PUBLISHED = {
     "llama2-7b": 6_738_415_616, "llama2-13b": 13_015_864_320, "llama2-70b": 68_976_648_192,
     "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "llama3-405b": 405_853_388_800,
     "mixtral-8x7b": 46_702_792_704, "qwen2.5-7b": 7_615_616_512, "qwen2.5-72b": 72_706_203_648,
-    "deepseek-v3": 671_026_419_200 - 58 * 256, "deepseek-r1": 671_026_419_200 - 58 * 256,
+    "deepseek-v3": 671_026_419_200, "deepseek-r1": 671_026_419_200,
     "opt-13b": 12_853_473_280,
 }
 

@@ -84,7 +84,10 @@ _DEEPSEEK_V3 = dict(
     max_seq_len=163840, rope_theta=10000.0, norm_eps=1e-6, num_experts=256,
     num_experts_per_token=8, num_shared_experts=1, moe_ffn_hidden_size=2048, num_dense_layers=3,
     attention="mla", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-    qk_rope_head_dim=64, v_head_dim=128, head_dim=192)
+    qk_rope_head_dim=64, v_head_dim=128, head_dim=192, router_score="sigmoid",
+    num_expert_groups=8, topk_expert_groups=4, routed_scaling_factor=2.5,
+    router_aux_loss_coef=0.0, router_bias_update_rate=0.001, rope_scaling="yarn", rope_factor=40.0,
+    rope_original_max_seq_len=4096, yarn_mscale=1.0, yarn_mscale_all_dim=1.0)
 
 for _config in [
     # GPT-3 175B (Brown et al. 2020, table 2.1): GPT-2 BPE vocabulary, 2048 context, tied head.

@@ -12,7 +12,7 @@ head_dim]; block_tables [batch, max_blocks], as wide as the longest context (the
 once per step, so nothing here waits on the device) and padded with any valid block id;
 query_positions [batch, queries]: a query attends to keys at positions <= its own, which also
 bounds it to its own context (padded queries repeat a real position). Returns [batch, queries,
-heads, head_dim].
+heads, value head_dim] (the values' width, which MLA's latent makes narrower than the keys').
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ def tiled_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           tile_tokens: int = 256) -> torch.Tensor:
     batch, num_queries, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    value_dim = v_cache.shape[-1]  # narrower than head_dim for MLA's latent values
     blocks_per_tile = max(1, tile_tokens // block_size)
     group = num_heads // num_kv_heads
     # The query heads that share a KV head become extra query rows, so each tile is one plain
@@ -50,7 +51,7 @@ def tiled_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     rows = group * num_queries
     running_max = torch.full((batch, num_kv_heads, rows, 1), float("-inf"), device=q.device)
     running_sum = torch.zeros((batch, num_kv_heads, rows, 1), device=q.device)
-    acc = torch.zeros((batch, num_kv_heads, rows, head_dim), device=q.device)
+    acc = torch.zeros((batch, num_kv_heads, rows, value_dim), device=q.device)
     for first in range(0, block_tables.shape[1], blocks_per_tile):
         tile = block_tables[:, first:first + blocks_per_tile]  # [batch, tile_blocks]
         k = k_cache[tile].flatten(1, 2).transpose(1, 2)  # [batch, kv_heads, tile_tokens, head_dim]
@@ -70,6 +71,6 @@ def tiled_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         running_sum = running_sum * rescale + probs.sum(-1, keepdim=True)
         acc = acc * rescale + (probs.to(v.dtype) @ v).float()
         running_max = new_max
-    out = (acc / running_sum).view(batch, num_kv_heads, group, num_queries, head_dim)
-    return out.permute(0, 3, 1, 2, 4).reshape(batch, num_queries, num_heads, head_dim).to(q.dtype)
+    out = (acc / running_sum).view(batch, num_kv_heads, group, num_queries, value_dim)
+    return out.permute(0, 3, 1, 2, 4).reshape(batch, num_queries, num_heads, value_dim).to(q.dtype)
 

@@ -1,7 +1,9 @@
 """The KV cache tensors, and how many blocks a memory budget buys.
 
 One allocation holds every layer's K and V pools: pool[layer, 0] is that layer's K pool
-[num_blocks, block_size, kv_heads, head_dim], pool[layer, 1] its V pool. Keeping them in one
+[num_blocks, block_size, kv_heads, head_dim], pool[layer, 1] its V pool. An MLA model's pool has
+one entry per token and layer, [latent | rope key], read as the key of one shared head and, its
+latent columns, as the value (the absorbed form, tetrad.models.mla). Keeping them in one
 tensor makes a block copy (copy-on-write, swap) one indexing operation for all layers. Under
 tensor parallelism each rank's pool holds only its own kv heads (ceil(kv_heads / tp): a kv head is
 replicated when there are fewer than ranks), with the same blocks on every rank.
@@ -16,7 +18,7 @@ import torch
 
 from tetrad.config import ModelConfig
 from tetrad.errors import ConfigError
-from tetrad.planner.memory import kv_bytes_per_token
+from tetrad.planner.memory import kv_bytes_per_token, kv_token_layout
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -91,24 +93,30 @@ def plan_kv_pool(config: ModelConfig, dtype: str, device: torch.device, block_si
 class KVCache:
     def __init__(self, config: ModelConfig, plan: KVPlan, dtype: torch.dtype,
                  device: torch.device):
-        kv_heads = -(-config.num_kv_heads // plan.tp)  # this rank's (tensor_parallel.kv_heads_of)
-        shape = (config.num_layers, 2, plan.num_blocks, plan.block_size, kv_heads,
-                 config.head_dim)
+        # The planner's per-token layout (this rank's kv heads, as tensor_parallel.kv_heads_of).
+        tensors, kv_heads, width = kv_token_layout(config, plan.tp)
+        shape = (config.num_layers, tensors, plan.num_blocks, plan.block_size, kv_heads, width)
         self.pool = torch.zeros(shape, dtype=dtype, device=device)
         # Pinned host memory makes the device <-> CPU swap copies asynchronous-capable and fast.
         self.cpu_pool = torch.zeros((*shape[:2], plan.num_cpu_blocks, *shape[3:]), dtype=dtype,
                                     pin_memory=device.type == "cuda")
-        self.kv_heads, self.head_dim = kv_heads, config.head_dim
+        self.kv_heads, self.head_dim = kv_heads, width
+        # MLA's one entry is its key [latent | rope key]; its value is the latent, a view.
+        self.latent = tensors == 1
+        self.value_dim = config.kv_lora_rank if self.latent else width
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.latent:
+            return self.pool[index, 0], self.pool[index, 0, ..., :self.value_dim]
         return self.pool[index, 0], self.pool[index, 1]
 
     def write(self, index: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """slots: [tokens] flat slot ids (block * block_size + offset); k, v: [tokens, kv_heads,
-        head_dim]."""
+        head_dim] (with MLA, v is the first columns of k and is not stored again)."""
         k_cache, v_cache = self.layer(index)
         k_cache.view(-1, self.kv_heads, self.head_dim).index_copy_(0, slots, k)
-        v_cache.view(-1, self.kv_heads, self.head_dim).index_copy_(0, slots, v)
+        if not self.latent:
+            v_cache.view(-1, self.kv_heads, self.head_dim).index_copy_(0, slots, v)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: (source block, destination block) in the device pool."""

@@ -135,11 +135,12 @@ class StepContext:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                ) -> torch.Tensor:
-        """q: [1, heads, tokens, head_dim]; k, v: [1, kv_heads, tokens, head_dim] -> like q."""
+        """q: [1, heads, tokens, head_dim]; k, v: [1, kv_heads, tokens, head_dim] -> [1, heads,
+        tokens, v's head_dim] (narrower than q's for MLA, whose values are its latents)."""
         q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))  # [tokens, heads, head_dim]
         self.kv_cache.write(layer, self.slots, k, v)
         k_cache, v_cache = self.kv_cache.layer(layer)
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
         if self.decode_rows is not None:
             queries = q[self.decode_rows].unsqueeze(1)  # [decodes, 1, heads, head_dim]
             out[self.decode_rows] = self.paged(queries, k_cache, v_cache, self.decode_tables,

@@ -274,13 +274,19 @@ def peak_bytes_by_zero_stage(config: ModelConfig, layout: TrainLayout,
     return totals
 
 
+def kv_token_layout(config: ModelConfig, tp: int = 1) -> tuple[int, int, int]:
+    """(tensors, heads, width) of what one token stores per layer in the KV cache of one GPU: the
+    serving engine's pool has exactly this shape. GQA stores a key and a value for each of its
+    num_kv_heads, split over TP (replicated when TP exceeds them); MLA stores one entry, the
+    compressed latent and the shared rope key side by side, which every TP rank keeps whole."""
+    if config.attention == "mla":
+        return 1, 1, config.kv_lora_rank + config.qk_rope_head_dim
+    return 2, -(-config.num_kv_heads // tp), config.head_dim
+
+
 def kv_bytes_per_token(config: ModelConfig, kv_bytes: float, tp: int = 1,
                        num_layers: int | None = None) -> float:
-    """KV-cache bytes one token occupies on one GPU. GQA stores num_kv_heads keys and values per
-    layer, split over TP (replicated when TP exceeds them); MLA stores the compressed latent and
-    the shared rope key, which every TP rank keeps whole."""
+    """KV-cache bytes one token occupies on one GPU (kv_token_layout over the layers)."""
     layers = config.num_layers if num_layers is None else num_layers
-    if config.attention == "mla":
-        return layers * (config.kv_lora_rank + config.qk_rope_head_dim) * kv_bytes
-    kv_heads = -(-config.num_kv_heads // tp)
-    return layers * 2 * kv_heads * config.head_dim * kv_bytes
+    tensors, heads, width = kv_token_layout(config, tp)
+    return layers * tensors * heads * width * kv_bytes
