@@ -107,13 +107,20 @@ def test_bias_update_moves_against_the_load():
 
 
 def test_training_a_deepseek_folder_in_one_process_learns(saved, corpus_file, tmp_path):
+    """Loss falls, and aux-loss-free balancing moves the routing bias, which the checkpoint
+    keeps (selective recompute re-runs MLA's attention core on the way)."""
     _, folder = saved
+    start = load_pretrained(folder).layers[1].mlp.router.bias.clone()
     config = TrainConfig(model=str(folder), data=corpus_file, tokenizer="byte", steps=12,
                          batch_size=4, seq_len=32, lr=3e-3, warmup_steps=0, sample_tokens=0,
-                         log_every=1, model_overrides={"vocab_size": 256})
-    steps = train(config, show_progress=False).report["steps"]
-    losses = [step["loss"] for step in steps]
+                         log_every=1, checkpoint_dir=str(tmp_path / "run"),
+                         parallel=ParallelConfig(recompute="selective"))
+    result = train(config, show_progress=False)
+    losses = [step["loss"] for step in result.report["steps"]]
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
+    moved = load_pretrained(result.checkpoint).layers[1].mlp.router.bias - start
+    assert float(moved.abs().max()) == pytest.approx(12 * 0.001, abs=1e-6)  # one rate per step
+    assert (moved.abs() <= 12 * 0.001 + 1e-6).all()
 
 
 def test_multi_process_layouts_refuse_mla_and_sigmoid_routing():
