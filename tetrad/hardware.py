@@ -268,8 +268,13 @@ def cluster(gpu_name: str, num_gpus: int, gpus_per_node: int | None = None,
             nic_gbps: float | None = None) -> Cluster:
     """A cluster from a GPU name or a server preset name (dgx-h100 ...)."""
     key = gpu_name.strip().lower()
+    # Given values are checked, never replaced by a default: 0 is not "unset".
+    if gpus_per_node is not None and gpus_per_node < 1:
+        raise ConfigError(f"--gpus-per-node must be at least 1, got {gpus_per_node}")
+    if nic_gbps is not None and not nic_gbps > 0:
+        raise ConfigError(f"--nic-gbps must be a positive bandwidth in Gb/s, got {nic_gbps:g}")
     if key in CLUSTER_PRESETS:
         gpu_name, preset_per_node = CLUSTER_PRESETS[key]
-        gpus_per_node = gpus_per_node or preset_per_node
-    return Cluster(gpu(gpu_name), num_gpus, gpus_per_node or 8,
+        gpus_per_node = gpus_per_node if gpus_per_node is not None else preset_per_node
+    return Cluster(gpu(gpu_name), num_gpus, gpus_per_node if gpus_per_node is not None else 8,
                    nic_bandwidth=(nic_gbps or 0.0) * 1e9 / 8)

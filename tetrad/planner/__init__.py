@@ -57,7 +57,7 @@ def predict_training(model_config: ModelConfig, parallel_config: ParallelConfig,
     workload = TrainWorkload(seq_len=seq_len, dtype=dtype, flash_attention=flash_attention,
                              recipe=precision, runtime=runtime)
     check_training_layout(model_config, layout.world_size, layout, seq_len,
-                          kv_replicas=runtime == "tetrad")
+                          kv_replicas=runtime == "tetrad", experts_over_tp=runtime != "tetrad")
     # Bytes do not depend on the topology, so without a GPU all ranks share one nominal node.
     per_node = min(gpus_per_node, layout.world_size) if gpu else layout.world_size
     world = make_cluster(gpu or _NOMINAL_GPU, layout.world_size, per_node)

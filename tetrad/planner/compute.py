@@ -160,9 +160,10 @@ def head_times(config: ModelConfig, gpu: GPU, micro_batch: int, seq_len: int, tp
 def stage_times(config: ModelConfig, gpu: GPU, num_stages: int, stage: int, micro_batch: int,
                 seq_len: int, tp: int, cp: int, ep: int, sequence_parallel: bool, recompute: str,
                 flash: bool, dropout: bool, compute_dtype: str, act_bytes: float,
-                weight_bytes: float) -> KernelTimes:
+                weight_bytes: float, expert_tp: int | None = None) -> KernelTimes:
     """Kernel time of one microbatch through one pipeline stage (its blocks, plus the LM head on
-    the last stage). Dense and MoE blocks are timed once each and multiplied."""
+    the last stage). Dense and MoE blocks are timed once each and multiplied. `expert_tp` below
+    tp: experts whole over tensor ranks too, each rank routing its 1/tp of the tokens."""
     counts = stage_layer_counts(config.num_layers, num_stages)
     first = stage_first_layer(counts, stage)
     layers = range(first, first + counts[stage])
@@ -172,7 +173,10 @@ def stage_times(config: ModelConfig, gpu: GPU, num_stages: int, stage: int, micr
             compute_dtype, act_bytes, weight_bytes)
     if num_moe:
         moe_layer = next(layer for layer in layers if config.is_moe_layer(layer))
-        total = total + layer_times(config, gpu, moe_layer, *args).scaled(num_moe)
+        expert_args = ()
+        if expert_tp is not None and expert_tp != tp:
+            expert_args = (micro_batch * seq_len // cp // tp * ep, expert_tp)
+        total = total + layer_times(config, gpu, moe_layer, *args, *expert_args).scaled(num_moe)
     if len(layers) - num_moe:
         dense_layer = next(layer for layer in layers if not config.is_moe_layer(layer))
         total = total + layer_times(config, gpu, dense_layer, *args).scaled(len(layers) - num_moe)

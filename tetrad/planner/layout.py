@@ -56,9 +56,19 @@ class TrainLayout:
         """Ranks that share (and, with ZeRO, shard) the dense parameters' gradients."""
         return self.dp * self.cp
 
+    # --- experts over tensor ranks (planner-only: tetrad's runtime folds ep over dp*cp) ---
+    @property
+    def expert_tp(self) -> int:
+        """Ranks each expert's columns are split over: tp while ep folds over dp*cp (Megatron's
+        default); 1 when ep also spans the tensor ranks (ep does not divide dp*cp: Megatron-Core's
+        expert tensor parallel size 1, as NVIDIA's DeepSeek-V3 recipe runs ep 64 on tp 2 x dp 32).
+        """
+        return self.tp if self.zero_group % self.ep == 0 else 1
+
     @property
     def expert_zero_group(self) -> int:
-        return self.dp * self.cp // self.ep
+        """Ranks holding the same experts, which share (and shard) their gradients."""
+        return self.dp * self.cp * self.tp // (self.ep * self.expert_tp)
 
     def to_dict(self) -> dict:
         return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "cp": self.cp, "ep": self.ep,
@@ -151,9 +161,12 @@ def check_degrees(config: ModelConfig, tp: int, pp: int, ep: int, training: bool
 
 
 def check_training_layout(config: ModelConfig, num_gpus: int, layout: TrainLayout,
-                          seq_len: int, kv_replicas: bool = False) -> None:
+                          seq_len: int, kv_replicas: bool = False,
+                          experts_over_tp: bool = False) -> None:
     """Raise ConfigError naming the first constraint the layout breaks and how to fix it.
-    `kv_replicas`: tp may exceed the KV heads, as tetrad's trainer allows."""
+    `kv_replicas`: tp may exceed the KV heads, as tetrad's trainer allows. `experts_over_tp`:
+    ep may span tensor ranks too (TrainLayout.expert_tp), which the planner models for
+    Megatron-Core's layouts and tetrad's runtime does not run."""
     check_degrees(config, layout.tp, layout.pp, layout.ep, kv_replicas=kv_replicas)
     if layout.world_size != num_gpus:
         raise ConfigError(
@@ -181,9 +194,13 @@ def check_training_layout(config: ModelConfig, num_gpus: int, layout: TrainLayou
         raise ConfigError(f"stage_layers {list(layout.stage_layers)} must give each of the "
                           f"pp*vpp = {layout.pp * layout.vpp} stages at least one layer and add "
                           f"up to the model's {config.num_layers}")
-    if layout.zero_group % layout.ep:
-        raise ConfigError(f"ep {layout.ep} must divide dp*cp = {layout.zero_group} "
-                          f"(experts are spread over the data-parallel ranks)")
+    if layout.zero_group % layout.ep and not (
+            experts_over_tp and (layout.zero_group * layout.tp) % layout.ep == 0):
+        where = (f"tp*dp*cp = {layout.zero_group * layout.tp} (experts spread over tensor "
+                 f"and data-parallel ranks)" if experts_over_tp else
+                 f"dp*cp = {layout.zero_group} (tetrad's runtime spreads experts over the "
+                 f"data-parallel ranks only)")
+        raise ConfigError(f"ep {layout.ep} must divide {where}")
     if layout.cp > 1 and seq_len % (2 * layout.cp):
         raise ConfigError(f"cp {layout.cp} needs seq_len divisible by 2*cp = {2 * layout.cp} "
                           f"(each rank takes two balanced chunks of the causal sequence)")

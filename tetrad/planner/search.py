@@ -158,12 +158,32 @@ def _explain_no_layout(config: ModelConfig, cluster: Cluster, global_batch: int,
                       f"batch {global_batch}: leave more degrees open or change the batch")
 
 
+def check_training_space(cluster: Cluster, workload: TrainWorkload, global_batch: int,
+                         space: TrainSpace) -> None:
+    """Given choices that contradict each other or the hardware, refused before the search
+    (which would otherwise drop or ignore them without a word)."""
+    if workload.seq_len < 1 or global_batch < 1:
+        raise ConfigError(f"seq_len and global batch must be at least 1, got {workload.seq_len} "
+                          f"and {global_batch}")
+    if space.vpp is not None and space.vpp > 1 and space.schedule not in (None, "interleaved"):
+        raise ConfigError(f"--vpp {space.vpp} needs --schedule interleaved, not "
+                          f"{space.schedule}: drop --vpp or use the interleaved schedule")
+    if space.zero and space.dp == 1 and (space.cp or 1) == 1:
+        raise ConfigError(f"--zero {space.zero} shards over dp*cp ranks, and --dp 1 leaves one: "
+                          f"use --zero 0 or more data-parallel ranks")
+    compute = workload.precision.compute_dtype
+    if compute not in cluster.gpu.peak_flops:
+        raise ConfigError(f"{cluster.gpu.name} has no {compute} tensor cores: train in "
+                          f"{', '.join(d for d in ('bf16', 'fp16') if d in cluster.gpu.peak_flops)}")
+
+
 def search_training(config: ModelConfig, cluster: Cluster, workload: TrainWorkload,
                     global_batch: int, space: TrainSpace = TrainSpace(),
                     top: int = 5) -> SearchResult:
     """Rank the layouts of `space`. Per layout shape, recomputation is tried from none to full
     and the search keeps the least that fits (more recomputation only adds work); memory is
     computed for every candidate, time only for the fitting ones."""
+    check_training_space(cluster, workload, global_batch, space)
     usable = cluster.gpu.memory_bytes * USABLE_MEMORY_FRACTION
     precision, options = workload.precision, workload.activation_options
     recomputes = _choices(space.recompute, ("none", "selective", "full"))
@@ -174,7 +194,8 @@ def search_training(config: ModelConfig, cluster: Cluster, workload: TrainWorklo
         zeros = _zero_stages(shape, space)
         for recompute in recomputes:
             layout = dataclasses.replace(shape, recompute=recompute, zero=zeros[0])
-            check_training_layout(config, cluster.num_gpus, layout, workload.seq_len)
+            check_training_layout(config, cluster.num_gpus, layout, workload.seq_len,
+                                  experts_over_tp=workload.runtime != "tetrad")
             totals = peak_bytes_by_zero_stage(config, layout, precision, workload.seq_len,
                                               options, zeros)
             num_candidates += len(zeros)

@@ -51,6 +51,17 @@ class ServeWorkload:
     kv_dtype: str = "bf16"
     batch: int = 0  # concurrent sequences; 0 means as many as fit (at most MAX_BATCH)
 
+    def __post_init__(self) -> None:
+        if self.prompt_len < 1 or self.output_len < 0:
+            raise ConfigError(f"--prompt-len must be at least 1 and --output-len at least 0, got "
+                              f"{self.prompt_len} and {self.output_len}")
+        if self.context_len < self.prompt_len + self.output_len:
+            raise ConfigError(f"--context-len {self.context_len} cannot hold the prompt and the "
+                              f"output ({self.prompt_len} + {self.output_len} tokens)")
+        if self.batch < 0:
+            raise ConfigError(f"--batch must be a number of concurrent sequences (at least 1), "
+                              f"or 0 for as many as fit; got {self.batch}")
+
 
 @dataclass(frozen=True)
 class ServingEstimate:
@@ -66,7 +77,8 @@ class ServingEstimate:
 
     @property
     def fits(self) -> bool:
-        return self.max_concurrent_sequences >= self.layout.dp and self.batch >= 1
+        """Weights, scratch and the KV cache of `batch` sequences per replica fit."""
+        return self.batch >= 1 and self.batch * self.layout.dp <= self.max_concurrent_sequences
 
     @property
     def total_memory(self) -> float:
