@@ -23,20 +23,23 @@ STACKS: dict[str, dict] = {
     # dropout, gradients reduced after the backward, blocking pipeline sends.
     "megatron-2021": dict(flash_attention=False, dropout=True, overlap_grad_reduce=False,
                           overlap_param_gather=False, overlap_tp_comm=False, overlap_p2p=False),
-    # DeepSpeed of the same era (MT-NLG, BLOOM, ZeRO-3 of 175B/530B): as Megatron-LM 2021, and
-    # ZeRO-3 gathers sub-modules, at most stage3_max_live_parameters (1e9) whole at a time.
-    "deepspeed": dict(flash_attention=False, dropout=True, overlap_grad_reduce=False,
-                      overlap_param_gather=False, overlap_tp_comm=False, overlap_p2p=False,
-                      zero3_live_params=1e9),
+    # DeepSpeed of the same era (MT-NLG, BLOOM, ZeRO-3 of 175B/530B): as Megatron-LM 2021, but
+    # communication overlapped (overlap_comm, ZeRO-3's parameter prefetch); ZeRO-3 gathers
+    # parameter by parameter (TrainWorkload.zero3_per_parameter), at most
+    # stage3_max_live_parameters (1e9) whole at a time.
+    "deepspeed": dict(flash_attention=False, dropout=True, overlap_grad_reduce=True,
+                      overlap_param_gather=True, overlap_tp_comm=False, overlap_p2p=False,
+                      zero3_live_params=1e9, zero3_per_parameter=True),
     # torchtitan (FSDP2): flash attention, reduce-scatter and next-block all-gather prefetched
     # behind compute, whole blocks gathered; no TP overlap (async TP is opt-in).
     "torchtitan": dict(flash_attention=True, dropout=False, overlap_grad_reduce=True,
-                       overlap_param_gather=True, overlap_tp_comm=False, overlap_p2p=True),
+                       overlap_param_gather=True, overlap_tp_comm=False, overlap_p2p=True,
+                       portable_attention=True),
     # tetrad's own runtime: bucketed async DDP, FSDP-style prefetch, isend/irecv pipeline, its
     # own tensors counted (tetrad.planner.eager).
     "tetrad": dict(flash_attention=True, dropout=False, overlap_grad_reduce=True,
                    overlap_param_gather=True, overlap_tp_comm=False, overlap_p2p=True,
-                   runtime="tetrad"),
+                   portable_attention=True, runtime="tetrad"),
 }
 DEFAULT_STACK = "torchtitan"  # TrainWorkload's own defaults
 

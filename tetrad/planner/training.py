@@ -54,6 +54,11 @@ class TrainWorkload:
     recipe: TrainingPrecision | None = None  # overrides the recipe `dtype` implies
     runtime: str = "megatron"  # whose tensors are counted: memory.RUNTIMES
     zero3_live_params: float = 0.0  # ZeRO-3 gather budget (DeepSpeed); 0: two whole blocks
+    # DeepSpeed's ZeRO-3 of 2021 gathered parameter by parameter: messages too small for NCCL to
+    # spread over a node's rails, so each crosses nodes at one NIC's bandwidth; its activation
+    # checkpointing re-runs the gather hooks, one more all-gather under full recomputation.
+    zero3_per_parameter: bool = False
+    portable_attention: bool = False  # FlashAttention-2 / Triton, not the vendor's kernels
 
     def __post_init__(self) -> None:
         if self.seq_len < 1:
@@ -177,7 +182,9 @@ def _data_parallel(config: ModelConfig, cluster: Cluster, layout: TrainLayout,
                                     layout.expert_tp * layout.ep)):
         if size == 1 or elements == 0:
             continue
-        group = comm.place_group(cluster, size, stride)
+        flat = layout.zero == 3 and workload.zero3_per_parameter
+        # One NIC per rank: placed as if each rank were alone on its node.
+        group = comm.place_group(cluster, size, cluster.node_size if flat else stride)
         grads = elements * precision.grad_bytes
         params = elements * precision.param_bytes
         reduce_time = comm.reduce_scatter_time(cluster, group, grads)
@@ -197,10 +204,11 @@ def _data_parallel(config: ModelConfig, cluster: Cluster, layout: TrainLayout,
             ledger.add("reduce_scatter", size, grads, m)
             ledger.add("all_gather", size, params)
         else:
+            backward_gathers = 2 if flat and layout.recompute == "full" else 1
             exposed += m * overlapped(gather_time, forward, workload.overlap_param_gather)
-            exposed += m * overlapped(gather_time + reduce_time, backward,
+            exposed += m * overlapped(backward_gathers * gather_time + reduce_time, backward,
                                       workload.overlap_grad_reduce)
-            ledger.add("all_gather", size, params, 2 * m)
+            ledger.add("all_gather", size, params, (1 + backward_gathers) * m)
             ledger.add("reduce_scatter", size, grads, m)
     return exposed
 
@@ -227,9 +235,9 @@ def _pipeline_p2p(config: ModelConfig, cluster: Cluster, layout: TrainLayout,
 @lru_cache(maxsize=16384)
 def _bottleneck(config: ModelConfig, cluster: Cluster, workload: TrainWorkload, tp: int, pp: int,
                 cp: int, ep: int, sequence_parallel: bool, recompute: str,
-                micro_batch: int, expert_tp: int) -> tuple[int, KernelTimes, float]:
+                micro_batch: int, expert_tp: int, zero: int) -> tuple[int, KernelTimes, float]:
     """(slowest stage, its kernel times, its exposed TP/CP/EP time) for one microbatch. Keyed by
-    the fields that decide them, so layouts differing in dp, ZeRO or schedule share an entry."""
+    the fields that decide them, so layouts differing in dp or schedule share an entry."""
     shape = TrainLayout(tp=tp, pp=pp, cp=cp, ep=ep, sequence_parallel=sequence_parallel,
                         recompute=recompute, micro_batch=micro_batch)
     precision = workload.precision
@@ -239,7 +247,9 @@ def _bottleneck(config: ModelConfig, cluster: Cluster, workload: TrainWorkload, 
         kernels = stage_times(config, cluster.gpu, pp, stage, micro_batch, workload.seq_len, tp,
                               cp, ep, sequence_parallel, recompute, workload.flash_attention,
                               workload.dropout, precision.compute_dtype,
-                              precision.activation_bytes, weight, expert_tp)
+                              precision.activation_bytes, weight, expert_tp,
+                              workload.portable_attention,
+                              "inputs+weights" if zero == 3 else "inputs")
         exposed = _microbatch_comm(config, cluster, shape, workload, kernels, stage, None,
                                    expert_tp)
         total = kernels.forward + kernels.backward + kernels.recompute + exposed
@@ -260,7 +270,8 @@ def evaluate_training(config: ModelConfig, cluster: Cluster, layout: TrainLayout
     gpu = cluster.gpu
     stage, kernels, microbatch_comm = _bottleneck(
         config, cluster, workload, layout.tp, layout.pp, layout.cp, layout.ep,
-        layout.sequence_parallel, layout.recompute, layout.micro_batch, layout.expert_tp)
+        layout.sequence_parallel, layout.recompute, layout.micro_batch, layout.expert_tp,
+        layout.zero)
     ledger = CommLedger()
     if count_bytes:
         _microbatch_comm(config, cluster, layout, workload, kernels, stage, ledger,
