@@ -80,7 +80,7 @@ AMPERE = EfficiencyProfile(matmul=0.66, attention=0.6, memory=0.75, kernel_overh
 # fp8 GEMMs reach a still smaller share of their doubled peak. FlashAttention-2 reaches about 35%
 # of the H100's peak (Shah et al. 2024, FlashAttention-3, abstract); Hopper's own kernels (cuDNN,
 # FlashAttention-3) reach more.
-HOPPER = EfficiencyProfile(matmul=0.59, attention=0.56, memory=0.85, kernel_overhead_s=6e-6,
+HOPPER = EfficiencyProfile(matmul=0.59, attention=0.62, memory=0.85, kernel_overhead_s=6e-6,
                            intra_link=0.7, inter_link=0.9, intra_latency_s=8e-6,
                            inter_latency_s=20e-6, portable_attention=0.30, fp8_matmul=0.48)
 # No published large-scale runs exist for these; each takes the profile of its nearest calibrated
