@@ -265,7 +265,7 @@ def predict(run: Run) -> float:
     if "micro_batch" in given and "schedule" in given and (
             given["schedule"] != "interleaved" or "vpp" in given):
         microbatches = run.global_batch // (given["dp"] * given["micro_batch"])
-        layout = TrainLayout(**given, num_microbatches=microbatches)
+        layout = TrainLayout(**given, microbatches=microbatches)
         check_training_layout(run.config, run.num_gpus, layout, run.seq_len)
         return evaluate_training(run.config, world, layout, workload).step.total
     space = TrainSpace(**{"cp": 1, "ep": 1, **given})

@@ -219,7 +219,8 @@ def _bottleneck(config: ModelConfig, cluster: Cluster, workload: TrainWorkload, 
                 micro_batch: int) -> tuple[int, KernelTimes, float]:
     """(slowest stage, its kernel times, its exposed TP/CP/EP time) for one microbatch. Keyed by
     the fields that decide them, so layouts differing in dp, ZeRO or schedule share an entry."""
-    shape = TrainLayout(tp=tp, pp=pp, cp=cp, ep=ep, sequence_parallel=sequence_parallel,
+    # dp does not change these times; dp = ep keeps the shape a valid layout (ep divides dp*cp).
+    shape = TrainLayout(tp=tp, pp=pp, dp=ep, cp=cp, ep=ep, sequence_parallel=sequence_parallel,
                         recompute=recompute, micro_batch=micro_batch)
     precision = workload.precision
     weight = 1.0 if precision.compute_dtype == "fp8" else precision.param_bytes
