@@ -85,9 +85,7 @@ class ParallelConfig:
                               "interleaved with --vpp 2 or more, or --vpp 1 with other schedules")
         check_choice("recompute", self.recompute, RECOMPUTE_MODES)
         check_choice("collectives", self.collectives, ("backend", "ring"))
-        if (self.dp * self.cp) % self.ep:
-            raise ConfigError(f"ep {self.ep} must divide dp*cp = {self.dp * self.cp}: expert "
-                              f"parallelism is folded over the data- and context-parallel ranks")
+        self._check_expert_fold()
         object.__setattr__(self, "stage_layers", tuple(self.stage_layers))  # TOML gives a list
         if self.microbatches == 0:
             object.__setattr__(self, "microbatches", self.pp)
@@ -95,6 +93,13 @@ class ParallelConfig:
             raise ConfigError(f"the interleaved schedule needs microbatches ({self.microbatches}) "
                               f"to be a multiple of pp ({self.pp})")
         self._check_strategy()
+
+    def _check_expert_fold(self) -> None:
+        """The rank grid folds ep over the dp*cp ranks of one (pp, tp) position. This one rule is
+        the place for a layout that spreads experts wider (a planner-only allowance) to widen."""
+        if (self.dp * self.cp) % self.ep:
+            raise ConfigError(f"ep {self.ep} must divide dp*cp = {self.dp * self.cp}: expert "
+                              f"parallelism is folded over the data- and context-parallel ranks")
 
     def _check_strategy(self) -> None:
         check_choice("strategy", self.strategy, ("collective", "ps"))
