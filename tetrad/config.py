@@ -1,4 +1,5 @@
-"""One description of a model, a parallel layout and a run, shared by planner, trainer, server.
+"""One description of a model, a parallel layout and a run, shared by planner, trainer, server
+(the layout, ParallelConfig, has a module of its own: tetrad.parallel_config).
 
 Every config is a frozen dataclass validated on construction: a config that exists can work.
 Configs come from presets (tetrad.presets), HF config.json files (tetrad.hf_config), TOML files,

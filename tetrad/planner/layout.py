@@ -12,7 +12,7 @@ from functools import lru_cache
 
 from tetrad.config import ModelConfig, ParallelConfig
 from tetrad.errors import ConfigError
-from tetrad.planner.rules import check_layout, divisors
+from tetrad.planner.rules import check_layout
 
 
 @dataclass(frozen=True)
