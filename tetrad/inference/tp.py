@@ -53,7 +53,7 @@ from tetrad.parallel.tensor_parallel import (TensorParallelTransformer, check_te
                                              parallelize_tensor)
 
 if TYPE_CHECKING:
-    from tetrad.inference.engine import EngineConfig
+    from tetrad.inference.config import EngineConfig
 
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # the control group's: an idle engine waits forever
 REPORT_WAIT_S = 2.0  # after a failed collective, how long rank 0 waits for a worker's traceback
