@@ -333,7 +333,7 @@ def predict(run: Run, gpu_override=None) -> float:
     if "micro_batch" in given and "schedule" in given and (
             given["schedule"] != "interleaved" or "vpp" in given):
         microbatches = run.global_batch // (given["dp"] * given["micro_batch"])
-        layout = TrainLayout(**given, num_microbatches=microbatches)
+        layout = TrainLayout(**given, microbatches=microbatches)
         check_training_layout(run.config, run.num_gpus, layout, run.seq_len,
                               experts_over_tp=True)
         return evaluate_training(run.config, world, layout, work, count_bytes=False).step.total

@@ -209,7 +209,7 @@ def training_fit_advice(config: ModelConfig, cluster: Cluster, workload: TrainWo
         changes.append(("--sequence-parallel", dict(sequence_parallel=True)))
     if layout.micro_batch > 1:
         changes.append(("--micro-batch 1", dict(
-            micro_batch=1, num_microbatches=layout.num_microbatches * layout.micro_batch)))
+            micro_batch=1, microbatches=layout.microbatches * layout.micro_batch)))
     if layout.zero >= 1 and not layout.offload:
         changes.append(("--offload", dict(offload=True)))
     # All of them at once, each knob at its most memory-saving setting.
@@ -222,8 +222,8 @@ def training_fit_advice(config: ModelConfig, cluster: Cluster, workload: TrainWo
         changes.append((" ".join(flags.values()), every))
     fixes = []
     for flag, change in changes:
-        candidate = dataclasses.replace(layout, **change)
         try:
+            candidate = dataclasses.replace(layout, **change)
             check_training_layout(config, cluster.num_gpus, candidate, workload.seq_len)
         except ConfigError:
             continue

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from tetrad.config import ModelConfig
 from tetrad.errors import ConfigError
 from tetrad.hardware import Cluster
-from tetrad.planner.layout import (TrainLayout, check_degrees, check_training_layout, divisors,
-                                   microbatches_for, valid_tp_degrees)
+from tetrad.planner.layout import TrainLayout, check_training_layout, microbatches_for
+from tetrad.planner.rules import check_degrees, divisors, valid_tp_degrees
 from tetrad.planner.memory import peak_bytes_by_zero_stage
 from tetrad.planner.serving import (ServeLayout, ServeWorkload, ServingEstimate,
                                     check_serve_layout, evaluate_serving)
@@ -124,8 +124,11 @@ def training_layouts(config: ModelConfig, cluster: Cluster, global_batch: int, s
                             if schedule == "interleaved" and m % pp and (
                                     space.schedule is None or space.micro_batch is None):
                                 continue  # interleaving needs a multiple of pp microbatches
-                            yield TrainLayout(tp, pp, dp, cp, ep, vpp, 0, space.offload, "none",
-                                              sequence_parallel, schedule, micro_batch, m)
+                            yield TrainLayout(
+                                tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vpp=vpp,
+                                zero=1 if space.offload else 0, offload=space.offload,
+                                sequence_parallel=sequence_parallel, schedule=schedule,
+                                microbatches=m, micro_batch=micro_batch)
 
 
 def _zero_stages(layout: TrainLayout, space: TrainSpace) -> tuple[int, ...]:

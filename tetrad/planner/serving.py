@@ -20,11 +20,12 @@ from tetrad.hardware import Cluster
 from tetrad.planner import comm
 from tetrad.planner.compute import bandwidth_time, gemm_time, layer_times
 from tetrad.planner.flops import attention_head_dims, head_gemm, layer_gemms
-from tetrad.planner.layout import check_degrees, stage_first_layer, stage_layer_counts
+from tetrad.planner.layout import stage_first_layer, stage_layer_counts
 from tetrad.planner.memory import kv_bytes_per_token, representative_stages
 from tetrad.planner.model_stats import (embedding_params, head_params, layer_params,
                                         norm_params, position_params, unquantized_layer_params)
 from tetrad.planner.precision import COMPUTE_DTYPE, element_bytes, unquantized_bytes, weight_bytes
+from tetrad.planner.rules import check_degrees
 
 USABLE_MEMORY_FRACTION = 0.9  # vLLM's default gpu_memory_utilization
 MAX_BATCH = 256  # vLLM's default max_num_seqs

@@ -237,8 +237,9 @@ def _bottleneck(config: ModelConfig, cluster: Cluster, workload: TrainWorkload, 
                 cp: int, ep: int, sequence_parallel: bool, recompute: str,
                 micro_batch: int, expert_tp: int, zero: int) -> tuple[int, KernelTimes, float]:
     """(slowest stage, its kernel times, its exposed TP/CP/EP time) for one microbatch. Keyed by
-    the fields that decide them, so layouts differing in dp or schedule share an entry."""
-    shape = TrainLayout(tp=tp, pp=pp, cp=cp, ep=ep, sequence_parallel=sequence_parallel,
+    the fields that decide them, so layouts differing in dp or schedule (ZeRO only through `zero`) share an entry."""
+    # dp does not change these times; dp = ep keeps the shape a valid layout (ep divides dp*cp).
+    shape = TrainLayout(tp=tp, pp=pp, dp=ep, cp=cp, ep=ep, sequence_parallel=sequence_parallel,
                         recompute=recompute, micro_batch=micro_batch)
     precision = workload.precision
     weight = 1.0 if precision.compute_dtype == "fp8" else precision.param_bytes
