@@ -15,8 +15,8 @@ from tetrad.hf_config import model_config_from_hf  # noqa: E402
 from tetrad.models.layers import causal_attention  # noqa: E402
 from tetrad.models.moe import Router  # noqa: E402
 from tetrad.models.transformer import count_parameters  # noqa: E402
-from tetrad.parallel.parallelize import check_single_process_features  # noqa: E402
-from tetrad.parallel.tensor_parallel import check_tensor_parallel  # noqa: E402
+from tetrad.planner.rules import (check_single_process_features,  # noqa: E402
+                                  check_tensor_parallel)
 from tetrad.planner import model_stats  # noqa: E402
 from tetrad.train.trainer import train  # noqa: E402
 
