@@ -5,7 +5,8 @@ Parameter names (the checkpoint format and the HF mapping rely on them):
   layers.{i}.attn_norm.*, layers.{i}.attn.qkv.*, layers.{i}.attn.out.*,
   (MLA instead of qkv: layers.{i}.attn.q_down/q_norm/q_up or attn.q, attn.kv_down/kv_norm/kv_up)
   layers.{i}.mlp_norm.*, layers.{i}.mlp.up.*, layers.{i}.mlp.down.*   (dense layers)
-  layers.{i}.mlp.router.gate.weight (.router.bias: sigmoid routing), layers.{i}.mlp.experts.{e}.up/down.*, layers.{i}.mlp.shared.*
+  layers.{i}.mlp.router.gate.weight, layers.{i}.mlp.experts.{e}.up/down.*, layers.{i}.mlp.shared.*
+  (sigmoid routing adds layers.{i}.mlp.router.bias, its balancing bias)
   norm.*, lm_head.weight (absent when tied: the embedding is reused).
 """
 
