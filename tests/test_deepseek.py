@@ -15,9 +15,10 @@ from tetrad.hf_config import model_config_from_hf  # noqa: E402
 from tetrad.models.layers import causal_attention  # noqa: E402
 from tetrad.models.moe import Router  # noqa: E402
 from tetrad.models.transformer import count_parameters  # noqa: E402
+from tetrad.planner import model_stats  # noqa: E402
 from tetrad.planner.rules import (check_single_process_features,  # noqa: E402
                                   check_tensor_parallel)
-from tetrad.planner import model_stats  # noqa: E402
+from tetrad.presets import preset  # noqa: E402
 from tetrad.train.trainer import train  # noqa: E402
 
 
@@ -145,6 +146,28 @@ def test_training_cli_refuses_a_deepseek_layout_in_one_line(saved, corpus_file, 
     assert code == 2
     err = capsys.readouterr().err.strip()
     assert "one process only" in err and len(err.splitlines()) == 1
+
+
+def test_deepseek_v3_config_json_maps_to_the_preset():
+    """The published DeepSeek-V3 config.json (its model fields, transformers 4 rope_scaling form)
+    gives the planner's deepseek-v3 preset, routing and YaRN included."""
+    published = {
+        "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
+        "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+        "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1,
+        "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
+        "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+        "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+        "first_k_dense_replace": 3, "norm_topk_prob": True, "scoring_func": "sigmoid",
+        "max_position_embeddings": 163840, "rms_norm_eps": 1e-06, "rope_theta": 10000,
+        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                         "type": "yarn"},
+        "tie_word_embeddings": False, "num_nextn_predict_layers": 1}
+    assert model_config_from_hf(published, name="deepseek-v3") == preset("deepseek-v3")
+    del published["rope_scaling"]["original_max_position_embeddings"]
+    with pytest.raises(ConfigError, match="original_max_position_embeddings"):
+        model_config_from_hf(published)
 
 
 def test_yarn_needs_its_lengths():

@@ -97,7 +97,10 @@ def _rope_scaling(hf: dict[str, Any], max_seq_len: int) -> dict[str, Any]:
     if rope_scaling_type(hf) != "yarn":
         return {}
     scaling = rope_scaling_parameters(hf)
-    original = scaling["original_max_position_embeddings"]
+    original = scaling.get("original_max_position_embeddings")
+    if not original:
+        raise ConfigError("yarn rope scaling needs original_max_position_embeddings in the "
+                          "config's rope_scaling (the length the model was pretrained at)")
     return dict(rope_scaling="yarn", rope_factor=float(scaling.get("factor") or
                                                        max_seq_len / original),
                 rope_original_max_seq_len=original,
