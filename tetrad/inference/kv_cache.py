@@ -102,7 +102,7 @@ class KVCache:
                                     pin_memory=device.type == "cuda")
         self.kv_heads, self.head_dim = kv_heads, width
         # MLA's one entry is its key [latent | rope key]; its value is the latent, a view.
-        self.latent = tensors == 1
+        self.latent = config.attention == "mla"
         self.value_dim = config.kv_lora_rank if self.latent else width
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:

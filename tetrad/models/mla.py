@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -59,10 +60,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.out = nn.Linear(heads * self.v_dim, hidden, bias=False)
         # As Attention.core: causal attention over this call's tokens, swappable from outside
         # (selective recompute wraps it).
-        self.core: Callable = self._expanded_core
-
-    def _expanded_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return scaled_causal_attention(q, k, v, self.scale)
+        self.core: Callable = partial(scaled_causal_attention, scale=self.scale)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 attend: Callable | None = None) -> torch.Tensor:
