@@ -11,9 +11,10 @@ The small API the trainer and the CLI use:
 from __future__ import annotations
 
 from tetrad.config import ModelConfig, ParallelConfig
-from tetrad.hardware import Cluster, cluster as make_cluster
+from tetrad.hardware import GPU, Cluster, cluster as make_cluster
 from tetrad.planner import eager
 from tetrad.planner.comm import CommLedger
+from tetrad.planner.eager_time import eager_step_time
 from tetrad.planner.layout import TrainLayout, check_training_layout
 from tetrad.planner.memory import MemoryBreakdown, eager_breakdown
 from tetrad.planner.model_stats import count_parameters
@@ -33,7 +34,7 @@ _NOMINAL_GPU = "h100-sxm"
 
 def predict_training(model_config: ModelConfig, parallel_config: ParallelConfig,
                      micro_batch: int, seq_len: int, num_microbatches: int | None = None,
-                     dtype: str = "fp32", gpu: str | None = None, gpus_per_node: int = 8,
+                     dtype: str = "fp32", gpu: str | GPU | None = None, gpus_per_node: int = 8,
                      precision: TrainingPrecision | None = None,
                      flash_attention: bool = True, runtime: str = "tetrad") -> dict:
     """What one training step of `parallel_config` should cost, per rank.
@@ -44,7 +45,8 @@ def predict_training(model_config: ModelConfig, parallel_config: ParallelConfig,
     tensors were counted), "idle_fraction" (the pipeline bubble's share of the step),
     "fullest_stage", "comm_bytes" and "comm_payload_bytes" (per step, per collective kind, of a
     rank of the slowest stage; with the tetrad runtime, of the fullest), "step_time_s" and
-    "step_time_breakdown_s" (None without `gpu`), "model_flops_per_step",
+    "step_time_breakdown_s" (None without `gpu`: a catalog name, a profile file or a GPU, e.g.
+    one `tetrad calibrate` measured), "model_flops_per_step",
     "hardware_flops_per_step", "num_parameters"}, and with the tetrad runtime and a pipeline
     "stages": each pipeline rank's {"bytes", "comm_bytes", "comm_payload_bytes"}. `precision`
     overrides the recipe `dtype` implies (e.g. fp32 master params under autocast). `runtime`
@@ -60,8 +62,15 @@ def predict_training(model_config: ModelConfig, parallel_config: ParallelConfig,
                           kv_replicas=runtime == "tetrad")
     # Bytes do not depend on the topology, so without a GPU all ranks share one nominal node.
     per_node = min(gpus_per_node, layout.world_size) if gpu else layout.world_size
-    world = make_cluster(gpu or _NOMINAL_GPU, layout.world_size, per_node)
+    if isinstance(gpu, GPU):
+        world = Cluster(gpu, layout.world_size, per_node)
+    else:
+        world = make_cluster(gpu or _NOMINAL_GPU, layout.world_size, per_node)
     estimate = evaluate_training(model_config, world, layout, workload)
+    step = estimate.step
+    if runtime == "tetrad":
+        step = eager_step_time(model_config, world, layout, seq_len, workload.precision,
+                               flash_attention)
     predicted = {
         **_rank_bytes(estimate.memory, layout, estimate.comm),
         "runtime": runtime,
@@ -69,8 +78,8 @@ def predict_training(model_config: ModelConfig, parallel_config: ParallelConfig,
         # The pipeline bubble's share of the step; the schedule decides it, so a nominal GPU's
         # kernel times serve when there is no GPU (without a pipeline it is 0).
         "idle_fraction": estimate.step.bubble / estimate.step.total,
-        "step_time_s": estimate.step.total if gpu else None,
-        "step_time_breakdown_s": estimate.step.as_dict() if gpu else None,
+        "step_time_s": step.as_dict() if gpu else None,
+        "hardware": world.gpu.name if gpu else None,
         "model_flops_per_step": estimate.model_flops_per_step,
         "hardware_flops_per_step": estimate.hardware_flops_per_step,
         "num_parameters": count_parameters(model_config),
