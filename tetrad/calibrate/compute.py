@@ -21,7 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 MATMUL_SHAPES = ((1, 1, 1), (8, 16, 16), (16, 32, 32), (32, 64, 64), (64, 128, 64),
                  (128, 128, 128), (128, 256, 256), (256, 512, 256), (512, 512, 512),
                  (1024, 1024, 512))
-ELEMENTWISE_ELEMENTS = 2**22  # 16 MiB per fp32 operand: beyond the caches
+# Per fp32 operand: beyond a CPU's caches (16 MiB) and a GPU's L2 (256 MiB).
+ELEMENTWISE_ELEMENTS = {"cpu": 2**22, "cuda": 2**26}
 OPTIMIZER_SMALL_TENSORS = 64  # tiny tensors: the per-tensor cost
 OPTIMIZER_LARGE_ELEMENTS = 2**21  # one large tensor: the per-element cost
 
@@ -81,15 +82,15 @@ def peak_matmul(timer: Timer, dtype: torch.dtype, size: int) -> float:
     return 2.0 * size**3 / timer.median(lambda: torch.mm(a, b), min_reps=3)
 
 
-def attention_points(timer: Timer, shapes: tuple[tuple[int, int, int, int], ...]
-                     ) -> list[tuple[float, float]]:
+def attention_points(timer: Timer, shapes: tuple[tuple[int, int, int, int], ...],
+                     dtype: torch.dtype) -> list[tuple[float, float]]:
     """(FLOPs, seconds) of causal SDPA forward + backward: [batch, heads, seq, head_dim]; the
     planner's count (flops.attention_core_flops): 4 s(s+1)/2 d per head forward, 2.5x that
     backward."""
     points = []
     for batch, heads, seq, dim in shapes:
-        q, k, v = (torch.randn(batch, heads, seq, dim, device=timer.device, requires_grad=True)
-                   for _ in range(3))
+        q, k, v = (torch.randn(batch, heads, seq, dim, device=timer.device, dtype=dtype,
+                               requires_grad=True) for _ in range(3))
 
         def run() -> None:
             F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
@@ -101,8 +102,9 @@ def attention_points(timer: Timer, shapes: tuple[tuple[int, int, int, int], ...]
 
 def stream_bandwidth(timer: Timer) -> float:
     """Bytes per second of out = a + b over operands larger than the caches."""
-    a = torch.randn(ELEMENTWISE_ELEMENTS, device=timer.device)
-    b = torch.randn(ELEMENTWISE_ELEMENTS, device=timer.device)
+    elements = ELEMENTWISE_ELEMENTS[timer.device.type]
+    a = torch.randn(elements, device=timer.device)
+    b = torch.randn(elements, device=timer.device)
     out = torch.empty_like(a)
     seconds = timer.median(lambda: torch.add(a, b, out=out))
     return 3 * a.numel() * a.element_size() / seconds

@@ -21,8 +21,11 @@ from tetrad.calibrate.collectives import measure
 from tetrad.errors import ConfigError
 from tetrad.hardware import GPU, EfficiencyProfile, gpu_from_device_name
 
-ATTENTION_SHAPES = ((1, 4, 64, 16), (2, 4, 128, 32))
+ATTENTION_SHAPES = {"cpu": ((1, 4, 64, 16), (2, 4, 128, 32)),
+                    "cuda": ((1, 16, 1024, 128), (4, 32, 4096, 128))}
 PEAK_SIZES = {"cpu": 512, "cuda": 8192}
+# The dtype a rank's matmuls run in: fp32 on CPU (tetrad's default), bf16 tensor cores on a GPU.
+CURVE_DTYPES = {"cpu": "fp32", "cuda": "bf16"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -82,9 +85,10 @@ def _single_device(timer: compute.Timer, device_type: str, show_progress: bool) 
             out["peaks"] = {name: compute.peak_matmul(timer, dtype, PEAK_SIZES[device_type])
                             for name, dtype in DTYPES.items()}
         elif step == "matmul curve":
-            out["matmul"] = compute.matmul_points(timer, torch.float32)
+            out["matmul"] = compute.matmul_points(timer, DTYPES[CURVE_DTYPES[device_type]])
         elif step == "attention":
-            out["attention"] = compute.attention_points(timer, ATTENTION_SHAPES)
+            out["attention"] = compute.attention_points(
+                timer, ATTENTION_SHAPES[device_type], DTYPES[CURVE_DTYPES[device_type]])
         elif step == "bandwidth":
             out["bandwidth"] = compute.stream_bandwidth(timer)
         elif step == "operators":
@@ -124,11 +128,12 @@ def _profile(device_type: str, single: dict, fits: list) -> GPU:
         else None
     reference = dict(catalog.peak_flops) if catalog else {
         name: value for name, value in peaks.items()}
-    peak = reference.get("fp32", peaks["fp32"])
-    curve = matmul_curve(single["matmul"], peak)
+    curve_dtype = CURVE_DTYPES[device_type]
+    curve = matmul_curve(single["matmul"], reference.get(curve_dtype, peaks[curve_dtype]))
     efficiency = EfficiencyProfile(
         matmul=max(value for _, value in curve),
-        attention=min(1.0, attention_flops / attention_s / reference.get("bf16", peak)),
+        # The planner prices attention against the bf16 peak (compute.attention_times).
+        attention=min(1.0, attention_flops / attention_s / reference["bf16"]),
         memory=1.0, kernel_overhead_s=0.0,
         intra_link=1.0, inter_link=1.0,
         intra_latency_s=p2p[0] if p2p else 0.0, inter_latency_s=p2p[0] if p2p else 0.0,

@@ -19,7 +19,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="what to measure (cuda: NCCL collectives need more than one GPU; "
                              "one GPU measures compute and memory only)")
-    parser.add_argument("--nproc", type=int, default=0,
+    parser.add_argument("--nproc", type=int,
                         help="ranks for the collectives (default: 8 on CPU, every GPU on cuda; "
                              "1: none)")
     parser.add_argument("--quick", action="store_true",
@@ -37,13 +37,13 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else None
     if out is not None and (out.is_dir() or out.suffix != ".json"):
         raise ConfigError(f"--out {args.out}: give a file name ending in .json")
-    if args.nproc < 0 or args.nproc > 64:
+    if args.nproc is not None and not 1 <= args.nproc <= 64:
         raise ConfigError(f"--nproc must be between 1 and 64, got {args.nproc}")
 
     from tetrad.calibrate import calibrate, default_profile_path
 
     started = time.perf_counter()
-    profile = calibrate(args.device, args.nproc, budget_s=0.01 if args.quick else 0.05)
+    profile = calibrate(args.device, args.nproc or 0, budget_s=0.01 if args.quick else 0.05)
     out = out or default_profile_path()
     save_profile(profile, out)
     efficiency = profile.efficiency

@@ -54,6 +54,10 @@ def add_parser(subparsers) -> None:
                             "2023): more memory and time")
     train.add_argument("--dropout", action="store_true",
                        help="the model uses dropout (GPT-3 era): masks in memory, more time")
+    train.add_argument("--runtime", choices=("megatron", "tetrad"),
+                       help="whose kernels and tensors to count: Megatron's fused ones (the "
+                            "published runs') or tetrad's eager runtime (default: tetrad on a "
+                            "profile from tetrad calibrate, megatron on a catalog GPU)")
     serve = modes.add_parser("serve", help="plan serving (inference)")
     _common(serve)
     serve.add_argument("--dtype", default="bf16",
@@ -87,8 +91,10 @@ def _train(args, config, world) -> int:
 
     seq_len = args.seq_len or min(config.max_seq_len, 4096)
     global_batch = args.global_batch or default_global_batch(seq_len)
+    eager = world.gpu.efficiency.op_forward_s > 0  # a profile of eager PyTorch on this machine
     workload = TrainWorkload(seq_len=seq_len, dtype=args.dtype,
-                             flash_attention=not args.no_flash_attention, dropout=args.dropout)
+                             flash_attention=not args.no_flash_attention, dropout=args.dropout,
+                             runtime=args.runtime or ("tetrad" if eager else "megatron"))
     space = TrainSpace(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep,
                        vpp=args.vpp, zero=args.zero, offload=args.offload,
                        recompute=args.recompute, sequence_parallel=args.sequence_parallel,

@@ -14,7 +14,6 @@ from tetrad.config import ModelConfig, ParallelConfig
 from tetrad.hardware import GPU, Cluster, cluster as make_cluster
 from tetrad.planner import eager
 from tetrad.planner.comm import CommLedger
-from tetrad.planner.eager_time import eager_step_time
 from tetrad.planner.layout import TrainLayout, check_training_layout
 from tetrad.planner.memory import MemoryBreakdown, eager_breakdown
 from tetrad.planner.model_stats import count_parameters
@@ -44,9 +43,10 @@ def predict_training(model_config: ModelConfig, parallel_config: ParallelConfig,
     leaves out; with offload "host_optimizer" and "host_grads", in CPU memory), "runtime" (whose
     tensors were counted), "idle_fraction" (the pipeline bubble's share of the step),
     "fullest_stage", "comm_bytes" and "comm_payload_bytes" (per step, per collective kind, of a
-    rank of the slowest stage; with the tetrad runtime, of the fullest), "step_time_s" and
-    "step_time_breakdown_s" (None without `gpu`: a catalog name, a profile file or a GPU, e.g.
-    one `tetrad calibrate` measured), "model_flops_per_step",
+    rank of the slowest stage; with the tetrad runtime, of the fullest), "step_time_s"
+    ({"total", "compute", "communication_exposed", "bubble"}; None without `gpu`: a catalog name,
+    a profile file or a GPU, e.g. one `tetrad calibrate` measured), "hardware" (its name),
+    "model_flops_per_step",
     "hardware_flops_per_step", "num_parameters"}, and with the tetrad runtime and a pipeline
     "stages": each pipeline rank's {"bytes", "comm_bytes", "comm_payload_bytes"}. `precision`
     overrides the recipe `dtype` implies (e.g. fp32 master params under autocast). `runtime`
@@ -68,16 +68,13 @@ def predict_training(model_config: ModelConfig, parallel_config: ParallelConfig,
         world = make_cluster(gpu or _NOMINAL_GPU, layout.world_size, per_node)
     estimate = evaluate_training(model_config, world, layout, workload)
     step = estimate.step
-    if runtime == "tetrad":
-        step = eager_step_time(model_config, world, layout, seq_len, workload.precision,
-                               flash_attention)
     predicted = {
         **_rank_bytes(estimate.memory, layout, estimate.comm),
         "runtime": runtime,
         "fullest_stage": estimate.fullest_stage,
         # The pipeline bubble's share of the step; the schedule decides it, so a nominal GPU's
         # kernel times serve when there is no GPU (without a pipeline it is 0).
-        "idle_fraction": estimate.step.bubble / estimate.step.total,
+        "idle_fraction": step.bubble / step.total,
         "step_time_s": step.as_dict() if gpu else None,
         "hardware": world.gpu.name if gpu else None,
         "model_flops_per_step": estimate.model_flops_per_step,

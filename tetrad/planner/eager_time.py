@@ -45,7 +45,7 @@ def block_operators(config: ModelConfig, layout: TrainLayout, layer: int) -> Ope
     rms, rope = config.norm == "rmsnorm", config.position == "rope"
     gated = config.mlp == "swiglu"
     forward = 32 + 12 * rms + 14 * rope + 2 * gated
-    backward = 61 + 32 * rms + 11 * rope + 3 * gated + 14 * config.bias
+    backward = 54 + 32 * rms + 18 * rope + 3 * gated + 14 * config.bias
     if config.is_moe_layer(layer):
         experts = config.num_experts // layout.ep
         forward += 21 + 15 * experts + 8 * bool(config.num_shared_experts)
@@ -65,11 +65,12 @@ def block_operators(config: ModelConfig, layout: TrainLayout, layer: int) -> Ope
 
 
 def outer_operators(config: ModelConfig, first: bool, last: bool) -> Operators:
-    """The embedding (first stage) and the final norm, head and loss (last stage)."""
+    """The embedding (first stage), the rotary tables (every stage) and the final norm, head
+    and loss (last stage)."""
     rms = config.norm == "rmsnorm"
     learned = config.position == "learned"
-    forward = (6 + 4 * learned) * first + (21 - 6 * (not rms)) * last
-    backward = (8 + 4 * learned) * first + (26 - 16 * (not rms) + 1 * config.bias) * last
+    forward = (1 + learned) * first + 5 * (config.position == "rope") + (21 - 6 * (not rms)) * last
+    backward = (8 + 4 * learned) * first + (26 - 16 * (not rms) + config.bias) * last
     return Operators(forward, backward)
 
 

@@ -230,17 +230,47 @@ def _unit(largest: float) -> tuple[float, str]:
     return 1, "bytes"
 
 
+TIME_PARTS = (("compute", "#4c72b0"), ("communication_exposed", "#dd8452"),
+              ("bubble", "#8c8c8c"))
+
+
+def _draw_step_time(report: dict[str, Any], ax) -> None:
+    """The predicted step time (stacked: compute, exposed communication, bubble) beside each
+    rank kind's measured median."""
+    parts = (report.get("predicted") or {}).get("step_time_s")
+    labels, bottom = [], 0.0
+    if isinstance(parts, dict):
+        for part, color in TIME_PARTS:
+            ax.bar(0, parts[part] * 1e3, bottom=bottom, color=color, width=0.6,
+                   label=part.replace("_", " "))
+            bottom += parts[part] * 1e3
+        labels.append("predicted")
+    for ranks, entry in rank_kinds(report):
+        if entry.get("step_time_s") is not None:
+            ax.bar(len(labels), entry["step_time_s"] * 1e3, color="#55a868", width=0.6,
+                   label="measured (median)" if len(labels) == bool(parts) else None)
+            labels.append(f"{_ranks_label(ranks)}\nmeasured")
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_ylabel("ms per step")
+    hardware = (report.get("predicted") or {}).get("hardware")
+    ax.set_title("step time: predicted" + (f" ({hardware})" if hardware else " (no profile)")
+                 + " vs measured", fontsize=10)
+    if labels:
+        ax.legend(fontsize=8)
+
+
 def draw_report(report: dict[str, Any], path: str | Path) -> None:
     """Loss per step (and the validation loss) on the left; per rank kind, the predicted and
-    the measured memory as stacked bars side by side on the right (host memory hatched)."""
+    the measured memory as stacked bars side by side in the middle (host memory hatched); the
+    predicted step time and each rank kind's measured one on the right."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    fig, (loss_ax, memory_ax) = plt.subplots(1, 2, figsize=(12, 4.8),
-                                             gridspec_kw={"width_ratios": [1, 1.2]})
+    fig, (loss_ax, memory_ax, time_ax) = plt.subplots(
+        1, 3, figsize=(17, 4.8), gridspec_kw={"width_ratios": [1, 1.2, 0.9]})
     steps = report.get("steps", [])
     loss_ax.plot([s["step"] for s in steps], [s["loss"] for s in steps], color="#4c72b0",
                  marker="o" if len(steps) < 30 else None, markersize=3, label="training loss")
@@ -281,6 +311,7 @@ def draw_report(report: dict[str, Any], path: str | Path) -> None:
     memory_ax.set_ylim(0, max(bottoms) * 1.12)
     memory_ax.set_title("memory: predicted vs measured", fontsize=10)
     memory_ax.legend(fontsize=8, bbox_to_anchor=(1.01, 1.0), loc="upper left")
+    _draw_step_time(report, time_ax)
     name = report.get("config", {}).get("model_config", {}).get("name", "")
     fig.suptitle(f"run report: {name}, {_layout(report.get('config', {}))}", fontsize=11)
     fig.tight_layout()
