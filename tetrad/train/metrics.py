@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,8 @@ def rank_entry(rank: int, coords: dict[str, int], bytes_held: dict[str, int],
                ) -> dict[str, Any]:
     """One rank's measurements; `step_time_s` is the median of its step times after the
     first (which pays for warm-up), or of the one step there is."""
-    timed = sorted((step_times or [])[1:] or (step_times or []))
-    median = (timed[len(timed) // 2] if len(timed) % 2 else
-              (timed[len(timed) // 2 - 1] + timed[len(timed) // 2]) / 2) if timed else None
+    timed = (step_times or [])[1:] or step_times
+    median = statistics.median(timed) if timed else None
     return {"rank": rank, "coords": coords,
             "bytes": {**bytes_held, "activations_peak": activations_peak},
             "comm_bytes": {**empty_comm_bytes(), **(comm_bytes or {})},

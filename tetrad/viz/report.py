@@ -5,6 +5,7 @@ matplotlib is imported inside `draw_report` only."""
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -168,8 +169,8 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             loss += f", validation {report['validation_loss']:.4f}"
         lines.append(loss)
         # The first step pays for warm-up (allocations, kernel selection): leave it out.
-        timed = sorted(s["time_s"] for s in (steps[1:] or steps))
-        measured = timed[len(timed) // 2]
+        timed = [s["time_s"] for s in (steps[1:] or steps)]
+        measured = statistics.median(timed)
         step_time = f"step time: measured {measured:.4f} s (median of {len(timed)})"
         total = predicted_step_time(report)
         if total is not None:
