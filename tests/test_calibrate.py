@@ -172,3 +172,19 @@ def test_predicted_step_time_of_real_runs(calibrated, corpus_file, tmp_path):
     figure = tmp_path / "report.png"
     draw_report(reports["pp2 1f1b"], figure)
     assert figure.stat().st_size > 10_000
+
+
+def test_train_reads_this_machines_cached_profile(calibrated, corpus_file, tmp_path,
+                                                  monkeypatch):
+    from tetrad.calibrate import default_profile_path
+    from tetrad.train.trainer import train
+
+    path, _ = calibrated
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    save_profile(load_profile(path), default_profile_path())
+    assert default_profile_path() == tmp_path / "tetrad" / "hardware.json"
+    config = TrainConfig(model="tiny", data=corpus_file, steps=2, batch_size=2, seq_len=32,
+                         warmup_steps=1, sample_tokens=0)
+    predicted = train(config, show_progress=False).report["predicted"]
+    assert predicted["hardware"] == load_profile(path).name
+    assert predicted["step_time_s"]["total"] > 0 and predicted["step_time_s"]["bubble"] == 0
