@@ -14,7 +14,10 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from tetrad.memory import ActivationMeter
 
 # GEMM shapes (m, n, k) from tiny to the largest that stays well under a second on one core:
 # the efficiency curve's points. Square-ish, as a transformer's projections are.
@@ -121,15 +124,19 @@ def _tiny_block(x: torch.Tensor, weight: torch.Tensor, gain: torch.Tensor) -> to
 
 
 def operator_costs(timer: Timer) -> tuple[float, float]:
-    """Seconds per ATen operator of eager forward (autograd recording) and of backward."""
+    """Seconds per ATen operator of eager forward (autograd recording, under the activation
+    meter every tetrad strategy runs its forward in) and of backward."""
     x = torch.randn(2, 8, device=timer.device, requires_grad=True)
-    weight = torch.randn(16, 8, device=timer.device, requires_grad=True)
-    gain = torch.ones(8, device=timer.device, requires_grad=True)
+    weights = nn.ParameterDict({"weight": torch.randn(16, 8, device=timer.device),
+                                "gain": torch.ones(8, device=timer.device)})
+    meter = ActivationMeter(weights)
 
     def chain() -> torch.Tensor:
         y = x
-        for _ in range(8):
-            y = _tiny_block(y, weight, gain)
+        with meter.measure():
+            for _ in range(8):
+                y = _tiny_block(y, weights["weight"], weights["gain"])
+        meter.finish_microbatch()
         return y.sum()
 
     with OperatorCount() as forward_ops:
