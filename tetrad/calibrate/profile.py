@@ -130,23 +130,27 @@ def _profile(device_type: str, single: dict, fits: list) -> GPU:
         name: value for name, value in peaks.items()}
     curve_dtype = CURVE_DTYPES[device_type]
     curve = matmul_curve(single["matmul"], reference.get(curve_dtype, peaks[curve_dtype]))
+    # A catalog GPU keeps its datasheet bandwidths: the measured rates become its fractions.
+    nominal = catalog.memory_bandwidth if catalog else bandwidth
+    links = catalog.efficiency if catalog and not fits else None
     efficiency = EfficiencyProfile(
         matmul=max(value for _, value in curve),
         # The planner prices attention against the bf16 peak (compute.attention_times).
         attention=min(1.0, attention_flops / attention_s / reference["bf16"]),
-        memory=1.0, kernel_overhead_s=0.0,
-        intra_link=1.0, inter_link=1.0,
-        intra_latency_s=p2p[0] if p2p else 0.0, inter_latency_s=p2p[0] if p2p else 0.0,
+        memory=min(1.0, bandwidth / nominal), kernel_overhead_s=0.0,
+        intra_link=links.intra_link if links else 1.0,
+        inter_link=links.inter_link if links else 1.0,
+        intra_latency_s=links.intra_latency_s if links else (p2p[0] if p2p else 0.0),
+        inter_latency_s=links.inter_latency_s if links else (p2p[0] if p2p else 0.0),
         matmul_curve=curve, op_forward_s=forward_op, op_backward_s=backward_op,
-        optimizer_tensor_s=per_tensor, optimizer_memory=optimizer_rate / bandwidth,
+        optimizer_tensor_s=per_tensor, optimizer_memory=min(1.0, optimizer_rate / nominal),
         collectives=tuple(fits),
         concurrent_ranks=_cores() if device_type == "cpu" else 0)
+    if catalog:
+        return replace(catalog, name=f"{catalog.name}-calibrated", efficiency=efficiency,
+                       aliases=(), source=f"tetrad calibrate on {torch.cuda.get_device_name()}")
     # gloo between processes of one machine: the links are its memory, at the p2p fit's rate.
     link = 1.0 / p2p[1] if p2p and p2p[1] > 0 else bandwidth
-    if catalog:
-        return replace(catalog, name=f"{catalog.name}-calibrated", memory_bandwidth=bandwidth,
-                       efficiency=efficiency, aliases=(),
-                       source=f"tetrad calibrate on {torch.cuda.get_device_name()}")
     if device_type == "cpu":
         memory, described = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), _cpu_name()
     else:

@@ -13,6 +13,9 @@ GELU and biases change that by the amounts below. Tensor, sequence, context and 
 parallelism add their collectives' own operators, and full recomputation runs the forward again
 inside the backward.
 
+On a CPU the operators' costs add to their work; on a GPU the host issues kernels while earlier
+ones run, so a stage takes the longer of the two.
+
 On a machine whose ranks share fewer cores than there are ranks (`concurrent_ranks`), the step
 also cannot end before the cores have done every rank's work: the step is the longer of the
 critical path and the total compute over the cores.
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from tetrad.config import ModelConfig
-from tetrad.hardware import Cluster
+from tetrad.hardware import Cluster, EfficiencyProfile
 from tetrad.planner import comm
 from tetrad.planner.compute import head_times, layer_times, optimizer_time
 from tetrad.planner.eager import pipeline_ranks
@@ -74,6 +77,12 @@ def outer_operators(config: ModelConfig, first: bool, last: bool) -> Operators:
     return Operators(forward, backward)
 
 
+def issue(kernels: float, operators: float, profile: EfficiencyProfile) -> float:
+    """A CPU runs each operator's Python, dispatch and kernel one after another; a GPU runs its
+    kernels while the host issues the next ones, so the slower of the two sets the pace."""
+    return max(kernels, operators) if profile.concurrent_ranks == 0 else kernels + operators
+
+
 @dataclass(frozen=True)
 class RankTime:
     forward: float  # one microbatch through the rank's stages
@@ -93,24 +102,28 @@ def rank_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, seq_le
             layout.sequence_parallel, layout.recompute, flash, False, precision.compute_dtype,
             act, weight_bytes)
     forward = backward = matmul = 0.0
+    forward_ops = backward_ops = 0.0
     last_stage = layout.pp * layout.vpp - 1
     for stage in rank_stages(layout, pp_rank):
         for layer in stage_blocks(config, layout, stage):
             kernels = layer_times(config, gpu, layer, *args)
             ops = block_operators(config, layout, layer)
-            forward += kernels.forward + ops.forward * profile.op_forward_s
-            backward += (kernels.backward + kernels.recompute
-                         + ops.backward * profile.op_backward_s)
+            forward += kernels.forward
+            backward += kernels.backward + kernels.recompute
             matmul += kernels.matmul_forward
+            forward_ops += ops.forward
+            backward_ops += ops.backward
         outer = outer_operators(config, stage == 0, stage == last_stage)
-        forward += outer.forward * profile.op_forward_s
-        backward += outer.backward * profile.op_backward_s
+        forward_ops += outer.forward
+        backward_ops += outer.backward
         if stage == last_stage:
             head = head_times(config, gpu, layout.micro_batch, seq_len, layout.tp, layout.cp,
                               precision.compute_dtype, act, weight_bytes)
             forward += head.forward
             backward += head.backward
             matmul += head.matmul_forward
+    forward = issue(forward, forward_ops * profile.op_forward_s, profile)
+    backward = issue(backward, backward_ops * profile.op_backward_s, profile)
     params = rank_parameters(config, layout, pp_rank)
     elements = sum(p.elements for p in params)
     tensors = len(params)
