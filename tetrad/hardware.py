@@ -9,6 +9,8 @@ The efficiency profile is what the planner cannot read from a datasheet: how clo
 to those peaks. It is calibrated once per GPU against published training runs
 (tests/test_planner_accuracy.py) and never per question. GPUs without published large-scale runs
 inherit the profile of their architecture's calibrated sibling, which is said next to the entry.
+A machine `tetrad calibrate` measured is a GPU of the same schema, read from a JSON profile
+(load_profile; `--gpu` and `--hardware` take a catalog name or a profile file).
 No torch here: the planner runs on a laptop.
 """
 
@@ -19,6 +21,7 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -291,6 +294,13 @@ def save_profile(device: GPU, path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(profile_to_dict(device), indent=2) + "\n")
+
+
+def default_profile_path() -> Path:
+    """This machine's cached profile: what `tetrad calibrate` writes without --out and what
+    `tetrad train` reads when no --hardware is given."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "tetrad" / "hardware.json"
 
 
 def is_profile_path(name: str) -> bool:

@@ -4,6 +4,7 @@ a catalog GPU (tetrad.hardware), so the planner times a run on it with its one t
 The measuring needs torch; the profile it writes and the planner that reads it do not.
 """
 
-from tetrad.calibrate.profile import calibrate, default_profile_path
+from tetrad.calibrate.profile import calibrate
+from tetrad.hardware import default_profile_path
 
 __all__ = ["calibrate", "default_profile_path"]

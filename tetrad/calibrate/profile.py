@@ -29,13 +29,6 @@ CURVE_DTYPES = {"cpu": "fp32", "cuda": "bf16"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def default_profile_path() -> Path:
-    """This machine's cached profile: what `tetrad calibrate` writes without --out and what
-    `tetrad train` reads when no --hardware is given."""
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "tetrad" / "hardware.json"
-
-
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -17,7 +17,8 @@ from tqdm import tqdm
 
 from tetrad.config import ModelConfig, TrainConfig
 from tetrad.errors import ConfigError, TetradError
-from tetrad.hardware import GPU, gpu_from_device_name, gpu_or_profile, load_profile
+from tetrad.hardware import (GPU, default_profile_path, gpu_from_device_name, gpu_or_profile,
+                             load_profile)
 from tetrad.models.transformer import Transformer, count_parameters
 from tetrad.parallel.pipeline.partition import partition
 from tetrad.planner import predict_training
@@ -80,8 +81,6 @@ def prediction_hardware(config: TrainConfig, gpu: GPU | None) -> GPU | None:
     if config.hardware:
         return gpu_or_profile(config.hardware)
     if gpu is None:
-        from tetrad.calibrate import default_profile_path
-
         cached = default_profile_path()
         return load_profile(cached) if cached.is_file() else None
     return gpu
