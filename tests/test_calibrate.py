@@ -36,11 +36,12 @@ def tetrad(*args, env=None):
 
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory):
-    """One quick calibration on 2 ranks for the whole module: (its profile path, the run)."""
-    path = tmp_path_factory.mktemp("profile") / "machine.json"
-    run = tetrad("calibrate", "--nproc", "2", "--quick", "--out", str(path))
+    """One quick calibration on 2 ranks for the whole module, without --out: into this
+    machine's profile cache (here a temporary one). (Its profile path, the run.)"""
+    cache = tmp_path_factory.mktemp("cache")
+    run = tetrad("calibrate", "--nproc", "2", "--quick", env={"XDG_CACHE_HOME": str(cache)})
     assert run.returncode == 0, run.stderr
-    return path, run
+    return cache / "tetrad" / "hardware.json", run
 
 
 def test_catalog_gpus_round_trip():
