@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -41,17 +42,20 @@ def fit_alpha_beta(points: list[tuple[float, float]]) -> tuple[float, float]:
     return alpha, beta
 
 
-def _call(kind: str, size: int, tensor: torch.Tensor, group) -> None:
+def collective_call(kind: str, size: int, tensor: torch.Tensor, group) -> Callable[[], None]:
+    """One call of `kind` handed `tensor` whole (the input of reduce-scatter, the output of
+    all-gather), its other buffers made beforehand so only the call is timed."""
+    shard = torch.empty(tensor.numel() // size, device=tensor.device)
     if kind == "all_reduce":
-        dist.all_reduce(tensor, group=group)
-    elif kind == "reduce_scatter":
-        dist.reduce_scatter_tensor(tensor[: tensor.numel() // size], tensor, group=group)
-    elif kind == "all_gather":
-        dist.all_gather_into_tensor(tensor, tensor[: tensor.numel() // size].clone(), group=group)
-    elif kind == "all_to_all":
-        dist.all_to_all_single(torch.empty_like(tensor), tensor, group=group)
-    else:
-        dist.broadcast(tensor, src=0, group=group)
+        return lambda: dist.all_reduce(tensor, group=group)
+    if kind == "reduce_scatter":
+        return lambda: dist.reduce_scatter_single(shard, tensor, group=group)
+    if kind == "all_gather":
+        return lambda: dist.all_gather_single(tensor, shard, group=group)
+    if kind == "all_to_all":
+        received = torch.empty_like(tensor)
+        return lambda: dist.all_to_all_single(received, tensor, group=group)
+    return lambda: dist.broadcast(tensor, src=0, group=group)
 
 
 def _median_time(fn, device: torch.device, group) -> float:
@@ -74,7 +78,9 @@ def measure(rank: int, world_size: int, show_progress: bool) -> list[tuple[str, 
     """Every rank runs this (tetrad.train.launch.spawn); returns (kind, n, alpha, beta) fits."""
     from tqdm import tqdm
 
-    device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
+    from tetrad.train.launch import local_device
+
+    device = local_device(rank, world_size)  # what the spawned rank's backend was chosen for
     sizes = group_sizes(world_size)
     tasks = [(n, kind) for n in sizes for kind in KINDS] + [(2, "p2p")]
     progress = tqdm(tasks, desc="calibrate collectives", disable=not (show_progress and rank == 0),
@@ -91,8 +97,8 @@ def measure(rank: int, world_size: int, show_progress: bool) -> list[tuple[str, 
                 if kind == "p2p":
                     seconds = _p2p_time(rank, tensor, device, groups[2])
                 else:
-                    seconds = _median_time(lambda: _call(kind, n, tensor, groups[n]), device,
-                                           groups[n])
+                    seconds = _median_time(collective_call(kind, n, tensor, groups[n]),
+                                           device, groups[n])
                 points.append((numel * 4.0, seconds))
         dist.barrier()
         if rank == 0:

@@ -63,7 +63,7 @@ def calibrate(device_type: str = "cpu", nproc: int = 0, show_progress: bool = Tr
         single = _single_device(timer, device_type, show_progress)
     finally:
         torch.set_num_threads(threads)
-    fits = _collectives(ranks, show_progress) if ranks > 1 else []
+    fits = _collectives(ranks, device_type, show_progress) if ranks > 1 else []
     return _profile(device_type, single, fits)
 
 
@@ -92,10 +92,22 @@ def _single_device(timer: compute.Timer, device_type: str, show_progress: bool) 
     return out
 
 
-def _collectives(ranks: int, show_progress: bool) -> list[tuple[str, int, float, float]]:
+def _collectives(ranks: int, device_type: str, show_progress: bool
+                 ) -> list[tuple[str, int, float, float]]:
+    """gloo on CPU, NCCL with a GPU per rank: spawned ranks pick their backend by the GPUs they
+    see, so a CPU calibration hides them."""
     from tetrad.train.launch import spawn
 
-    return spawn(measure, ranks, (show_progress,), timeout_s=600)[0]
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if device_type == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        return spawn(measure, ranks, (show_progress,), timeout_s=600)[0]
+    finally:
+        if hidden is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = hidden
 
 
 def matmul_curve(points: list[tuple[float, float]], peak: float) -> tuple[tuple[float, float],
