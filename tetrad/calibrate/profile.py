@@ -135,13 +135,15 @@ def _profile(device_type: str, single: dict, fits: list) -> GPU:
         name: value for name, value in peaks.items()}
     curve_dtype = CURVE_DTYPES[device_type]
     curve = matmul_curve(single["matmul"], reference.get(curve_dtype, peaks[curve_dtype]))
+    attention = min(1.0, attention_flops / attention_s / reference["bf16"])
     # A catalog GPU keeps its datasheet bandwidths: the measured rates become its fractions.
     nominal = catalog.memory_bandwidth if catalog else bandwidth
     links = catalog.efficiency if catalog and not fits else None
     efficiency = EfficiencyProfile(
         matmul=max(value for _, value in curve),
-        # The planner prices attention against the bf16 peak (compute.attention_times).
-        attention=min(1.0, attention_flops / attention_s / reference["bf16"]),
+        # The planner prices attention against the bf16 peak (compute.attention_times); SDPA is
+        # both the fused kernel and the portable one here.
+        attention=attention, portable_attention=attention,
         memory=min(1.0, bandwidth / nominal), kernel_overhead_s=0.0,
         intra_link=links.intra_link if links else 1.0,
         inter_link=links.inter_link if links else 1.0,

@@ -106,7 +106,7 @@ def rank_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, seq_le
     last_stage = layout.pp * layout.vpp - 1
     for stage in rank_stages(layout, pp_rank):
         for layer in stage_blocks(config, layout, stage):
-            kernels = layer_times(config, gpu, layer, *args)
+            kernels = layer_times(config, gpu, layer, *args, portable_attention=True)
             ops = block_operators(config, layout, layer)
             forward += kernels.forward
             backward += kernels.backward + kernels.recompute
