@@ -175,9 +175,12 @@ class LLM:
         if batch.seqs:
             logits = self._execute(StepPlan.from_batch(batch, self.kv_plan.block_size))
             to_sample = self.scheduler.advance(batch)
-            rows = torch.tensor([row for _, row in to_sample], device=logits.device)
+            rows = [row for _, row in to_sample]
             seqs = [seq for seq, _ in to_sample]
-            tokens = self.sampler(logits[rows], seqs) if seqs else []
+            if rows != list(range(len(logits))):  # forked samples share their parent's row
+                logits = logits[torch.tensor(rows, device=logits.device)]
+            # The step's one device-to-host copy: the sampled ids.
+            tokens = self.sampler(logits, seqs).token_ids.tolist() if seqs else []
             self.scheduler.append_tokens(list(zip(seqs, tokens)), self.eos_token_ids)
             now = time.perf_counter()
             for seq, token in zip(seqs, tokens):
