@@ -9,7 +9,7 @@ import sys
 import time
 
 ENGINE_FLAGS: list[tuple[str, type, str]] = [
-    ("--dtype", str, "fp32 (default), bf16 or fp16"),
+    ("--dtype", str, "auto (default: the checkpoint's), fp32, bf16 or fp16"),
     ("--device", str, "auto (default: cuda when available), cpu, cuda, cuda:N"),
     ("--block-size", int, "tokens per KV block (default 16)"),
     ("--kv-memory", str, "KV cache budget, e.g. 2GiB (default: 512MiB on CPU, the free memory "

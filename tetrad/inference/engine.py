@@ -15,7 +15,7 @@ import queue
 import re
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -24,7 +24,8 @@ from torch import nn
 from tetrad.config import check_choice, check_positive, from_dict
 from tetrad.errors import ConfigError
 from tetrad.inference.block_manager import BlockManager
-from tetrad.inference.kv_cache import DTYPE_BYTES
+from tetrad.inference.kv_cache import (DTYPE_BYTES, TORCH_DTYPES, check_tokenizer_fits,
+                                       resolve_dtype)
 from tetrad.inference.metrics import EngineMetrics
 from tetrad.inference.output import CompletionOutput, Detokenizer, RequestOutput
 from tetrad.inference.params import SamplingParams
@@ -39,7 +40,7 @@ from tetrad.inference.tp import TensorParallelDriver
 class EngineConfig:
     """Field names are the `tetrad serve / run / generate` flags with '-' for '_'."""
 
-    dtype: str = "fp32"
+    dtype: str = "auto"  # auto: the checkpoint's dtype (a model object's parameters')
     device: str = "auto"  # auto (cuda when available) | cpu | cuda | cuda:N
     block_size: int = 16
     kv_memory: str | int | None = None  # KV pool budget; None: 512 MiB on CPU, free memory on GPU
@@ -56,7 +57,7 @@ class EngineConfig:
     tp: int = 1  # tensor-parallel ranks (processes; GPUs with --device cuda)
 
     def __post_init__(self) -> None:
-        check_choice("dtype", self.dtype, tuple(DTYPE_BYTES))
+        check_choice("dtype", self.dtype, ("auto", *DTYPE_BYTES))
         check_choice("attention", self.attention, ATTENTION_BACKENDS)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tp"):
             check_positive(name, getattr(self, name))
@@ -87,19 +88,27 @@ class LLM:
         tokenizer: anything with encode / decode / eos_id; by default the model folder's.
         With tp > 1 the engine starts tp - 1 more processes (or joins a process group of tp
         ranks: see tetrad.inference.tp); close() stops them."""
-        self.config = config = from_dict(EngineConfig, engine_config)
+        config = from_dict(EngineConfig, engine_config)
         self.eos_token_ids: tuple[int, ...] = ()
         self.path = None if isinstance(model, nn.Module) else Path(model)
+        device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available()
+                              else "cpu" if config.device == "auto" else config.device)
         if isinstance(model, nn.Module):
             if tokenizer is None:
                 raise ConfigError("pass a tokenizer along with a model object")
+            config = replace(config, dtype=resolve_dtype(config.dtype, model))
         else:
             import tetrad
 
             path = Path(model)
             tokenizer = tokenizer or tetrad.load_tokenizer(path)
             self.eos_token_ids = _config_eos_ids(path)
-            model = tetrad.load_pretrained(path)
+            config = replace(config, dtype=resolve_dtype(config.dtype, path))
+            # Tensor-parallel ranks split the model on the host, then move their share.
+            model = tetrad.load_pretrained(path, device if config.tp == 1 else "cpu",
+                                           TORCH_DTYPES[config.dtype])
+        check_tokenizer_fits(tokenizer, model.config.vocab_size)
+        self.config = config
         self.tokenizer = tokenizer
         if getattr(tokenizer, "eos_id", None) is not None:
             self.eos_token_ids = tuple(sorted({*self.eos_token_ids, tokenizer.eos_id}))
@@ -116,8 +125,6 @@ class LLM:
             self.runner, plan = self.tp.runner, self.tp.kv_plan
             self._execute = self.tp.execute
         else:
-            device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available()
-                                  else "cpu" if config.device == "auto" else config.device)
             self.runner, plan = load_runner(model, config, self.max_model_len, device)
             self._execute = self.runner.execute
         self.model = self.runner.model

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
 from tetrad.config import ModelConfig
 from tetrad.errors import ConfigError
 from tetrad.planner.memory import kv_bytes_per_token
+from tetrad.tokenizer import ByteTokenizer
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -26,6 +28,33 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb
 # of a step and allocator fragmentation need the rest.
 DEVICE_MEMORY_FRACTION = 0.9
 DEFAULT_CPU_KV_MEMORY = 512 * 2**20
+
+
+def resolve_dtype(dtype: str, model: "str | Path | torch.nn.Module") -> str:
+    """The engine's dtype name: `dtype`, or with "auto" the checkpoint's (vLLM's --dtype auto),
+    a model object's parameters' for a model passed in."""
+    if dtype != "auto":
+        return dtype
+    if isinstance(model, torch.nn.Module):
+        stored, source = next(model.parameters()).dtype, "the model's parameters"
+    else:
+        from tetrad.models.hf import checkpoint_dtype
+
+        stored, source = checkpoint_dtype(model), str(model)
+    names = {value: name for name, value in TORCH_DTYPES.items()}
+    if stored not in names:
+        raise ConfigError(f"{source} stores {stored}, which the engine does not run: pass "
+                          f"--dtype {', '.join(TORCH_DTYPES)}")
+    return names[stored]
+
+
+def check_tokenizer_fits(tokenizer, vocab_size: int) -> None:
+    """Stop at load time when the tokenizer cannot decode the ids the model emits: a folder
+    without tokenizer.json gets the byte tokenizer, which fails on the first id above 255."""
+    if isinstance(tokenizer, ByteTokenizer) and vocab_size > ByteTokenizer.vocab_size:
+        raise ConfigError(f"the model's vocabulary has {vocab_size} tokens but the tokenizer is "
+                          f"byte-level (256; the model folder has no tokenizer.json): pass "
+                          f"--tokenizer with the model's tokenizer.json")
 
 
 def parse_bytes(value: str | int) -> int:

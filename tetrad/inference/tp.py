@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tetrad.errors import ConfigError, TetradError
-from tetrad.inference.kv_cache import KVPlan
+from tetrad.inference.kv_cache import TORCH_DTYPES, KVPlan
 from tetrad.inference.runner import StepPlan, load_runner
 from tetrad.models.hf import load_pretrained
 from tetrad.parallel.comm import Comm, CommCounter
@@ -351,7 +351,7 @@ class TensorParallelWorker:
         self.ranks = TensorParallelRanks()
         config, max_model_len = self.ranks.share(None)
         if not isinstance(model, nn.Module):
-            model = load_pretrained(model)
+            model = load_pretrained(model, dtype=TORCH_DTYPES[config.dtype])
         self.runner, self.kv_plan = load_runner(model, config, max_model_len, self.ranks.device,
                                                 self.ranks)
 
