@@ -55,6 +55,8 @@ class EngineConfig:
     watermark: float = 0.01
     seed: int = 0
     tp: int = 1  # tensor-parallel ranks (processes; GPUs with --device cuda)
+    enforce_eager: bool = False  # no CUDA graphs for decode steps
+    compile: bool = False  # torch.compile the forward (and FlexAttention)
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, ("auto", *DTYPE_BYTES))

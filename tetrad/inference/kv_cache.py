@@ -121,7 +121,10 @@ class KVCache:
     def __init__(self, config: ModelConfig, plan: KVPlan, dtype: torch.dtype,
                  device: torch.device):
         kv_heads = -(-config.num_kv_heads // plan.tp)  # this rank's (tensor_parallel.kv_heads_of)
-        shape = (config.num_layers, 2, plan.num_blocks, plan.block_size, kv_heads,
+        # One block more than the plan's, which no sequence ever gets: padded table entries and
+        # the padding rows of a CUDA-graph batch read and write it.
+        self.pad_block = plan.num_blocks
+        shape = (config.num_layers, 2, plan.num_blocks + 1, plan.block_size, kv_heads,
                  config.head_dim)
         self.pool = torch.zeros(shape, dtype=dtype, device=device)
         # Pinned host memory makes the device <-> CPU swap copies asynchronous-capable and fast.
