@@ -64,7 +64,8 @@ def test_engine_with_flex_attention_decodes_like_full_recompute():
     model = random_model()
     prompts, greedy = PROMPTS[:3], GREEDY.replace(max_tokens=6)
     expected = [reference_greedy(model, prompt, 6) for prompt in prompts]
-    llm = engine(model, attention="flex", max_num_batched_tokens=7)  # prompts in chunks
+    # A small pool: eager FlexAttention (the dense reference form) scores every pool slot.
+    llm = engine(model, attention="flex", max_num_batched_tokens=7, num_blocks=32)  # chunks
     assert [o.token_ids for o in llm.generate(prompts, greedy)] == expected
     # Again: the prompts' blocks now come from the prefix cache (chunks over cached context).
     assert [o.token_ids for o in llm.generate(prompts, greedy)] == expected
@@ -85,7 +86,7 @@ def test_decode_steps_padded_to_buckets_equal_eager_steps(attention):
     model = random_model()
     prompts = PROMPTS[:3]
     expected = [reference_greedy(model, prompt, 5) for prompt in prompts]
-    llm = engine(model, attention=attention, max_num_seqs=5)
+    llm = engine(model, attention=attention, max_num_seqs=5, num_blocks=32)
     runner = llm.runner
     runner.graphs = DecodeGraphs(runner, 5, llm.max_model_len)
     runner.graphs.capture()  # no CUDA: records the forward over the static buffers
@@ -140,3 +141,30 @@ def test_varlen_reads_the_pool_in_place_like_gathered_attention():
                                      tables, query_positions)
     expected = torch.cat([expected[row, :count] for row, count in enumerate(new.tolist())])
     torch.testing.assert_close(out.cpu().double(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_a_decode_step_reads_one_device_value_back_the_sampled_ids(monkeypatch):
+    """Host syncs, counted: ops that read a device value (item, nonzero, ...) and tolist calls,
+    in a decode step of greedy, sampled, seeded and penalized rows."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    reads = []
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] in ("_local_scalar_dense", "nonzero", "is_nonzero"):
+                reads.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist",
+                        lambda tensor: reads.append("tolist") or tolist(tensor))
+    llm = engine(random_model())
+    for params in (GREEDY, GREEDY.replace(temperature=0.8, top_p=0.9, top_k=5),
+                   GREEDY.replace(temperature=1.0, seed=3, repetition_penalty=1.2)):
+        llm.add_request(PROMPTS[0], params)
+    llm.step()  # prefill
+    reads.clear()
+    with Reads():
+        llm.step()
+    assert reads == ["tolist"]

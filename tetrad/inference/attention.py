@@ -33,15 +33,24 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 
+def visible_keys(block_tables: torch.Tensor, query_positions: torch.Tensor, block_size: int
+                 ) -> torch.Tensor:
+    """SDPA's mask over the gathered keys [batch, 1, queries, keys]: the same for every layer of
+    a step, so the caller can make it once."""
+    key_positions = torch.arange(block_tables.shape[1] * block_size, device=block_tables.device)
+    return (key_positions <= query_positions.unsqueeze(-1)).unsqueeze(1)
+
+
 def sdpa_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         block_tables: torch.Tensor, query_positions: torch.Tensor
-                         ) -> torch.Tensor:
+                         block_tables: torch.Tensor, query_positions: torch.Tensor,
+                         mask: torch.Tensor | None = None) -> torch.Tensor:
+    """`mask`: visible_keys(block_tables, query_positions, block size), when already made."""
     k = k_cache[block_tables].flatten(1, 2)  # [batch, max_blocks * block_size, kv_heads, head_dim]
     v = v_cache[block_tables].flatten(1, 2)
-    key_positions = torch.arange(k.shape[1], device=q.device)
-    mask = key_positions <= query_positions.unsqueeze(-1)  # [batch, queries, keys]
+    if mask is None:
+        mask = visible_keys(block_tables, query_positions, k_cache.shape[1])
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask.unsqueeze(1),
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
         enable_gqa=k.shape[2] != q.shape[2])  # [batch, heads, queries, head_dim]
     return out.transpose(1, 2)
 

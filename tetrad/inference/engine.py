@@ -103,13 +103,15 @@ class LLM:
             import tetrad
 
             path = Path(model)
+            folder_tokenizer = tokenizer is None
             tokenizer = tokenizer or tetrad.load_tokenizer(path)
             self.eos_token_ids = _config_eos_ids(path)
             config = replace(config, dtype=resolve_dtype(config.dtype, path))
             # Tensor-parallel ranks split the model on the host, then move their share.
             model = tetrad.load_pretrained(path, device if config.tp == 1 else "cpu",
                                            TORCH_DTYPES[config.dtype])
-        check_tokenizer_fits(tokenizer, model.config.vocab_size)
+            if folder_tokenizer:
+                check_tokenizer_fits(tokenizer, model.config.vocab_size)
         self.config = config
         self.tokenizer = tokenizer
         if getattr(tokenizer, "eos_id", None) is not None:

@@ -131,16 +131,21 @@ class KVCache:
         self.cpu_pool = torch.zeros((*shape[:2], plan.num_cpu_blocks, *shape[3:]), dtype=dtype,
                                     pin_memory=device.type == "cuda")
         self.kv_heads, self.head_dim = kv_heads, config.head_dim
+        # Each layer's pools and their [slots, kv_heads, head_dim] views, made once: a step's
+        # layers then index no tensor to find them.
+        self.layers = [(self.pool[i, 0], self.pool[i, 1]) for i in range(config.num_layers)]
+        self.slot_views = [(k.view(-1, kv_heads, config.head_dim),
+                            v.view(-1, kv_heads, config.head_dim)) for k, v in self.layers]
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.pool[index, 0], self.pool[index, 1]
+        return self.layers[index]
 
     def write(self, index: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """slots: [tokens] flat slot ids (block * block_size + offset); k, v: [tokens, kv_heads,
         head_dim]."""
-        k_cache, v_cache = self.layer(index)
-        k_cache.view(-1, self.kv_heads, self.head_dim).index_copy_(0, slots, k)
-        v_cache.view(-1, self.kv_heads, self.head_dim).index_copy_(0, slots, v)
+        k_slots, v_slots = self.slot_views[index]
+        k_slots.index_copy_(0, slots, k)
+        v_slots.index_copy_(0, slots, v)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: (source block, destination block) in the device pool."""

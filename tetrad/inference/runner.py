@@ -13,6 +13,7 @@ every rank builds the same step from it.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -23,7 +24,7 @@ from torch import nn
 from tetrad.errors import ConfigError
 from tetrad.inference.attention import (flex_attention, flex_paged_attention, paged_block_mask,
                                         sdpa_paged_attention, tiled_paged_attention,
-                                        varlen_paged_attention)
+                                        varlen_paged_attention, visible_keys)
 from tetrad.inference.cuda_graphs import DecodeGraphs
 from tetrad.inference.kv_cache import (TORCH_DTYPES, KVCache, KVPlan, parse_bytes,
                                        plan_kv_pool)
@@ -135,6 +136,7 @@ class StepContext:
         self.query_rows: torch.Tensor | None = None  # [seqs, max_q] token row of each query
         self.token_index: torch.Tensor | None = None  # [tokens] its place in [seqs * max_q]
         self.block_mask = None  # flex: built once per step, shared by the layers
+        self.decode_mask: torch.Tensor | None = None  # sdpa, decode steps: likewise
         self.varlen: tuple = ()  # varlen: (tables int32, cu_seq_q, cu_seq_k, lens, max_q, max_k)
         self.decode_seqs: torch.Tensor | None = None  # gathering: [decodes] their seq indices
         self.decode_rows: torch.Tensor | None = None  # gathering: [decodes] their token rows
@@ -143,12 +145,13 @@ class StepContext:
         self.num_table_blocks: list[int] = []  # gathering: [seqs] table entries in use
 
     def gathered(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+                 tables: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None
+                 ) -> torch.Tensor:
         # K and V of every table entry, as SDPA's contiguous copy would hold them.
-        size = 2 * tables.numel() * k_cache[0].numel() * k_cache.element_size()
+        size = 2 * tables.numel() * math.prod(k_cache.shape[1:]) * k_cache.element_size()
         if self.backend == "tiled" or (self.backend == "auto" and size > GATHER_LIMIT_BYTES):
             return tiled_paged_attention(q, k_cache, v_cache, tables, positions)
-        return sdpa_paged_attention(q, k_cache, v_cache, tables, positions)
+        return sdpa_paged_attention(q, k_cache, v_cache, tables, positions, mask)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                ) -> torch.Tensor:
@@ -163,8 +166,11 @@ class StepContext:
             out = flex_paged_attention(queries, k_cache, v_cache, self.block_mask, self.flex)
             out = out[:, 0] if self.all_decodes else out.flatten(0, 1)[self.token_index]
         elif self.all_decodes:
+            if self.decode_mask is None:  # made by the first layer, used by all
+                self.decode_mask = visible_keys(self.tables, self.query_positions,
+                                                self.block_size)
             out = self.gathered(q.unsqueeze(1), k_cache, v_cache, self.tables,
-                                self.query_positions)[:, 0]
+                                self.query_positions, self.decode_mask)[:, 0]
         else:
             out = self._gathered_mixed(q, k, v, k_cache, v_cache)
         return out.transpose(0, 1).unsqueeze(0)
