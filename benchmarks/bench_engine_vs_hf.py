@@ -9,7 +9,8 @@ weights, the same weights in both), CPU, everything in one run:
      block tables: the gathering backends read the padded tables' blocks twice (the copy, then
      SDPA over it), FlexAttention visits the blocks its block mask lists;
   4. tokens/s of `LLM.generate` against HF `generate` in static batches of --max-num-seqs
-     (left-padded) and HF's continuous batching (`generate_batch`), on the same requests.
+     (left-padded) and HF's continuous batching (ContinuousBatchingManager), on the same
+     requests (gpu_serving.py's runs of the three).
 
     .venv/bin/python benchmarks/bench_engine_vs_hf.py [--threads 1] [--requests 32]
 """
@@ -24,7 +25,8 @@ from contextlib import contextmanager
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import DynamicCache, GenerationConfig, LlamaConfig, LlamaForCausalLM
+from gpu_serving import run_engine, run_hf_continuous, run_hf_static
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from tetrad.config import ModelConfig
 from tetrad.hf_config import hf_from_model_config
@@ -141,30 +143,15 @@ def decode_step_counts(model, hf, args) -> dict:
 
 
 def throughput(model, hf, args) -> dict:
+    """The same requests (prompts 16-160 tokens, outputs 16-112, greedy, no early stop) through
+    the three: a static batch runs to its longest output, as HF generate does."""
     rng = random.Random(0)
-    prompts = [[rng.randrange(args.vocab) for _ in range(rng.randint(16, 160))]
-               for _ in range(args.requests)]
-    out_len, tokens = args.output_len, args.requests * args.output_len
-    greedy = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-
-    def ours():
-        engine(model, args).generate(prompts, greedy)
-
-    def static():
-        for first in range(0, len(prompts), args.max_num_seqs):
-            group = prompts[first:first + args.max_num_seqs]
-            width = max(map(len, group))
-            ids = torch.tensor([[0] * (width - len(p)) + p for p in group])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
-            hf.generate(ids, attention_mask=mask, max_new_tokens=out_len,
-                        min_new_tokens=out_len, do_sample=False)
-
-    def continuous():
-        config = GenerationConfig(max_new_tokens=out_len, do_sample=False, eos_token_id=None,
-                                  pad_token_id=0)
-        hf.generate_batch(prompts, config, warmup=False)
-
-    runs = {"tetrad": ours, "hf_static": static, "hf_continuous": continuous}
+    requests = [([rng.randrange(args.vocab) for _ in range(rng.randint(16, 160))],
+                 rng.randint(16, 112)) for _ in range(args.requests)]
+    tokens, device = sum(n for _, n in requests), torch.device("cpu")
+    runs = {"tetrad": lambda: run_engine(engine(model, args), requests),
+            "hf_static": lambda: run_hf_static(hf, requests, args.max_num_seqs, device),
+            "hf_continuous": lambda: run_hf_continuous(hf, requests)}
     best = {name: float("inf") for name in runs}
     with torch.inference_mode():
         for _ in range(args.repeats):  # alternate, keep each one's best: noise favours none
@@ -172,7 +159,8 @@ def throughput(model, hf, args) -> dict:
                 start = time.perf_counter()
                 run()
                 best[name] = min(best[name], time.perf_counter() - start)
-    return {f"{name}_tokens_per_s": tokens / seconds for name, seconds in best.items()}
+    return {"tokens": tokens, **{f"{name}_tokens_per_s": tokens / seconds
+                                 for name, seconds in best.items()}}
 
 
 def main() -> None:
@@ -184,7 +172,6 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=256, help="the byte tokenizer's")
     parser.add_argument("--batch", type=int, default=8, help="sequences of the counted step")
     parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
@@ -208,7 +195,7 @@ def main() -> None:
     if not args.skip_throughput:
         rates = throughput(model, hf, args)
         ours = rates["tetrad_tokens_per_s"]
-        print(f"{args.requests} requests x {args.output_len} tokens: LLM.generate "
+        print(f"{args.requests} requests, {rates['tokens']} output tokens: LLM.generate "
               f"{ours:.0f} tokens/s = {ours / rates['hf_static_tokens_per_s']:.2f}x HF static "
               f"batches ({rates['hf_static_tokens_per_s']:.0f}), "
               f"{ours / rates['hf_continuous_tokens_per_s']:.2f}x HF continuous batching "

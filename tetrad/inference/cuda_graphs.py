@@ -14,14 +14,9 @@ calls it, so bucket choice, padding and the static-buffer forward are checked ev
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from tetrad.inference.attention import paged_block_mask
-
-if TYPE_CHECKING:
-    from tetrad.inference.runner import ModelRunner, StepContext, StepPlan
 
 SMALL_BUCKETS = (1, 2, 4, 8)
 BUCKET_STEP = 16  # above 8 sequences, a bucket every 16 (nano-vllm's choice)
@@ -40,7 +35,9 @@ def bucket_for(batch: int, buckets: list[int]) -> int | None:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: "ModelRunner", max_num_seqs: int, max_model_len: int):
+    def __init__(self, runner, max_num_seqs: int, max_model_len: int):
+        """runner: the runner.ModelRunner whose forward the graphs replay (not imported here:
+        runner.py imports this module)."""
         self.runner = runner
         self.buckets = graph_buckets(max_num_seqs)
         size = runner.block_size
@@ -56,16 +53,14 @@ class DecodeGraphs:
         self.replays: dict[int, tuple] = {}  # bucket -> (replay, its logits)
         self.pool = None  # the graphs' shared memory pool
 
-    def fits(self, plan: "StepPlan") -> bool:
-        """A decode-only step that a captured bucket holds."""
+    def fits(self, plan) -> bool:
+        """A decode-only step (a runner.StepPlan) that a captured bucket holds."""
         return (len(plan.starts) <= self.buckets[-1] and max(plan.num_tokens) == 1
                 and all(plan.samples) and max(map(len, plan.tables)) <= self.width)
 
-    def _context(self, bucket: int) -> "StepContext":
-        from tetrad.inference.runner import StepContext
-
+    def _context(self, bucket: int):
         runner = self.runner
-        context = StepContext(runner.kv_cache, runner.backend, runner.block_size, runner.flex)
+        context = runner.new_context()
         context.all_decodes = True
         context.slots = self.slots[:bucket]
         context.logits_indices = self.rows[:bucket]
@@ -102,7 +97,7 @@ class DecodeGraphs:
             self.pool = graph.pool()
             self.replays[bucket] = (graph.replay, logits)
 
-    def run(self, plan: "StepPlan") -> torch.Tensor:
+    def run(self, plan) -> torch.Tensor:
         """The step's logits [sequences, vocab], from the bucket's graph."""
         num_seqs = len(plan.starts)
         bucket = bucket_for(num_seqs, self.buckets)

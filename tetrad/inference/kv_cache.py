@@ -48,10 +48,16 @@ def resolve_dtype(dtype: str, model: "str | Path | torch.nn.Module") -> str:
     return names[stored]
 
 
+# A byte-level model's vocabulary may be rounded up past 256 (the engine then samples only the
+# 256 byte ids); one twice as large or more was trained with another tokenizer.
+BYTE_VOCAB_LIMIT = 2 * ByteTokenizer.vocab_size
+
+
 def check_tokenizer_fits(tokenizer, vocab_size: int) -> None:
-    """Stop at load time when the tokenizer cannot decode the ids the model emits: a folder
-    without tokenizer.json gets the byte tokenizer, which fails on the first id above 255."""
-    if isinstance(tokenizer, ByteTokenizer) and vocab_size > ByteTokenizer.vocab_size:
+    """Stop at load time when a model folder without tokenizer.json (read as byte-level) holds a
+    model of a larger vocabulary: its text would be bytes drawn from a model that speaks in
+    other tokens."""
+    if isinstance(tokenizer, ByteTokenizer) and vocab_size >= BYTE_VOCAB_LIMIT:
         raise ConfigError(f"the model's vocabulary has {vocab_size} tokens but the tokenizer is "
                           f"byte-level (256; the model folder has no tokenizer.json): pass "
                           f"--tokenizer with the model's tokenizer.json")

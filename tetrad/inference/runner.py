@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,6 +25,7 @@ from tetrad.errors import ConfigError
 from tetrad.inference.attention import (flex_attention, flex_paged_attention, paged_block_mask,
                                         sdpa_paged_attention, tiled_paged_attention,
                                         varlen_paged_attention, visible_keys)
+from tetrad.inference.config import ATTENTION_BACKENDS
 from tetrad.inference.cuda_graphs import DecodeGraphs
 from tetrad.inference.kv_cache import (TORCH_DTYPES, KVCache, KVPlan, parse_bytes,
                                        plan_kv_pool)
@@ -32,10 +33,8 @@ from tetrad.inference.scheduler import ScheduledBatch
 from tetrad.models.layers import causal_attention
 
 if TYPE_CHECKING:
-    from tetrad.inference.engine import EngineConfig
-    from tetrad.inference.tp import TensorParallelRanks
+    from tetrad.inference.config import EngineConfig, RankShare
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "tiled", "flex", "varlen")
 VARLEN_BLOCK_MULTIPLE = 256
 # With "auto", a call whose gathered K/V copy would exceed this many bytes goes to the tiled
 # kernel, which never builds it. On CPU (benchmarks/bench_serving.py --attention) SDPA is twice
@@ -227,10 +226,13 @@ class ModelRunner:
         self.flex = torch.compile(flex_attention, dynamic=False) if compile else flex_attention
         self.graphs = None  # DecodeGraphs, when captured (cuda_graphs.py)
 
+    def new_context(self) -> StepContext:
+        return StepContext(self.kv_cache, self.backend, self.block_size, self.flex)
+
     def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, StepContext]:
         """(input ids [tokens], positions [tokens], the step's context) for the forward pass."""
         size, pad = self.block_size, self.kv_cache.pad_block
-        context = StepContext(self.kv_cache, self.backend, size, self.flex)
+        context = self.new_context()
         num_seqs, max_q = len(plan.starts), max(plan.num_tokens)
         width = max(map(len, plan.tables))
         positions, slots, logits_rows, tables = [], [], [], []
@@ -318,7 +320,7 @@ def resolve_backend(attention: str, device: torch.device, block_size: int) -> st
 
 
 def load_runner(model: nn.Module, config: "EngineConfig", max_model_len: int,
-                device: torch.device, ranks: "TensorParallelRanks | None" = None
+                device: torch.device, ranks: "RankShare | None" = None
                 ) -> tuple[ModelRunner, KVPlan]:
     """This rank's runner: the model (with `ranks`, this rank's tensor-parallel share of it) on
     the device in the engine's dtype, and a KV pool sized from config. Every tensor-parallel rank
