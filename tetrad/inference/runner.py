@@ -222,8 +222,13 @@ class ModelRunner:
         self.backend = resolve_backend(attention, self.device, block_size)
         # The forward, compiled on request (the model object stays the plain module).
         self.forward = torch.compile(model, dynamic=True) if compile else model
-        # Eager FlexAttention is a dense reference; compiled it reads the pool in place.
-        self.flex = torch.compile(flex_attention, dynamic=False) if compile else flex_attention
+        # Eager FlexAttention is a dense reference over the whole pool; compiled it reads the
+        # pool in place, so a GPU always compiles it. Inductor's CPU kernel fails to build with
+        # dynamic shapes (torch 2.13): on a CPU it compiles once per step shape.
+        self.flex = flex_attention
+        if compile or self.device.type == "cuda":
+            self.flex = torch.compile(flex_attention,
+                                      dynamic=None if self.device.type == "cuda" else False)
         self.graphs = None  # DecodeGraphs, when captured (cuda_graphs.py)
 
     def new_context(self) -> StepContext:
@@ -342,7 +347,10 @@ def load_runner(model: nn.Module, config: "EngineConfig", max_model_len: int,
         plan = ranks.agree(plan)
     runner = ModelRunner(model, KVCache(model.config, plan, dtype, device), plan.block_size,
                          config.attention, config.compile)
-    if device.type == "cuda" and not config.enforce_eager and ranks is None:
+    # Graphs fix the tables' width at the longest context: only in-place attention reads no
+    # more for it.
+    if (device.type == "cuda" and not config.enforce_eager and ranks is None
+            and runner.backend in ("flex", "varlen")):
         runner.graphs = DecodeGraphs(runner, config.max_num_seqs, max_model_len)
         runner.graphs.capture()
     return runner, plan
