@@ -99,18 +99,21 @@ class Sampler:
         num_logprobs: None for no log-probabilities; N >= 0 for the chosen token's and the
         top N's."""
         logits = logits.float()
-        device = logits.device
-        params = [seq.params for seq in seqs]
-        output = SamplerOutput(logits.argmax(dim=-1))  # right for greedy rows with no penalty
+        output = SamplerOutput(self._choose(logits, seqs))
         if num_logprobs is not None:
             logprobs = logits.log_softmax(-1)
             output.logprobs = logprobs.gather(1, output.token_ids[:, None])[:, 0]
             if num_logprobs:
                 output.top_logprobs, output.top_ids = logprobs.topk(num_logprobs, dim=-1)
+        return output
+
+    def _choose(self, logits: torch.Tensor, seqs: list) -> torch.Tensor:
+        device = logits.device
+        params = [seq.params for seq in seqs]
         penalized = any(p.repetition_penalty != 1 for p in params)
         sampled = [row for row, p in enumerate(params) if not p.greedy]
         if not penalized and not sampled:
-            return output
+            return logits.argmax(dim=-1)
         # One upload of every row's parameters; greedy rows get temperature 1 (argmax unchanged).
         table = torch.tensor([[1.0 if p.greedy else p.temperature for p in params],
                               [float(p.top_k) for p in params], [p.top_p for p in params],
@@ -119,14 +122,15 @@ class Sampler:
         temperature, top_k, top_p, penalty, greedy = upload(table, device)
         if penalized:
             seen = torch.zeros_like(logits, dtype=torch.bool)
+            vocab = logits.shape[-1]  # ids past it (not sampleable) have no logit to penalize
             pairs = [(row, token) for row, (seq, p) in enumerate(zip(seqs, params))
-                     if p.repetition_penalty != 1 for token in seq.token_ids]
-            index = upload(torch.tensor(pairs, dtype=torch.long), device)
-            seen[index[:, 0], index[:, 1]] = True
+                     if p.repetition_penalty != 1 for token in seq.token_ids if token < vocab]
+            if pairs:
+                index = upload(torch.tensor(pairs, dtype=torch.long), device)
+                seen[index[:, 0], index[:, 1]] = True
             logits = apply_repetition_penalty(logits, seen, penalty)
         if not sampled:
-            output.token_ids = logits.argmax(dim=-1)
-            return output
+            return logits.argmax(dim=-1)
         filtered = any(0 < p.top_k < logits.shape[-1] or p.top_p < 1 for p in params)
         probs = warp(logits, temperature, top_k, top_p, filtered).softmax(-1)
         noise = torch.empty_like(probs).exponential_(generator=self._shared_generator(device))
@@ -134,7 +138,4 @@ class Sampler:
             if params[row].seed is not None:
                 noise[row].exponential_(generator=self.generator(seqs[row], device))
         drawn = (probs / noise).argmax(dim=-1)
-        output.token_ids = torch.where(greedy.bool(), logits.argmax(dim=-1), drawn)
-        if num_logprobs is not None:  # the chosen tokens changed: their log-probabilities too
-            output.logprobs = logprobs.gather(1, output.token_ids[:, None])[:, 0]
-        return output
+        return torch.where(greedy.bool(), logits.argmax(dim=-1), drawn)
