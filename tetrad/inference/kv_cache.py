@@ -18,7 +18,6 @@ import torch
 from tetrad.config import ModelConfig
 from tetrad.errors import ConfigError
 from tetrad.planner.memory import kv_bytes_per_token
-from tetrad.tokenizer import ByteTokenizer
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -48,19 +47,16 @@ def resolve_dtype(dtype: str, model: "str | Path | torch.nn.Module") -> str:
     return names[stored]
 
 
-# A byte-level model's vocabulary may be rounded up past 256 (the engine then samples only the
-# 256 byte ids); one twice as large or more was trained with another tokenizer.
-BYTE_VOCAB_LIMIT = 2 * ByteTokenizer.vocab_size
-
-
 def check_tokenizer_fits(tokenizer, vocab_size: int) -> None:
-    """Stop at load time when a model folder without tokenizer.json (read as byte-level) holds a
-    model of a larger vocabulary: its text would be bytes drawn from a model that speaks in
-    other tokens."""
-    if isinstance(tokenizer, ByteTokenizer) and vocab_size >= BYTE_VOCAB_LIMIT:
-        raise ConfigError(f"the model's vocabulary has {vocab_size} tokens but the tokenizer is "
-                          f"byte-level (256; the model folder has no tokenizer.json): pass "
-                          f"--tokenizer with the model's tokenizer.json")
+    """Stop at load time when the tokenizer a model folder gave cannot be the model's: a folder
+    without tokenizer.json reads as byte-level (256 ids), and a 4,096-token model would then
+    speak bytes. A vocabulary rounded up past the tokenizer's is common (the engine samples only
+    the tokenizer's ids); one twice as large or more was trained with another tokenizer."""
+    tokens = getattr(tokenizer, "vocab_size", vocab_size)
+    if vocab_size >= 2 * tokens:
+        raise ConfigError(f"the model's vocabulary has {vocab_size} tokens but its tokenizer "
+                          f"only {tokens} (byte-level when the model folder has no "
+                          f"tokenizer.json): pass --tokenizer with the model's tokenizer.json")
 
 
 def parse_bytes(value: str | int) -> int:
