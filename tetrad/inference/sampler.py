@@ -2,7 +2,7 @@
 order (repetition penalty, temperature, top-k, top-p), then one draw per row.
 
 Every processor is a batched tensor operation over [rows, vocab] with per-row parameters (one
-host-to-device copy of a [4, rows] table per step); nothing here reads a device value back, so the
+host-to-device copy of a [5, rows] table per step); nothing here reads a device value back, so the
 caller's `.tolist()` of the sampled ids is the step's only device-to-host copy.
 
 Draws use the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. is a draw from p, one kernel
