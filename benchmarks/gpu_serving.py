@@ -203,9 +203,9 @@ def main() -> None:
     requests = sharegpt_like(args.requests, args.max_prompt, args.max_output,
                              config.vocab_size, seed=0)
     tokens = sum(n for _, n in requests)
-    print(f"{len(requests)} requests: prompts median {statistics.median(len(p) for p, _ in requests):.0f}"
-          f" tokens, outputs median {statistics.median(n for _, n in requests):.0f}, "
-          f"{tokens} output tokens")
+    prompt_median = statistics.median(len(prompt) for prompt, _ in requests)
+    print(f"{len(requests)} requests: prompts median {prompt_median:.0f} tokens, outputs median "
+          f"{statistics.median(n for _, n in requests):.0f}, {tokens} output tokens")
     llm = llm_factory()
     run_engine(llm, requests[:8])  # warm-up
     seconds, outputs = run_engine(llm, requests)
