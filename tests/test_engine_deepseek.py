@@ -5,12 +5,15 @@ absorbed form over it, and greedy output equals HF generate() token for token in
 import pytest
 import torch
 
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
 transformers = pytest.importorskip("transformers")
 from deepseek_models import hf_model  # noqa: E402
 from test_engine import GREEDY, PROMPTS, hf_greedy  # noqa: E402
 
 from tetrad.inference.attention import sdpa_paged_attention, tiled_paged_attention  # noqa: E402
 from tetrad.inference.engine import LLM  # noqa: E402
+from tetrad.inference.runner import resolve_backend  # noqa: E402
 from tetrad.errors import ConfigError  # noqa: E402
 from tetrad.planner.memory import kv_bytes_per_token  # noqa: E402
 
@@ -29,7 +32,8 @@ def test_greedy_equals_hf_generate(deepseek_folder):
     expected = hf_greedy(hf_model, PROMPTS)
     for config in (dict(), dict(enable_prefix_caching=False), dict(max_num_batched_tokens=7),
                    dict(num_blocks=12, max_num_batched_tokens=16),
-                   dict(num_blocks=12, preemption="swap", attention="tiled")):
+                   dict(num_blocks=12, preemption="swap", attention="tiled"),
+                   dict(attention="flex", num_blocks=40)):  # in place: the GPU's path
         llm = LLM(folder, log=None, block_size=4, **config)
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected, config
         assert llm.block_manager.num_used_blocks == 0
@@ -38,16 +42,20 @@ def test_greedy_equals_hf_generate(deepseek_folder):
 def test_the_pool_holds_the_latent_and_rope_key_the_planner_counts(deepseek_folder):
     llm = LLM(deepseek_folder[0], log=None, block_size=4, kv_memory="64KiB")
     config, cache = llm.model_config, llm.runner.kv_cache
-    per_token = cache.pool.numel() * cache.pool.element_size() // llm.kv_plan.num_tokens
+    one_block = cache.pool[:, :, 0]  # every layer's entries of one block
+    per_token = one_block.numel() * one_block.element_size() // llm.kv_plan.block_size
     assert per_token == kv_bytes_per_token(config, 4) == 3 * (12 + 8) * 4
     assert llm.kv_plan.bytes_per_token == per_token
     # What an expanded cache would hold instead: a key and a value per head.
     assert per_token < 3 * 4 * (6 + 8 + 10) * 4
 
 
-def test_tensor_parallel_serving_refuses_mla_before_starting_ranks(deepseek_folder):
+def test_layouts_mla_cannot_serve_are_refused_before_they_start(deepseek_folder):
     with pytest.raises(ConfigError, match="latent attention"):
         LLM(deepseek_folder[0], log=None, tp=2)
+    with pytest.raises(ConfigError, match="cannot read an MLA model's latent cache"):
+        resolve_backend("varlen", torch.device("cuda"), 256, latent=True)
+    assert resolve_backend("auto", torch.device("cuda"), 256, latent=True) == "flex"
 
 
 def test_paged_kernels_take_values_narrower_than_keys():

@@ -35,7 +35,9 @@ class Router(nn.Module):
         self.bias_update_rate = config.router_bias_update_rate
         self.bias = (nn.Parameter(torch.zeros(config.num_experts), requires_grad=False)
                      if self.sigmoid else None)
-        self.register_buffer("load", torch.zeros(config.num_experts), persistent=False)
+        # Tokens routed to each expert since the last update (training with a bias update rate
+        # only): a plain tensor made by the forward on its device, not a buffer to materialize.
+        self.load: torch.Tensor | None = None
         # Context parallelism splits each sequence over ranks; it sets this to average the
         # routed fractions over them, so the loss balances whole sequences as on one device.
         self.reduce_fraction: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -51,7 +53,8 @@ class Router(nn.Module):
         weights = weights * self.scaling
         routed = F.one_hot(experts, self.num_experts).sum(dim=1).float()  # [tokens, experts]
         if self.training and self.bias_update_rate:
-            self.load += routed.detach().sum(dim=0)
+            counts = routed.detach().sum(dim=0)
+            self.load = counts if self.load is None else self.load + counts
         fraction_routed = routed.mean(dim=0) / self.top_k
         if self.reduce_fraction is not None:
             fraction_routed = self.reduce_fraction(fraction_routed)
@@ -74,9 +77,9 @@ class Router(nn.Module):
     def update_bias(self) -> None:
         """Move each expert's bias by the update rate towards the mean load: down when it took
         more than its share of tokens since the last update, up when it took fewer."""
-        if self.bias is not None and self.bias_update_rate and self.load.any():
+        if self.bias is not None and self.load is not None:
             self.bias += self.bias_update_rate * torch.sign(self.load.mean() - self.load)
-            self.load.zero_()
+            self.load = None
 
 
 def update_router_biases(model: nn.Module) -> None:
