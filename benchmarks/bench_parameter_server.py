@@ -34,7 +34,7 @@ from tetrad.planner.parameter_server import compare
 from tetrad.presets import resolve_model
 from tetrad.train.launch import spawn
 from tetrad.train.optim import build_optimizer, parameter_groups, set_learning_rate
-from tetrad.train.strategy import DataParallelStrategy
+from tetrad.train.strategy import MeshStrategy
 
 LR = 1e-3
 MB = 1e6
@@ -113,7 +113,7 @@ def ring_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     config = TrainConfig(model=args.model, batch_size=args.batch, seq_len=args.seq,
                          parallel=ParallelConfig(dp=world_size, collectives=args.collectives))
     counter = CommCounter()
-    strategy = DataParallelStrategy(fresh_model(args), config, torch.device("cpu"), mesh,
+    strategy = MeshStrategy(fresh_model(args), config, torch.device("cpu"), mesh,
                                     Comm(counter, args.collectives))
     counter.reset()  # the initial broadcast is setup, not a step
     losses, times = run_steps(strategy, args)

@@ -39,7 +39,7 @@ from tetrad.train import checkpoint as ckpt
 from tetrad.train.data import Dataset
 from tetrad.train.launch import HOST, WorkerFailed, init_worker
 from tetrad.train.optim import build_optimizer, learning_rate, parameter_groups
-from tetrad.train.strategy import DataParallelStrategy
+from tetrad.train.strategy import MeshStrategy
 from tetrad.train.trainer import build_model, prepare, train
 
 SLOW_S = 0.1  # the slow worker's extra time per step
@@ -133,7 +133,7 @@ def train_zero0(rank: int, config: TrainConfig, num_workers: int) -> dict:
     group = Group("dp", ranks, rank, handle)
     mesh = Mesh(ParallelDims(dp=num_workers), rank,
                 {name: group for name in ("dp", "dp_cp", "world")})
-    make = partial(DataParallelStrategy, mesh=mesh, collectives=Comm(CommCounter()))
+    make = partial(MeshStrategy, mesh=mesh, collectives=Comm(CommCounter()))
     report = train(config, make, show_progress=False).report
     return {"losses": [s["loss"] for s in report["steps"]]}
 
