@@ -32,13 +32,14 @@ from tetrad.config import TrainConfig
 from tetrad.errors import ConfigError
 from tetrad.parallel.comm import Comm, CommCounter
 from tetrad.parallel.mesh import Group, Mesh, ParallelDims
-from tetrad.parallel.ps import KeyLayout, ParameterServer, ParameterServerWorker, PSOptions
+from tetrad.parallel.ps import KeyLayout, ParameterServer, PSOptions
 from tetrad.parallel.ps.clock import Scheduler
 from tetrad.parallel.ps.protocol import Kind, Message, check_run
 from tetrad.train import checkpoint as ckpt
 from tetrad.train.data import Dataset
 from tetrad.train.launch import HOST, WorkerFailed, init_worker
 from tetrad.train.optim import build_optimizer, learning_rate, parameter_groups
+from tetrad.train.ps_strategy import ParameterServerStrategy
 from tetrad.train.strategy import MeshStrategy
 from tetrad.train.trainer import build_model, prepare, train
 
@@ -56,20 +57,20 @@ class Run:
     dying_server: bool = False  # the scheduler exits when the first push of step 2 arrives
 
 
-class SlowWorker(ParameterServerWorker):
+class SlowWorker(ParameterServerStrategy):
     def local_batch(self, batch):
         time.sleep(SLOW_S)
         return super().local_batch(batch)
 
 
-class DyingWorker(ParameterServerWorker):
+class DyingWorker(ParameterServerStrategy):
     def local_batch(self, batch):
         if self.clock == 3:
             os._exit(0)
         return super().local_batch(batch)
 
 
-class HangingWorker(ParameterServerWorker):
+class HangingWorker(ParameterServerStrategy):
     def local_batch(self, batch):
         if self.clock == 3:
             time.sleep(2 * self.options.heartbeat_s)
@@ -107,7 +108,7 @@ def ps_rank(rank: int, world_size: int, runs: list[Run]) -> list[dict]:
                             "received": raw_bytes(server.received)})
             continue
         kind = {run.slow_rank: SlowWorker, run.dying_worker: DyingWorker,
-                run.hanging_worker: HangingWorker}.get(rank, ParameterServerWorker)
+                run.hanging_worker: HangingWorker}.get(rank, ParameterServerStrategy)
         made = []
 
         def make(model, config, device, kind=kind, options=options, comm=comm):

@@ -72,8 +72,7 @@ class MeshStrategy:
     def forward_backward(self, batch: torch.Tensor) -> tuple[float, float | None]:
         pipeline = self.parallel.pipeline
         if pipeline is None:
-            loss, aux = self.loop.run(self.local_batch(batch))
-            return self.global_mean(loss), None if aux is None else self.global_mean(aux)
+            return self.loop.run(self.local_batch(batch), self.global_mean)
         # The executor runs its own microbatches; --grad-accum repeats whole pipeline steps.
         chunks = self.local_batch(batch).to(self.device).chunk(self.config.grad_accum)
         loss_sum = aux_sum = 0.0

@@ -42,9 +42,11 @@ class MicrobatchLoop:
     def autocast(self) -> contextlib.AbstractContextManager:
         return autocast(self.device, self.dtype)
 
-    def run(self, rows: torch.Tensor) -> tuple[float, float | None]:
-        """Forward and backward of every microbatch of `rows` [rows, seq_len + 1]; returns their
-        mean loss (and mean MoE load-balance loss), this rank's."""
+    def run(self, rows: torch.Tensor, global_mean: Callable[[float], float] = float
+            ) -> tuple[float, float | None]:
+        """Forward and backward of every microbatch of `rows` [rows, seq_len + 1]; returns the
+        mean loss (and mean MoE load-balance loss), each averaged over the ranks that split the
+        batch by `global_mean` (a collective)."""
         microbatches = rows.to(self.device).chunk(self.grad_accum)
         loss_sum, aux_sum = 0.0, None
         for index, window in enumerate(microbatches):
@@ -60,7 +62,8 @@ class MicrobatchLoop:
             loss_sum += loss.item() / len(microbatches)
             if aux is not None:
                 aux_sum = (aux_sum or 0.0) + aux.item() / len(microbatches)
-        return loss_sum, aux_sum
+        aux_mean = None if aux_sum is None else global_mean(aux_sum)
+        return global_mean(loss_sum), aux_mean
 
 
 def whole_sequences(window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
