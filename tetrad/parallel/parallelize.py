@@ -55,10 +55,10 @@ from tetrad.parallel.mesh import Mesh
 from tetrad.parallel.pipeline import PipelineExecutor, partition
 from tetrad.parallel.pipeline.executor import whole_sequences
 from tetrad.parallel.recompute import apply_recompute
-from tetrad.parallel.tensor_parallel import (TensorParallelTransformer, check_tensor_parallel,
-                                             parallelize_tensor)
+from tetrad.parallel.tensor_parallel import (TensorParallelSplit, apply_tensor_parallel,
+                                             check_tensor_parallel)
 from tetrad.parallel.zero import NORM_TAG, Pipelined, ZeroDataParallel
-from tetrad.sharded_tensors import CHECKPOINT_KINDS, LazyMapping, Piece
+from tetrad.sharded_tensors import CHECKPOINT_KINDS, LazyMapping, Piece, assemble
 
 
 
@@ -94,20 +94,19 @@ def parallelize(model: Transformer, mesh: Mesh, comm: Comm, parallel: ParallelCo
     experts = (apply_expert_parallel(model, mesh, comm, layers=runs) if parallel.ep > 1
                else None)
     context = apply_context_parallel(model, mesh["cp"], comm) if parallel.cp > 1 else None
-    tensor = (parallelize_tensor(model, mesh, comm, parallel.sequence_parallel,
-                                 seq_len // parallel.cp) if parallel.tp > 1 else None)
-    module = tensor or model
-    apply_recompute(module, parallel.recompute)
+    tensor = (apply_tensor_parallel(model, mesh, comm, parallel.sequence_parallel,
+                                    seq_len // parallel.cp) if parallel.tp > 1 else None)
+    apply_recompute(model, parallel.recompute)
     pipeline = None
     if parallel.pp > 1:
         pipeline = PipelineExecutor.from_model(
-            module, mesh, comm, parallel.schedule, parallel.microbatches, parallel.vpp,
+            model, mesh, comm, parallel.schedule, parallel.microbatches, parallel.vpp,
             parallel.stage_layers or None, seq_len, autocast,
             context.shard if context else whole_sequences)
-    params = pipeline.named_parameters() if pipeline else dict(module.named_parameters())
+    params = pipeline.named_parameters() if pipeline else dict(model.named_parameters())
     expert_ids = {id(p) for p in experts.expert_parameters()} if experts else set()
     replicated = {name: p for name, p in params.items() if id(p) not in expert_ids}
-    engine = _data_parallel(module, replicated, mesh, comm, parallel, options, pipeline)
+    engine = _data_parallel(model, replicated, mesh, comm, parallel, options, pipeline)
     expert_names = {n for n, p in params.items() if id(p) in expert_ids}
     # Experts are not sharded: each keeps a whole AdamW of its own, written by its first replica.
     expert_optimizer = (WholeAdamW({n: params[n] for n in expert_names}, options, mesh["edp"])
@@ -121,12 +120,12 @@ def parallelize(model: Transformer, mesh: Mesh, comm: Comm, parallel: ParallelCo
         for param in model.parameters():
             if id(param) not in held:
                 param.data = param.data.new_empty(0)
-    return ParallelModel(config, mesh, comm, parallel, pipeline.module if pipeline else module,
+    return ParallelModel(config, mesh, comm, parallel, pipeline.module if pipeline else model,
                          params, expert_names, engine, expert_optimizer, experts, context, tensor,
                          pipeline)
 
 
-def _data_parallel(module: nn.Module, replicated: dict[str, nn.Parameter], mesh: Mesh,
+def _data_parallel(model: Transformer, replicated: dict[str, nn.Parameter], mesh: Mesh,
                    comm: Comm, parallel: ParallelConfig, options: DataParallelOptions,
                    pipeline: PipelineExecutor | None):
     view = ParameterView(replicated)
@@ -149,7 +148,7 @@ def _data_parallel(module: nn.Module, replicated: dict[str, nn.Parameter], mesh:
     else:
         ids = {id(p) for p in replicated.values()}  # ZeRO-3 units without the experts
         units = None if pipelined else [(modules, [p for p in params if id(p) in ids])
-                                        for modules, params in transformer_units(module)]
+                                        for modules, params in transformer_units(model)]
         engine = FullyShardedDataParallel(view, group, comm, units=units, pipelined=pipelined,
                                           **sharded)
     if pipelined is not None:
@@ -176,7 +175,7 @@ class ParallelModel:
     expert_optimizer: WholeAdamW | None = None
     experts: ExpertParallel | None = None
     context: ContextParallel | None = None
-    tensor: TensorParallelTransformer | None = None
+    tensor: TensorParallelSplit | None = None
     pipeline: PipelineExecutor | None = None
 
     def __post_init__(self) -> None:
@@ -275,6 +274,16 @@ class ParallelModel:
 
     def optimizer_step(self) -> int:
         return self.engine.optimizer_step()
+
+    def whole_state(self) -> dict[str, torch.Tensor]:
+        """Every parameter whole, by the single-process names: every rank's pieces exchanged and
+        assembled, on each rank (collective over the world, tag "checkpoint")."""
+        by_name: dict[str, list[Piece]] = {}
+        pieces = self.checkpoint_pieces(("model",))
+        for rank_pieces in self.comm.all_gather_object(pieces, self.mesh["world"], "checkpoint"):
+            for piece in rank_pieces:
+                by_name.setdefault(piece.name, []).append(piece)
+        return {name: assemble(parts) for name, parts in by_name.items()}
 
     def load(self, whole: dict) -> None:
         """A checkpoint's whole tensors (any layout's; tetrad.sharded_tensors) into this rank's

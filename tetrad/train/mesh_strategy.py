@@ -20,7 +20,7 @@ from tetrad.parallel.comm import Comm
 from tetrad.parallel.engine import DEFAULT_BUCKET_BYTES, DataParallelOptions
 from tetrad.parallel.mesh import Mesh
 from tetrad.parallel.parallelize import parallelize
-from tetrad.sharded_tensors import CHECKPOINT_KINDS, Piece, assemble
+from tetrad.sharded_tensors import CHECKPOINT_KINDS, Piece
 from tetrad.train.microbatches import COMPUTE_DTYPES, MicrobatchLoop, autocast
 from tetrad.train.optim import build_optimizer, parameter_groups
 
@@ -142,13 +142,8 @@ class MeshStrategy:
 
     def whole_model(self) -> nn.Module:
         """Every rank's parameter pieces exchanged and assembled: the whole model on each rank."""
-        by_name: dict[str, list[Piece]] = {}
-        for rank_pieces in self.exchange(self.parallel.checkpoint_pieces(("model",))):
-            for piece in rank_pieces:
-                by_name.setdefault(piece.name, []).append(piece)
         whole = Transformer(self.parallel.config)
-        whole.load_state_dict({name: assemble(parts) for name, parts in by_name.items()},
-                              strict=False)
+        whole.load_state_dict(self.parallel.whole_state(), strict=False)
         return whole.to(self.device)
 
     def bytes_held(self) -> dict[str, int]:
