@@ -58,14 +58,14 @@ def train_reference(model: Transformer, batch: Callable[[int], torch.Tensor], st
             "params": {name: p.detach().clone() for name, p in model.named_parameters()}}
 
 
-def spread(model: Transformer, mesh: Mesh, comm: Comm, parallel: ParallelConfig, seq_len: int,
-           **options) -> ParallelModel:
+def spread(model: Transformer, mesh: Mesh, comm: Comm, parallel: ParallelConfig, seq_len: int
+           ) -> ParallelModel:
     """`model` under `parallel` on this rank, by the path training takes (parallelize). The
     strategy tests step their own AdamW over `.params`, as the reference does (no weight-decay
     groups); the engine's optimizer stays unused."""
     return parallelize(model, mesh, comm, parallel, seq_len, DataParallelOptions(
-        lambda params: [{"params": list(params.parameters())}], (0.9, 0.999), 1e-8,
-        whole_optimizer=torch.optim.AdamW, **options))
+        lambda params: [{"params": list(params.parameters())}], torch.optim.AdamW, (0.9, 0.999),
+        1e-8))
 
 
 def clip_grad_norm(parallel: ParallelModel, max_norm: float) -> float:

@@ -38,13 +38,13 @@ class DataParallelOptions:
     """What the data-parallel engines take from the training recipe."""
 
     group_parameters: Callable  # parameters -> AdamW's weight-decay groups
+    # Weight-decay groups -> torch's AdamW, built as the single-process run builds it (what steps
+    # whole parameters: DDP's, the experts'; ZeRO shards its own AdamW with betas and eps).
+    whole_optimizer: Callable[[list[dict]], torch.optim.Optimizer]
     betas: tuple[float, float]
     eps: float
     compute_dtype: torch.dtype = torch.float32
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    # Weight-decay groups -> torch's AdamW, built as the single-process run builds it (the
-    # engines that step whole parameters use it; ZeRO shards its own AdamW).
-    whole_optimizer: Callable[[list[dict]], torch.optim.Optimizer] | None = None
 
 
 class ParameterView:

@@ -41,9 +41,9 @@ class MeshStrategy:
         self.rank, self.world_size, self.coords = mesh.rank, mesh.dims.world_size, mesh.coords
         defaults = build_optimizer([torch.empty(0)], config).defaults
         options = DataParallelOptions(
-            lambda params: parameter_groups(params, config.weight_decay), defaults["betas"],
-            defaults["eps"], COMPUTE_DTYPES[config.dtype], bucket_bytes,
-            lambda groups: build_optimizer(groups, config))
+            lambda params: parameter_groups(params, config.weight_decay),
+            lambda groups: build_optimizer(groups, config), defaults["betas"], defaults["eps"],
+            COMPUTE_DTYPES[config.dtype], bucket_bytes)
         self.autocast = partial(autocast, device, config.dtype)  # the pipeline's stages too
         self.parallel = parallelize(model, mesh, collectives, config.parallel, config.seq_len,
                                     options, self.autocast)
