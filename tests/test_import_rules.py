@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tetrad"
 
 # Modules that run without torch: the planner answers on a laptop in milliseconds.
 TORCH_FREE = ["config", "errors", "hardware", "presets", "hf_config", "tokenizer", "text_sources",
-              "planner", "schedules"]
+              "planner", "schedules", "modelfile", "store", "safetensors_subset"]
 
 # Where a module lives -> module prefixes it must never import.
 FORBIDDEN = {
@@ -67,6 +67,81 @@ def test_torch_free_modules_never_import_torch():
     assert files, "no torch-free modules found"
     assert violations(files, ["torch"]) == []
     existing = [module for module in TORCH_FREE if python_files(module)]
-    code = (f"import sys, importlib\nfor m in {existing!r}: importlib.import_module('tetrad.' + m)\n"
-            "import tetrad\nassert 'torch' not in sys.modules, 'torch was imported'")
+    code = (f"import sys, importlib\n"
+            f"for m in {existing!r}: importlib.import_module('tetrad.' + m)\n"
+            "import tetrad\ntetrad.TrainConfig, tetrad.ModelConfig, dir(tetrad)\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_level_imports(path: Path, modules: set[str]) -> set[str]:
+    """The tetrad modules a module imports while it is being imported: its import statements
+    outside functions and classes, `if TYPE_CHECKING:` blocks included (a type checker follows
+    them, and they are how a circle hides). `from a import b` names module a.b when there is one."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+
+    def visit(nodes) -> None:
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                found.update(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules
+                             else base for alias in node.names)
+            elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                visit(ast.iter_child_nodes(node))
+
+    visit(ast.parse(path.read_text()).body)
+    return found & modules
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module, or a module importing itself
+    (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def connect(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in sorted(graph[module]):
+            if target not in index:
+                connect(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while not component or component[-1] != module:
+                component.append(stack.pop())
+            if len(component) > 1 or module in graph[module]:
+                cycles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            connect(module)
+    return cycles
+
+
+def test_no_import_cycles_inside_tetrad():
+    files = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph = {name: module_level_imports(path, set(files)) for name, path in files.items()}
+    assert graph["tetrad.inference.engine"] >= {"tetrad.inference.runner", "tetrad.inference.tp"}
+    assert import_cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
+    assert import_cycles(graph) == [["a", "b", "c"], ["e"]]

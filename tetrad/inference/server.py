@@ -153,17 +153,24 @@ class SamplingFields(BaseModel):
     frequency_penalty: float = 0.0
     logprobs: bool | int | None = None
 
-    def sampling_params(self, extra_stop: tuple[str, ...] = ()) -> SamplingParams:
+    def sampling_params(self, extra_stop: tuple[str, ...] = (),
+                        defaults: dict | None = None) -> SamplingParams:
+        """The request's sampling; `defaults` (a stored model's Modelfile PARAMETERs, as
+        SamplingParams fields) stand in for the fields the request leaves out."""
+        unset = {key: value for key, value in (defaults or {}).items()
+                 if key not in self.model_fields_set}
         if self.presence_penalty or self.frequency_penalty:
             raise TetradError("presence_penalty and frequency_penalty are not supported: use "
                               "repetition_penalty")
         if self.logprobs:
             raise TetradError("logprobs are not supported")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(
+        values = dict(
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             repetition_penalty=self.repetition_penalty, max_tokens=self.max_tokens,
-            stop=tuple(stop) + extra_stop, seed=self.seed, n=self.n, ignore_eos=self.ignore_eos)
+            stop=tuple(stop), seed=self.seed, n=self.n, ignore_eos=self.ignore_eos)
+        values.update(unset)
+        return SamplingParams(**{**values, "stop": tuple(values["stop"]) + extra_stop})
 
 
 class CompletionRequest(SamplingFields):
@@ -238,7 +245,8 @@ async def final_outputs(request: Request, streams: list[RequestStream]) -> list 
 
 
 def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None,
-              on_fatal: Callable[[], None] | None = None) -> FastAPI:
+              on_fatal: Callable[[], None] | None = None,
+              defaults: dict | None = None) -> FastAPI:
     engine = AsyncEngine(llm, on_fatal)
     chat = chat or ChatFormatter()
 
@@ -309,7 +317,7 @@ def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None,
         prompt = body.prompt
         batch = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
         prompts = prompt if batch else [prompt]
-        params = body.sampling_params()
+        params = body.sampling_params(defaults=defaults)
         streams = submit_all(prompts, params)
         common = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                   "created": int(time.time()), "model": model_name}
@@ -336,7 +344,7 @@ def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None,
             return response
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
-        params = body.sampling_params(chat.stop)
+        params = body.sampling_params(chat.stop, defaults)
         streams = submit_all([chat.render(body.messages)], params)
         common = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
                   "model": model_name}

@@ -52,7 +52,7 @@ from tetrad.parallel.mesh import Group, ParallelDims, build_mesh
 from tetrad.parallel.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 
 if TYPE_CHECKING:
-    from tetrad.inference.engine import EngineConfig
+    from tetrad.inference.config import EngineConfig
 
 HOST = "127.0.0.1"
 COLLECTIVE_TIMEOUT_S = 300.0  # a model collective waiting longer than this means a rank is stuck

@@ -322,3 +322,26 @@ def launch_training(config: TrainConfig):
     expendable = (frozenset(range(1, parallel.dp))
                   if parallel.strategy == "ps" and parallel.ps_mode != "sync" else frozenset())
     return spawn(train_worker, config.nproc, (config,), expendable=expendable)[0]
+
+
+def run_training(config: TrainConfig):
+    """One training run as `tetrad train` runs it: in this process, on config.nproc local
+    workers, or as this process's rank under torchrun. Returns the TrainResult (None on torchrun
+    ranks other than 0, whose rank 0 reports)."""
+    from tetrad.train.trainer import train
+
+    return launch_training(config) if is_distributed(config) else train(config)
+
+
+def train_model(config: TrainConfig | str | None = None, **settings):
+    """Python's `tetrad train`: a TrainConfig, or the path of a TOML config and/or settings
+    named like its fields and the parallel degrees (`train_model(model="tiny", steps=50, dp=2,
+    nproc=2)`); settings win over the TOML file's."""
+    from tetrad.config import build_train_config
+
+    if isinstance(config, TrainConfig):
+        if settings:
+            raise ConfigError(f"pass settings ({', '.join(settings)}) or a TrainConfig, not both: "
+                              f"use dataclasses.replace on the TrainConfig")
+        return run_training(config)
+    return run_training(build_train_config(config, settings))
