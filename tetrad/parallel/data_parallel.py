@@ -23,9 +23,8 @@ from torch.autograd import Variable
 
 from tetrad.parallel.comm import Comm, Handle
 from tetrad.parallel.engine import (DEFAULT_BUCKET_BYTES, Counted, DataParallelOptions,
-                                    ParameterView, Placement, WholeAdamW)
+                                    LossScaler, ParameterView, Placement, WholeAdamW)
 from tetrad.parallel.mesh import Group
-from tetrad.parallel.zero_optimizer import LossScaler
 from tetrad.sharded_tensors import Piece
 
 

@@ -6,22 +6,20 @@ An engine owns the replicated parameters' gradient reduction over dp x cp *and* 
 so the caller (ParallelModel) never asks which engine it has: backward (loss scaling included),
 reduce the gradients after the step's last backward (unscaled afterwards), the squared gradient
 norm of what it holds, clipping by a coefficient, the step (skipped on an fp16 overflow), what it
-writes in a checkpoint, loading whole tensors, and the bytes it holds.
+writes in a checkpoint, loading whole tensors, and the bytes it holds. With fp16 the loss is
+scaled (`LossScaler`) and a step whose gradients overflowed is skipped.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Protocol
+from typing import Callable, Iterator, Mapping, Protocol
 
 import torch
 from torch import nn
 
 from tetrad.parallel.mesh import Group
 from tetrad.sharded_tensors import Piece
-
-if TYPE_CHECKING:
-    from tetrad.parallel.zero_optimizer import LossScaler
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
 
@@ -64,10 +62,37 @@ class ParameterView:
         return iter(())
 
 
+class LossScaler:
+    """Dynamic loss scaling for fp16 (torch.amp.GradScaler's policy): multiply the loss by
+    `scale` so small gradients survive fp16; on inf/nan skip the step and halve the scale, after
+    `growth_interval` clean steps double it."""
+
+    def __init__(self, scale: float = 2.0 ** 16, growth_interval: int = 2000):
+        self.scale = scale
+        self.growth_interval = growth_interval
+        self.clean_steps = 0
+
+    def update(self, found_inf: bool) -> None:
+        if found_inf:
+            self.scale *= 0.5
+            self.clean_steps = 0
+        else:
+            self.clean_steps += 1
+            if self.clean_steps == self.growth_interval:
+                self.scale *= 2.0
+                self.clean_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self.clean_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.clean_steps = state["scale"], state["clean_steps"]
+
+
 class DataParallelEngine(Protocol):
     """What ParallelModel asks of DDP and ZeRO-1/2/3 alike."""
 
-    scaler: "LossScaler | None"
+    scaler: LossScaler | None  # fp16 only
     # Called with {id(param): grad} of a bucket or flat buffer just before it is reduced: tensor
     # parallelism sums there the gradients its ranks hold only part of (the two sums commute).
     before_reduce: Callable[[dict[int, torch.Tensor]], None] | None

@@ -41,10 +41,10 @@ from torch import nn
 
 from tetrad.parallel.comm import Comm, Handle
 from tetrad.parallel.data_parallel import LaunchInOrder, bucket_params, broadcast_parameters
-from tetrad.parallel.engine import DEFAULT_BUCKET_BYTES, Counted, Placement
+from tetrad.parallel.engine import DEFAULT_BUCKET_BYTES, Counted, LossScaler, Placement
 from tetrad.parallel.mesh import Group
-from tetrad.parallel.zero_optimizer import (FlatShard, LossScaler, ShardedAdamW, counted_segments,
-                                            nbytes, scatter_state, shard_pieces)
+from tetrad.parallel.zero_optimizer import (FlatShard, ShardedAdamW, counted_segments, nbytes,
+                                            scatter_state, shard_pieces)
 from tetrad.sharded_tensors import Piece
 
 NORM_TAG = "grad_norm"

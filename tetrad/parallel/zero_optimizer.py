@@ -1,6 +1,6 @@
 """The pieces every ZeRO stage shares: flat parameter buffers cut into N shards, AdamW on this
-rank's shard (fp32 master weights, optionally in host memory), dynamic loss scaling, what a rank
-counts of them in the global gradient norm, and checkpoint pieces to and from the shards.
+rank's shard (fp32 master weights, optionally in host memory), what a rank counts of them in the
+global gradient norm, and checkpoint pieces to and from the shards.
 
 A FlatShard is one flat buffer of parameters (a bucket for ZeRO-1/2, a unit for ZeRO-3), padded
 to a multiple of N elements so that every rank owns exactly numel/N of it: rank i owns
@@ -146,33 +146,6 @@ class ShardedAdamW:
             denom = (shard.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
             master.addcdiv_(shard.exp_avg, denom, value=-step_size)
             shard.main_grad = None
-
-
-class LossScaler:
-    """Dynamic loss scaling for fp16 (torch.amp.GradScaler's policy): multiply the loss by
-    `scale` so small gradients survive fp16; on inf/nan skip the step and halve the scale, after
-    `growth_interval` clean steps double it."""
-
-    def __init__(self, scale: float = 2.0 ** 16, growth_interval: int = 2000):
-        self.scale = scale
-        self.growth_interval = growth_interval
-        self.clean_steps = 0
-
-    def update(self, found_inf: bool) -> None:
-        if found_inf:
-            self.scale *= 0.5
-            self.clean_steps = 0
-        else:
-            self.clean_steps += 1
-            if self.clean_steps == self.growth_interval:
-                self.scale *= 2.0
-                self.clean_steps = 0
-
-    def state_dict(self) -> dict:
-        return {"scale": self.scale, "clean_steps": self.clean_steps}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.scale, self.clean_steps = state["scale"], state["clean_steps"]
 
 
 def scatter_state(shard: FlatShard, full: Mapping[str, torch.Tensor],

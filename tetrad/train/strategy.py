@@ -6,8 +6,8 @@ trainer calls `finish_gradients`, `clip_grad_norm` and `step`. `LocalStrategy` d
 one process and is the reference every parallel layout must reproduce. `MeshStrategy` takes any 4D
 layout and any data-parallel engine (DDP, ZeRO 1-3): the model is spread by
 tetrad.parallel.parallelize, in its one fixed order, and with a pipeline the step's microbatches
-are the executor's. `ParameterServerStrategy` is a parameter-server worker (tetrad.train.ps_strategy).
-All of them run the one microbatch loop of tetrad.train.microbatches.
+are the executor's. `ParameterServerStrategy` is a parameter-server worker
+(tetrad.train.ps_strategy). All of them run the one microbatch loop of tetrad.train.microbatches.
 """
 
 from __future__ import annotations

@@ -201,8 +201,8 @@ def resume(strategy: Strategy, folder: Path, model_config: ModelConfig) -> int:
     return step
 
 
-def save(strategy: Strategy, config: TrainConfig, model_config: ModelConfig, tokenizer: AnyTokenizer,
-         step: int) -> Path | None:
+def save(strategy: Strategy, config: TrainConfig, model_config: ModelConfig,
+         tokenizer: AnyTokenizer, step: int) -> Path | None:
     """Every rank writes its pieces; rank 0 adds the shared state and every rank's RNG state."""
     pieces, shared = strategy.checkpoint_state()
     shared["rng"] = strategy.exchange(torch.get_rng_state())
