@@ -10,6 +10,11 @@ from tetrad.config import from_dict
 from tetrad.errors import ConfigError, TetradError
 
 
+# Temperatures below this sample as greedy (vLLM's rule): dividing logits by 1e-300 overflows to
+# inf and the softmax to NaN.
+GREEDY_TEMPERATURE = 1e-5
+
+
 class RequestRejected(TetradError):
     """A request that can never run (too long for the model or the KV pool). The server answers it
     with a 4xx; the message says what to change."""
@@ -17,7 +22,8 @@ class RequestRejected(TetradError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Field names follow vLLM / the OpenAI API. temperature 0 means greedy."""
+    """Field names follow vLLM / the OpenAI API. temperature 0 (or below GREEDY_TEMPERATURE) means
+    greedy."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -65,7 +71,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def replace(self, **changes) -> "SamplingParams":
         return from_dict(SamplingParams, {**dataclasses.asdict(self), **changes})
