@@ -139,6 +139,14 @@ def train_zero0(rank: int, config: TrainConfig, num_workers: int) -> dict:
     return {"losses": [s["loss"] for s in report["steps"]]}
 
 
+# Parameters after AdamW, relative to one process. The servers sum the workers' mean gradients and
+# scale by 1/num_workers, which rounds differently from one backward over the whole batch; AdamW's
+# normalisation magnifies that for elements with tiny gradients. 1e-5 held on the machine the test
+# was written on, 1.13e-5 (layers.1.mlp.down.weight, deterministic) on an AMD EPYC; losses and
+# norms stay at 1e-5.
+PARAM_TOLERANCE = 2e-5
+
+
 def raw_bytes(counter: CommCounter) -> dict[str, int]:
     return {tag: int(counter.totals((tag,))["p2p"]) for tag in counter.tags()}
 
@@ -210,7 +218,7 @@ def test_sync_equals_single_process_and_moves_only_touched_rows(configs, spawn_a
         assert worker["losses"] == pytest.approx(expected["losses"], rel=1e-5)
         assert worker["norms"] == pytest.approx(expected["norms"], rel=1e-5)
         for name, value in worker["params"].items():
-            assert relative_error(value, expected["params"][name]) < 1e-5, name
+            assert relative_error(value, expected["params"][name]) < PARAM_TOLERANCE, name
 
     # Bytes: the dense key range every step, and exactly the rows each worker's batches read.
     model_config, _, _ = prepare(config)
@@ -272,7 +280,7 @@ def test_sync_resumes_from_another_layouts_checkpoint(configs, spawn_b):
     for worker in (r[0] for r in spawn_b[:2]):
         assert worker["losses"] == pytest.approx(expected["losses"][3:], rel=1e-5)
         for name, value in worker["params"].items():
-            assert relative_error(value, expected["params"][name]) < 1e-5, name
+            assert relative_error(value, expected["params"][name]) < PARAM_TOLERANCE, name
 
 
 def test_sync_equals_zero0(spawn_a, spawn_b):

@@ -17,8 +17,8 @@ from tqdm import tqdm
 
 from tetrad.config import ModelConfig, TrainConfig
 from tetrad.errors import ConfigError, TetradError
-from tetrad.hardware import (GPU, default_profile_path, gpu_from_device_name, gpu_or_profile,
-                             load_profile)
+from tetrad.hardware import GPU, gpu_from_device_name
+from tetrad.hardware_profile import default_profile_path, gpu_or_profile, load_profile
 from tetrad.models.transformer import Transformer, count_parameters
 from tetrad.planner import predict_run
 from tetrad.planner.rules import ResolvedLayout, resolve_layout
