@@ -8,7 +8,7 @@ import json
 import os
 from pathlib import Path
 
-from tetrad.errors import ConfigError
+from tetrad.errors import ConfigError, read_json_file
 from tetrad.hardware import GPU, EfficiencyProfile, gpu
 
 PROFILE_SCHEMA = 1
@@ -53,14 +53,7 @@ def profile_from_dict(data: dict, source: str = "profile") -> GPU:
 
 
 def load_profile(path: str | Path) -> GPU:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"hardware profile {path} does not exist (write one with tetrad "
-                          f"calibrate --out {path})")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ConfigError(f"{path} is not a hardware profile (invalid JSON: {error})") from None
+    data = read_json_file(path, "hardware profile", "tetrad calibrate --out")
     return profile_from_dict(data, str(path))
 
 

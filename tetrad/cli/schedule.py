@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-SCHEDULE_NAMES = ("naive", "gpipe", "1f1b", "interleaved", "zb")
+from tetrad.schedules import SCHEDULES
 
 
 def add_parser(subparsers) -> None:
@@ -15,7 +15,7 @@ def add_parser(subparsers) -> None:
                     "peak in-flight microbatches per rank.")
     parser.add_argument("--pp", type=int, required=True, help="pipeline stages (ranks)")
     parser.add_argument("--microbatches", type=int, required=True)
-    parser.add_argument("--schedule", choices=SCHEDULE_NAMES, default="1f1b")
+    parser.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b")
     parser.add_argument("--vpp", type=int, default=1,
                         help="model chunks per rank (interleaved only)")
     parser.add_argument("--fb-ratio", type=float, default=2.0,

@@ -9,7 +9,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from tetrad.errors import ConfigError
+from tetrad.errors import ConfigError, read_json_file
 
 COMM_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "p2p")
 # Bottom to top of a memory bar (and the table's order); host_* are CPU memory (offload).
@@ -21,14 +21,7 @@ COLORS = {"params": "#4c72b0", "params_gathered_peak": "#8fa8d6", "grads": "#dd8
 
 
 def load_report(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"run report {path} does not exist (write one with tetrad train "
-                          f"--report {path})")
-    try:
-        report = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ConfigError(f"{path} is not a run report (invalid JSON: {error})") from None
+    report = read_json_file(path, "run report", "tetrad train --report")
     if not isinstance(report, dict) or report.get("schema") != 1 or "ranks" not in report:
         raise ConfigError(f"{path} is not a schema-1 run report (the JSON tetrad train --report "
                           f"writes)")
