@@ -41,6 +41,7 @@ def load_chat_template(folder: str | Path | None) -> str | None:
 class ChatFormatter:
     def __init__(self, template: str | None = None):
         self.template = None
+        self.source = template or None  # the template's text (/tokenizer_info shows it)
         if template:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
