@@ -174,13 +174,15 @@ class AsyncEngine:
                 self._run_calls()
                 return
             self._count_step(next((o.error for o in outputs if o.error is not None), None))
-            for output in outputs:
-                with self._lock:
+            deliveries: dict[asyncio.AbstractEventLoop, list] = {}
+            with self._lock:
+                for output in outputs:
                     entry = (self._streams.pop(output.request_id, None) if output.finished
                              else self._streams.get(output.request_id))
-                if entry is not None:
-                    loop, collector = entry
-                    loop.call_soon_threadsafe(collector.put, output.view())
+                    if entry is not None:
+                        deliveries.setdefault(entry[0], []).append((entry[1], output.view()))
+            for loop, items in deliveries.items():  # one wake-up of the event loop per step
+                loop.call_soon_threadsafe(_deliver, items)
 
     def _count_step(self, error: BaseException | str | None) -> None:
         if error is None:
@@ -195,6 +197,11 @@ class AsyncEngine:
         for request_id, (loop, collector) in streams.items():
             self.llm.abort(request_id)
             loop.call_soon_threadsafe(collector.put, RequestError(f"engine step failed: {error}"))
+
+
+def _deliver(items: list[tuple[OutputCollector, RequestOutput]]) -> None:
+    for collector, output in items:
+        collector.put(output)
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

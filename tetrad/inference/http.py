@@ -106,8 +106,9 @@ async def merged(streams: list[RequestStream], timeout_s: float
     try:
         remaining = len(tasks)
         while remaining:
-            try:
-                index, output = await asyncio.wait_for(queue.get(), deadline - loop.time())
+            try:  # not wait_for: on Python 3.11 it can swallow a cancellation
+                async with asyncio.timeout_at(deadline):
+                    index, output = await queue.get()
             except TimeoutError:
                 raise ApiError(408, f"the request ran longer than {timeout_s:g} s and was "
                                     f"stopped (tetrad serve --request-timeout)",
