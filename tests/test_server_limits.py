@@ -161,6 +161,15 @@ def test_strict_types_surrogates_and_json_errors_everywhere(guarded):
         assert status in (404, 405) and is_openai_error(answer), (path, answer)
 
 
+def test_serve_flags_are_checked_before_the_model_loads(model_dir, capsys):
+    from tetrad.cli.main import main
+
+    assert main(["serve", str(model_dir), "--max-waiting-requests", "0"]) == 2
+    assert "max_waiting_requests must be" in capsys.readouterr().err
+    assert main(["serve", str(model_dir), "--request-timeout", "-1"]) == 2
+    assert "request_timeout must be" in capsys.readouterr().err
+
+
 def test_docs_only_when_asked(model_dir):
     from tetrad.inference.api import ServerConfig
     from tetrad.inference.server import build_app

@@ -86,7 +86,8 @@ class AsyncEngine:
         self.failure: BaseException | None = None  # set when the engine can no longer step
         self.failed_steps_in_a_row = 0
         self.last_error: str | None = None
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, OutputCollector]] = {}
+        # request id -> (its event loop, its collector, whether it wants every step's output)
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, OutputCollector, bool]] = {}
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -112,14 +113,17 @@ class AsyncEngine:
                     f"{self.last_error}")
         return None
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Queue a request; raises (TetradError) at once when it could never run."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams, every_step: bool = True
+               ) -> RequestStream:
+        """Queue a request; raises (TetradError) at once when it could never run. Without
+        every_step the stream yields the finished output only (an answer that is not streamed:
+        the steps before cost the event loop nothing)."""
         if self.failure is not None:
             raise EngineStopped(f"the engine stopped: {self.failure}")
         collector = OutputCollector()
         request_id = f"req-{uuid.uuid4().hex}"
         with self._lock:  # before the engine can see the request and produce its output
-            self._streams[request_id] = (asyncio.get_running_loop(), collector)
+            self._streams[request_id] = (asyncio.get_running_loop(), collector, every_step)
         try:
             self.llm.add_request(prompt_ids, params, request_id)
         except BaseException:
@@ -179,7 +183,7 @@ class AsyncEngine:
                 for output in outputs:
                     entry = (self._streams.pop(output.request_id, None) if output.finished
                              else self._streams.get(output.request_id))
-                    if entry is not None:
+                    if entry is not None and (output.finished or entry[2]):
                         deliveries.setdefault(entry[0], []).append((entry[1], output.view()))
             for loop, items in deliveries.items():  # one wake-up of the event loop per step
                 loop.call_soon_threadsafe(_deliver, items)
@@ -194,7 +198,7 @@ class AsyncEngine:
     def _fail_all(self, error: Exception) -> None:
         with self._lock:
             streams, self._streams = self._streams, {}
-        for request_id, (loop, collector) in streams.items():
+        for request_id, (loop, collector, _) in streams.items():
             self.llm.abort(request_id)
             loop.call_soon_threadsafe(collector.put, RequestError(f"engine step failed: {error}"))
 

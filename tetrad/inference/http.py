@@ -25,7 +25,7 @@ class Guard:
 
     def __init__(self, app, config: ServerConfig):
         self.app, self.config = app, config
-        self.expected = None if config.api_key is None else f"Bearer {config.api_key}".encode()
+        self.expected = f"Bearer {config.api_key}".encode() if config.api_key else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -90,9 +90,31 @@ async def merged(streams: list[RequestStream], timeout_s: float
                  ) -> AsyncIterator[tuple[int, object]]:
     """(prompt index, output) from several requests as they come, until all finish or
     `timeout_s` passes (ApiError 408); closing it aborts the requests still running."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    source = _numbered(streams[0]) if len(streams) == 1 else _interleaved(streams)
+    try:
+        while True:
+            try:  # not wait_for: on Python 3.11 it can swallow a cancellation
+                async with asyncio.timeout_at(deadline):
+                    item = await anext(source)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise ApiError(408, f"the request ran longer than {timeout_s:g} s and was "
+                                    f"stopped (tetrad serve --request-timeout)",
+                               "timeout_error") from None
+            yield item
+    finally:
+        await source.aclose()
+
+
+async def _numbered(stream: RequestStream) -> AsyncIterator[tuple[int, object]]:
+    async for output in stream:
+        yield 0, output
+
+
+async def _interleaved(streams: list[RequestStream]) -> AsyncIterator[tuple[int, object]]:
     queue: asyncio.Queue = asyncio.Queue()
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
 
     async def pump(index: int, stream: RequestStream) -> None:
         try:
@@ -106,13 +128,7 @@ async def merged(streams: list[RequestStream], timeout_s: float
     try:
         remaining = len(tasks)
         while remaining:
-            try:  # not wait_for: on Python 3.11 it can swallow a cancellation
-                async with asyncio.timeout_at(deadline):
-                    index, output = await queue.get()
-            except TimeoutError:
-                raise ApiError(408, f"the request ran longer than {timeout_s:g} s and was "
-                                    f"stopped (tetrad serve --request-timeout)",
-                               "timeout_error") from None
+            index, output = await queue.get()
             if output is None:
                 remaining -= 1
             elif isinstance(output, Exception):

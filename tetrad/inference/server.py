@@ -91,7 +91,7 @@ def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None,
         """Token ids of each prompt (a string, or ids already); runs on a worker thread."""
         return [llm.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
 
-    def submit_all(prompts: list[list[int]], params) -> list:
+    def submit_all(prompts: list[list[int]], params, stream: bool) -> list:
         if len(prompts) * params.n > config.max_sequences_per_request:
             raise ApiError(400, f"{len(prompts)} prompts x n = {params.n} asks for "
                                 f"{len(prompts) * params.n} sequences: at most "
@@ -103,7 +103,7 @@ def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None,
         streams = []
         try:
             for prompt in prompts:
-                streams.append(engine.submit(prompt, params))
+                streams.append(engine.submit(prompt, params, every_step=stream))
         except BaseException:
             for stream in streams:
                 engine.abort(stream.request_id)
@@ -175,7 +175,7 @@ def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None,
         if body.echo or scored:  # the prompt's text: echoed, and where text offsets start
             texts = [text if text is not None else await asyncio.to_thread(
                 llm.tokenizer.decode, prompt_ids) for text, prompt_ids in zip(texts, ids)]
-        streams = submit_all(ids, params)
+        streams = submit_all(ids, params, body.stream)
         common = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                   "created": int(time.time()), "model": model_name}
 
@@ -236,7 +236,7 @@ def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None,
         params = body.sampling_params(
             config, chat.stop, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
         ids = await asyncio.to_thread(lambda: encode([chat.render(body.messages)]))
-        streams = submit_all(ids, params)
+        streams = submit_all(ids, params, body.stream)
         common = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
                   "model": model_name}
 
