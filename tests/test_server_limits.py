@@ -225,6 +225,34 @@ def test_a_failed_step_fails_only_its_requests_and_health_tells(model_dir, monke
         assert llm.block_manager.num_used_blocks == 0
 
 
+def test_a_request_whose_text_fails_finishes_alone(model_dir):
+    from tetrad.inference.params import RequestFailed, SamplingParams
+
+    llm = LLM(model_dir, block_size=4, num_blocks=96, log=None)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    healthy, broken = llm.add_request("Hello", params), llm.add_request("Hi", params)
+    llm.step()  # both prefilled together, in one batch
+
+    def fail(*_args, **_kwargs):
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad byte")
+
+    llm.tracker.requests[broken].detokenizers[0].add = fail
+    finals = {}
+    while llm.has_unfinished():
+        finals.update({o.request_id: o for o in llm.step() if o.finished})
+    assert finals[broken].outputs[0].finish_reason == "error"
+    assert "UnicodeDecodeError" in finals[broken].error
+    assert finals[healthy].error is None and len(finals[healthy].token_ids) == 5
+    assert llm.block_manager.num_used_blocks == 0
+
+    def broken_step(_plan):
+        raise RuntimeError("device fault")
+
+    llm._execute = broken_step
+    with pytest.raises(RequestFailed, match="failed: RuntimeError: device fault"):
+        llm.generate("Hey", params)
+
+
 def test_metrics_are_read_on_the_engine_thread(guarded, monkeypatch):
     llm, port = guarded
     threads = []

@@ -25,13 +25,15 @@ from tetrad.config import check_choice, check_positive, from_dict
 from tetrad.errors import ConfigError
 from tetrad.inference.block_manager import BlockManager
 from tetrad.inference.kv_cache import DTYPE_BYTES
-from tetrad.inference.logprobs import logits_layout, prompt_logprobs, sample_rows, score
+from tetrad.inference.logprobs import (logits_layout, prompt_logprobs, sample_rows,
+                                       sampled_logprobs)
 from tetrad.inference.metrics import EngineMetrics, engine_stats, kv_utilization
-from tetrad.inference.output import RequestOutput
+from tetrad.inference.output import RequestOutput, TokenLogprob
 from tetrad.inference.params import RequestFailed, SamplingParams
 from tetrad.inference.runner import ATTENTION_BACKENDS, StepPlan, load_runner
 from tetrad.inference.sampler import Sampler
 from tetrad.inference.scheduler import Scheduler, SchedulerConfig
+from tetrad.inference.sequence import Sequence
 from tetrad.inference.tp import TensorParallelDriver
 from tetrad.inference.tracker import RequestTracker
 
@@ -161,23 +163,37 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """Run one step; the outputs of the requests it advanced (each with this step's deltas).
         A step whose model call or sampling raises finishes the requests it ran with
-        finish_reason "error" (RequestOutput.error says why) and leaves the others running; only
-        an engine that cannot step again (a tensor-parallel rank died) raises."""
+        finish_reason "error" (RequestOutput.error says why), and a request whose text cannot be
+        made (its detokenizer raises) finishes so alone; the others go on. Only an engine that
+        cannot step again (a tensor-parallel rank died) raises."""
         touched = self.tracker.begin_step(self.scheduler)
         batch = self.scheduler.schedule()
         self.peak_blocks_used = max(self.peak_blocks_used, self.block_manager.num_used_blocks)
+        sampled = []
         if batch.seqs:
             try:
-                self._run(batch, touched)
+                sampled = self._run(batch)
             except Exception as error:
                 if self.failure is not None:
                     raise
                 traceback.print_exc()  # a bug, not a bad request: keep its trace
                 concerned = {seq.request_id for seq in [*batch.seqs, *batch.preempted]}
                 self.tracker.fail(self.scheduler, concerned, error, touched)
+        now = time.perf_counter()
+        for seq, token, logprobs in sampled:
+            try:
+                self.tracker.record(self.scheduler, seq, [token], logprobs, now, touched)
+            except Exception as error:
+                traceback.print_exc()
+                self.tracker.fail(self.scheduler, {seq.request_id}, error, touched)
+        if batch.seqs:
+            self.metrics.record_step(len(sampled), now)
         return self.tracker.end_step(touched)
 
-    def _run(self, batch, touched) -> None:
+    def _run(self, batch) -> list[tuple[Sequence, int, list[TokenLogprob]]]:
+        """The model step and sampling: (sequence, its new token, the token's log-probability
+        if it asked) for every sequence that sampled; the prompt scores it computed are
+        recorded."""
         plan = StepPlan.from_batch(batch, self.kv_plan.block_size)
         logits = self._execute(plan)
         layout = logits_layout(plan)
@@ -189,16 +205,9 @@ class LLM:
                                      device=logits.device)]
         seqs = [seq for seq, _ in to_sample]
         tokens = self.sampler(logits, seqs) if seqs else []
-        asking = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None]
-        scores = dict(zip(asking, score(logits[asking], [tokens[row] for row in asking],
-                                        [seqs[row].params.logprobs for row in asking])
-                          if asking else []))
+        logprobs = sampled_logprobs(logits, seqs, tokens)
         self.scheduler.append_tokens(list(zip(seqs, tokens)), self.eos_token_ids)
-        now = time.perf_counter()
-        for row, (seq, token) in enumerate(zip(seqs, tokens)):
-            self.tracker.record(self.scheduler, seq, [token],
-                                [scores[row]] if row in scores else [], now, touched)
-        self.metrics.record_step(len(tokens), now)
+        return list(zip(seqs, tokens, logprobs))
 
     # ---- tensor-parallel ranks -----------------------------------------------------------------
 

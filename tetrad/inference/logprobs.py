@@ -27,6 +27,17 @@ def score(logits: torch.Tensor, token_ids: list[int], num_top: list[int]) -> lis
             for row, (token, logprob, n) in enumerate(zip(token_ids, chosen, num_top))]
 
 
+def sampled_logprobs(logits: torch.Tensor, seqs, tokens: list[int]) -> list[list[TokenLogprob]]:
+    """For each sampled row: [the sampled token's score] if its sequence asks for logprobs, []
+    otherwise (those rows cost nothing)."""
+    asking = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None]
+    if not asking:
+        return [[] for _ in seqs]
+    scored = dict(zip(asking, score(logits[asking], [tokens[row] for row in asking],
+                                    [seqs[row].params.logprobs for row in asking])))
+    return [[scored[row]] if row in scored else [] for row in range(len(seqs))]
+
+
 def logits_layout(plan: StepPlan) -> list[tuple[int, int]]:
     """(first row, rows) of each planned sequence in the runner's logits: every token's row for
     PROMPT_LOGITS, the last token's for a sampling one, none otherwise."""

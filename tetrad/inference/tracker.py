@@ -131,7 +131,8 @@ class RequestTracker:
         now = time.perf_counter()
         for seq in scheduler.abort(request_id):
             seq.finish_reason = reason
-            self.record(scheduler, seq, [], [], now, touched)
+            if reason != "error":  # an error may come from the text itself: leave it as it is
+                self.record(scheduler, seq, [], [], now, touched)
         for completion in request.output.outputs:  # samples not forked yet
             if completion.finish_reason is None:
                 self._finish(request, completion, reason, now)
