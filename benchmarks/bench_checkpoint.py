@@ -39,11 +39,11 @@ from torch.distributed.fsdp import fully_shard
 from tetrad.config import ParallelConfig, TrainConfig
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm, CommCounter
-from tetrad.parallel.mesh import ParallelDims, build_mesh
+from tetrad.parallel.launch import spawn
+from tetrad.parallel.mesh import build_mesh
 from tetrad.presets import resolve_model
 from tetrad.sharded_tensors import assemble
 from tetrad.train import checkpoint as ckpt
-from tetrad.train.launch import spawn
 from tetrad.train.optim import build_optimizer, parameter_groups
 from tetrad.train.strategy import build_strategy
 from tetrad.train.trainer import save
@@ -68,7 +68,7 @@ def next_token_loss(model, batch: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
 
 
-def tetrad_strategy(args, model_config, dims: ParallelDims, zero: int, seed: int):
+def tetrad_strategy(args, model_config, dims: ParallelConfig, zero: int, seed: int):
     config = TrainConfig(model=args.model, model_overrides=model_overrides(args),
                          parallel=ParallelConfig(dp=dims.dp, tp=dims.tp, zero=zero))
     mesh = build_mesh(dims, dist.get_rank(), dist.get_world_size())
@@ -156,12 +156,12 @@ def same_tensors(expected: dict, actual: dict) -> bool:
 def worker(rank: int, world_size: int, args: argparse.Namespace, scratch: str) -> dict:
     torch.set_num_threads(args.threads)
     model_config = resolve_model(args.model, model_overrides(args))
-    dp = ParallelDims(dp=world_size)
+    dp = ParallelConfig(dp=world_size)
     source, config = tetrad_strategy(args, model_config, dp, 3, seed=0)
     targets = {"load same": tetrad_strategy(args, model_config, dp, 3, seed=1)[0],
                "load DDP": tetrad_strategy(args, model_config, dp, 0, seed=1)[0]}
     if world_size % 2 == 0:
-        tp2 = ParallelDims(dp=world_size // 2, tp=2)
+        tp2 = ParallelConfig(dp=world_size // 2, tp=2)
         targets["load tp2"] = tetrad_strategy(args, model_config, tp2, 3, seed=1)[0]
     loss = next_token_loss(source.model, batch_of(model_config, rank))
     source.backward(loss, is_last_microbatch=True)

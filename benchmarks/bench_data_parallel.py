@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from tetrad.config import ParallelConfig, TrainConfig
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm, CommCounter
-from tetrad.parallel.mesh import ParallelDims, build_mesh
+from tetrad.parallel.launch import spawn
+from tetrad.parallel.mesh import build_mesh
 from tetrad.presets import resolve_model
-from tetrad.train.launch import spawn
 from tetrad.train.optim import build_optimizer, parameter_groups, set_learning_rate
 from tetrad.train.strategy import DataParallelStrategy, ZeroStrategy
 
@@ -76,7 +76,7 @@ class Tetrad:
 
 def worker(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
-    mesh = build_mesh(ParallelDims(dp=world_size), rank, world_size)
+    mesh = build_mesh(ParallelConfig(dp=world_size), rank, world_size)
     config = TrainConfig(model=args.model, batch_size=args.batch, seq_len=args.seq)
     model_config = resolve_model(args.model)
 

@@ -28,11 +28,11 @@ import torch.nn.functional as F
 from tetrad.config import ParallelConfig, TrainConfig
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm, CommCounter
-from tetrad.parallel.mesh import Group, ParallelDims, build_mesh
+from tetrad.parallel.launch import spawn
+from tetrad.parallel.mesh import Group, build_mesh
 from tetrad.parallel.ps import KeyLayout, ParameterServer, ParameterServerWorker, PSOptions
 from tetrad.planner.parameter_server import compare
 from tetrad.presets import resolve_model
-from tetrad.train.launch import spawn
 from tetrad.train.optim import build_optimizer, parameter_groups, set_learning_rate
 from tetrad.train.strategy import DataParallelStrategy
 
@@ -108,7 +108,7 @@ def link_rank(rank: int, world_size: int, size: int) -> tuple[float, float]:
 
 
 def ring_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
-    mesh = build_mesh(ParallelDims(dp=world_size), rank, world_size)
+    mesh = build_mesh(ParallelConfig(dp=world_size), rank, world_size)
     compute_s = compute_only(args, args.batch // world_size, rank)
     config = TrainConfig(model=args.model, batch_size=args.batch, seq_len=args.seq,
                          parallel=ParallelConfig(dp=world_size, collectives=args.collectives))

@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tetrad.config import ModelConfig
+from tetrad.config import ModelConfig, ParallelConfig
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm
-from tetrad.parallel.mesh import ParallelDims, build_mesh
+from tetrad.parallel.launch import spawn
+from tetrad.parallel.mesh import build_mesh
 from tetrad.parallel.pipeline import PipelineExecutor
-from tetrad.train.launch import spawn
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 
@@ -63,7 +63,7 @@ def bench_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     config = ModelConfig(name="bench", vocab_size=args.vocab, hidden_size=args.hidden,
                          num_layers=args.layers, num_heads=args.heads,
                          ffn_hidden_size=args.ffn, max_seq_len=args.seq)
-    mesh = build_mesh(ParallelDims(pp=world_size), rank, world_size)
+    mesh = build_mesh(ParallelConfig(pp=world_size), rank, world_size)
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(args.vocab, (args.batch, args.seq + 1), generator=generator)
     inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

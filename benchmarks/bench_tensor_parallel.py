@@ -26,12 +26,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tetrad.config import ModelConfig
+from tetrad.config import ModelConfig, ParallelConfig
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm
-from tetrad.parallel.mesh import ParallelDims, build_mesh
+from tetrad.parallel.launch import spawn
+from tetrad.parallel.mesh import build_mesh
 from tetrad.parallel.tensor_parallel import parallelize_tensor, qkv_rows, up_rows
-from tetrad.train.launch import spawn
 
 
 def parse_args() -> argparse.Namespace:
@@ -103,7 +103,7 @@ def bench_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
                          num_layers=args.layers, num_heads=args.heads,
                          num_kv_heads=args.kv_heads, ffn_hidden_size=args.ffn,
                          max_seq_len=args.seq)
-    mesh = build_mesh(ParallelDims(tp=world_size), rank, world_size)
+    mesh = build_mesh(ParallelConfig(tp=world_size), rank, world_size)
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(args.vocab, (args.batch, args.seq + 1), generator=generator)
     inputs, targets = tokens[:, :-1].to(device), tokens[:, 1:].to(device)

@@ -3,7 +3,7 @@ each, a free localhost port) and get every rank's return value, or the failing r
 its rank and traceback. Timeouts on the rendezvous, the collectives and the whole job mean a
 broken test fails instead of hanging."""
 
-from tetrad.train.launch import spawn
+from tetrad.parallel.launch import spawn
 
 
 def run_ranks(fn, nprocs: int, *args, timeout_s: float = 180.0) -> list:

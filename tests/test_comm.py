@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 from dist import run_ranks
 
+from tetrad.config import ParallelConfig
 from tetrad.parallel.comm import Comm, CommCounter, ring_volume
-from tetrad.parallel.mesh import Group, ParallelDims, build_mesh
+from tetrad.parallel.mesh import Group, build_mesh
 
 
 def sent(counter: CommCounter, kind: str) -> Fraction:
@@ -20,7 +21,7 @@ def sent(counter: CommCounter, kind: str) -> Fraction:
 
 
 def check_collectives(rank: int, world_size: int) -> dict:
-    dims = ParallelDims(dp=2, tp=2)
+    dims = ParallelConfig(dp=2, tp=2)
     mesh = build_mesh(dims, rank, world_size)
     world = Group("world", tuple(range(world_size)), rank, dist.group.WORLD)
 

@@ -14,13 +14,13 @@ import torch.nn.functional as F
 from dist import run_ranks
 from reference import objective, seeded_model, token_batch, train_reference
 
-from tetrad.config import ModelConfig
+from tetrad.config import ModelConfig, ParallelConfig
 from tetrad.errors import ConfigError
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm, CommCounter
 from tetrad.parallel.context_parallel import (TAG, RingAttention, apply_context_parallel,
                                               check_context_parallel, chunk_positions)
-from tetrad.parallel.mesh import Group, ParallelDims, build_mesh
+from tetrad.parallel.mesh import Group, build_mesh
 from tetrad.parallel.recompute import apply_recompute
 from tetrad.presets import preset
 
@@ -116,7 +116,7 @@ def train(mesh, case: tuple) -> dict:
 
 
 def run_cp(rank: int, world_size: int, cases: list) -> dict:
-    mesh = build_mesh(ParallelDims(cp=world_size), rank, world_size)
+    mesh = build_mesh(ParallelConfig(cp=world_size), rank, world_size)
     counter = CommCounter()
     return {"ring": run_ring(mesh["cp"], counter),
             "train": [train(mesh, case) for case in cases]}

@@ -14,6 +14,7 @@ import torch
 from dist import run_ranks
 from reference import objective, seeded_model, token_batch, train_reference
 
+from tetrad.config import ParallelConfig
 from tetrad.errors import ConfigError
 from tetrad.models.moe import MoE
 from tetrad.models.transformer import Transformer
@@ -21,7 +22,7 @@ from tetrad.parallel.comm import Comm, CommCounter
 from tetrad.parallel.context_parallel import apply_context_parallel
 from tetrad.parallel.expert_parallel import (SPLITS_TAG, TOKENS_TAG, ExpertParallelMoE,
                                              apply_expert_parallel, check_expert_parallel)
-from tetrad.parallel.mesh import ParallelDims, build_mesh
+from tetrad.parallel.mesh import build_mesh
 from tetrad.presets import preset
 
 MOE = preset("tiny-moe")
@@ -42,7 +43,7 @@ def build_model() -> Transformer:
 
 
 def one_rank_mesh():
-    return build_mesh(ParallelDims(), 0, 1)
+    return build_mesh(ParallelConfig(), 0, 1)
 
 
 def reference(microbatches: int, capacity: float | None) -> dict:
@@ -73,7 +74,7 @@ def kept_slots(experts: torch.Tensor, capacity_factor: float | None) -> list[int
 
 def train(rank: int, world_size: int, case: tuple) -> dict:
     dp, cp, ep, capacity = case
-    mesh = build_mesh(ParallelDims(dp=dp, cp=cp, ep=ep), rank, world_size)
+    mesh = build_mesh(ParallelConfig(dp=dp, cp=cp, ep=ep), rank, world_size)
     counter = CommCounter()
     comm = Comm(counter)
     model = build_model()
@@ -142,7 +143,7 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 def check_case(case: tuple, per_rank: list[dict], references: dict) -> None:
     dp, cp, ep, capacity = case
     expected = references[dp, capacity]
-    dims = ParallelDims(dp=dp, cp=cp, ep=ep)
+    dims = ParallelConfig(dp=dp, cp=cp, ep=ep)
     for rank, result in enumerate(per_rank):
         assert result["losses"] == pytest.approx(expected["losses"], rel=1e-5), (case, rank)
         assert result["auxes"] == pytest.approx(expected["auxes"], rel=1e-5), (case, rank)
@@ -235,4 +236,4 @@ def test_bad_layouts_say_what_to_change():
     with pytest.raises(ConfigError, match="capacity factor must be positive"):
         check_expert_parallel(MOE, 2, capacity_factor=0.0)
     with pytest.raises(ConfigError, match="ep 4 must divide dp\\*cp = 2"):
-        ParallelDims(dp=2, ep=4)
+        ParallelConfig(dp=2, ep=4)

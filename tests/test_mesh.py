@@ -7,11 +7,11 @@ import pytest
 from tetrad.cli.main import main
 from tetrad.config import ParallelConfig
 from tetrad.errors import ConfigError
-from tetrad.parallel.mesh import GROUP_NAMES, ParallelDims
+from tetrad.parallel.mesh import GROUP_NAMES
 
 
 def test_the_classic_16_gpu_example():
-    dims = ParallelDims(tp=2, pp=4, dp=2)
+    dims = ParallelConfig(tp=2, pp=4, dp=2)
     assert dims.world_size == 16
     assert dims.group_ranks("tp") == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11],
                                       [12, 13], [14, 15]]
@@ -32,7 +32,7 @@ def test_tetrad_mesh_prints_the_groups(capsys):
 @pytest.mark.parametrize("dp, pp, cp, tp, ep", [(2, 4, 1, 2, 1), (2, 1, 2, 2, 4), (3, 2, 2, 1, 2),
                                                 (4, 1, 1, 1, 2), (1, 1, 1, 1, 1)])
 def test_rank_order_and_partitions(dp, pp, cp, tp, ep):
-    dims = ParallelDims(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep)
+    dims = ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep)
     # TP innermost, then CP, then DP, PP outermost: the rank is the mixed-radix number.
     for rank, (p, d, c, t) in enumerate(itertools.product(range(pp), range(dp), range(cp),
                                                           range(tp))):
@@ -51,7 +51,7 @@ def test_rank_order_and_partitions(dp, pp, cp, tp, ep):
 
 
 def test_experts_fold_over_data_and_context_ranks():
-    dims = ParallelDims(dp=2, cp=2, tp=2, ep=2)
+    dims = ParallelConfig(dp=2, cp=2, tp=2, ep=2)
     # d = dp_index * cp + cp_index runs over ranks 0,2,4,6 at tp 0; EP takes neighbours in d.
     assert dims.group_ranks("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert dims.group_ranks("edp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
@@ -62,10 +62,10 @@ def test_experts_fold_over_data_and_context_ranks():
 
 def test_validation_names_the_fix():
     with pytest.raises(ConfigError, match="ep 3 must divide dp\\*cp = 4"):
-        ParallelDims(dp=4, ep=3)
+        ParallelConfig(dp=4, ep=3)
     with pytest.raises(ConfigError, match="tp must be a positive integer"):
-        ParallelDims(tp=0)
+        ParallelConfig(tp=0)
     with pytest.raises(ConfigError, match="make the process count equal"):
-        ParallelDims(dp=2, tp=2).check_world_size(8)
-    dims = ParallelDims.from_config(ParallelConfig(dp=2, pp=2, tp=2))
+        ParallelConfig(dp=2, tp=2).check_world_size(8)
+    dims = ParallelConfig(dp=2, pp=2, tp=2)
     assert (dims.dp, dims.pp, dims.tp, dims.world_size) == (2, 2, 2, 8)

@@ -28,16 +28,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from dist import run_ranks
 
-from tetrad.config import TrainConfig
+from tetrad.config import ParallelConfig, TrainConfig
 from tetrad.errors import ConfigError
 from tetrad.parallel.comm import Comm, CommCounter
-from tetrad.parallel.mesh import Group, Mesh, ParallelDims
+from tetrad.parallel.launch import HOST, WorkerFailed, init_worker
+from tetrad.parallel.mesh import Group, Mesh
 from tetrad.parallel.ps import KeyLayout, ParameterServer, ParameterServerWorker, PSOptions
 from tetrad.parallel.ps.clock import Scheduler
 from tetrad.parallel.ps.protocol import Kind, Message, check_run
 from tetrad.train import checkpoint as ckpt
 from tetrad.train.data import Dataset
-from tetrad.train.launch import HOST, WorkerFailed, init_worker
 from tetrad.train.optim import build_optimizer, learning_rate, parameter_groups
 from tetrad.train.strategy import DataParallelStrategy
 from tetrad.train.trainer import build_model, prepare, train
@@ -131,7 +131,7 @@ def train_zero0(rank: int, config: TrainConfig, num_workers: int) -> dict:
     if rank not in ranks:
         return {}
     group = Group("dp", ranks, rank, handle)
-    mesh = Mesh(ParallelDims(dp=num_workers), rank,
+    mesh = Mesh(ParallelConfig(dp=num_workers), rank,
                 {name: group for name in ("dp", "dp_cp", "world")})
     make = partial(DataParallelStrategy, mesh=mesh, collectives=Comm(CommCounter()))
     report = train(config, make, show_progress=False).report

@@ -17,12 +17,12 @@ import torch.nn.functional as F
 from dist import run_ranks
 from reference import seeded_model, token_batch, train_reference
 
-from tetrad.config import ModelConfig
+from tetrad.config import ModelConfig, ParallelConfig
 from tetrad.errors import ConfigError
 from tetrad.memory import ActivationMeter
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm, CommCounter
-from tetrad.parallel.mesh import Group, ParallelDims, build_mesh
+from tetrad.parallel.mesh import Group, build_mesh
 from tetrad.parallel.pipeline import (PipelineExecutor, build_stages, partition,
                                       piece_costs)
 from tetrad.schedules import build_schedule, peak_in_flight
@@ -144,7 +144,7 @@ def train_torch_pipelining(rank: int, world_size: int, mesh, schedule_name: str,
 
 
 def run_cases(rank: int, world_size: int, cases: list, torch_schedules: tuple) -> dict:
-    mesh = build_mesh(ParallelDims(pp=world_size), rank, world_size)
+    mesh = build_mesh(ParallelConfig(pp=world_size), rank, world_size)
     return {"tetrad": [train_pipeline(rank, mesh, case) for case in cases],
             "torch": {name: train_torch_pipelining(rank, world_size, mesh, name, 4)
                       for name in torch_schedules}}

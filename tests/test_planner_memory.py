@@ -87,13 +87,13 @@ def test_flash_attention_stores_no_score_matrix():
 def test_pipeline_in_flight_microbatches():
     p, m = 8, 32
     for stage in range(p):
-        assert in_flight_microbatches(TrainLayout(pp=p, num_microbatches=m), stage) == p - stage
-    assert in_flight_microbatches(TrainLayout(pp=p, num_microbatches=4), 0) == 4
-    assert in_flight_microbatches(TrainLayout(pp=p, schedule="gpipe", num_microbatches=m), 0) == m
+        assert in_flight_microbatches(TrainLayout(pp=p, microbatches=m), stage) == p - stage
+    assert in_flight_microbatches(TrainLayout(pp=p, microbatches=4), 0) == 4
+    assert in_flight_microbatches(TrainLayout(pp=p, schedule="gpipe", microbatches=m), 0) == m
     # Interleaving raises the first stage's activations by 1 + (p - 1) / (p v) (Korthikanti
     # et al. 2022, section 4.2.3), relative to 1F1B's p microbatches.
     v = 4
-    interleaved = TrainLayout(pp=p, vpp=v, schedule="interleaved", num_microbatches=m)
+    interleaved = TrainLayout(pp=p, vpp=v, schedule="interleaved", microbatches=m)
     assert in_flight_microbatches(interleaved, 0) / p == pytest.approx(1 + (p - 1) / (p * v))
 
 
@@ -105,7 +105,7 @@ def test_uneven_stages_trim_first_and_last():
 
 def test_first_stage_is_fullest_with_1f1b():
     config = preset("llama2-13b")
-    layout = TrainLayout(tp=2, pp=4, dp=1, sequence_parallel=True, num_microbatches=16)
+    layout = TrainLayout(tp=2, pp=4, dp=1, sequence_parallel=True, microbatches=16)
     _, stage = training_memory(config, layout, BF16, 4096, ActivationOptions())
     assert stage == 0
 

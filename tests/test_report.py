@@ -155,7 +155,7 @@ def test_megatrons_accounting_on_request():
     assert profiled["runtime"] == "tetrad" and len(profiled["stages"]) == 2
     assert asked["runtime"] == "megatron" and "stages" not in asked
     memory, stage = training_memory(small, TrainLayout(tp=2, pp=2, micro_batch=2,
-                                                       num_microbatches=2),
+                                                       microbatches=2),
                                     training_precision("fp32"), 64, ActivationOptions())
     assert asked["fullest_stage"] == stage
     assert asked["bytes"]["activations_peak"] == memory.activations

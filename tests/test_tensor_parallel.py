@@ -19,13 +19,13 @@ import torch.nn.functional as F
 from dist import run_ranks
 from torch import nn
 
-from tetrad.config import ModelConfig
+from tetrad.config import ModelConfig, ParallelConfig
 from tetrad.errors import ConfigError
 from tetrad.memory import ActivationMeter
 from tetrad.models.layers import make_norm
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm, CommCounter
-from tetrad.parallel.mesh import Group, ParallelDims, build_mesh
+from tetrad.parallel.mesh import Group, build_mesh
 from tetrad.parallel.tensor_parallel import (check_tensor_parallel, parallelize_tensor,
                                              qkv_rows, up_rows)
 from tetrad.presets import preset
@@ -174,7 +174,7 @@ def train_dtensor(world_size: int, config: ModelConfig, sequence_parallel: bool)
 
 
 def run_cases(rank: int, world_size: int, cases: list, dtensor: bool) -> dict:
-    mesh = build_mesh(ParallelDims(tp=world_size), rank, world_size)
+    mesh = build_mesh(ParallelConfig(tp=world_size), rank, world_size)
     return {"tetrad": [train_tetrad(mesh, case) for case in cases],
             "dtensor": {sp: train_dtensor(world_size, LLAMA, sp) for sp in (False, True)}
             if dtensor else {}}

@@ -19,7 +19,6 @@ from dist import run_ranks
 from tetrad.cli.main import main
 from tetrad.config import ParallelConfig, TrainConfig
 from tetrad.models.hf import load_pretrained
-from tetrad.parallel.mesh import ParallelDims
 from tetrad.train import checkpoint as ckpt
 from tetrad.train import launch
 from tetrad.train.trainer import train
@@ -129,8 +128,8 @@ def check_run(name: str, result, expected, layout: dict, first_step: int = 1) ->
     for key, value in reference_params.items():
         assert relative_error(params[key], value) < 1e-5, (name, key)
 
-    dims = ParallelDims.from_config(ParallelConfig(**{
-        axis: value for axis, value in layout.items() if axis != "grad_accum"}))
+    dims = ParallelConfig(**{
+        axis: value for axis, value in layout.items() if axis != "grad_accum"})
     ranks = result.report["ranks"]
     assert [entry["rank"] for entry in ranks] == list(range(dims.world_size)), name
     for entry in ranks:
@@ -194,7 +193,7 @@ def test_eight_ranks(corpus_file, tmp_path):
     num_parameters = in_one_process.report["num_parameters"]
     step_3 = source / ckpt.step_folder_name(3)
     model, moments = shard_elements(step_3, "model"), shard_elements(step_3, "exp_avg")
-    dims = ParallelDims.from_config(ParallelConfig(dp=2, tp=2, pp=2))
+    dims = ParallelConfig(dp=2, tp=2, pp=2)
     writers = [rank for rank in range(8) if dims.coords(rank)["dp"] == 0]  # dp replicas skip
     assert sorted(model) == [f"shard_{rank:05d}.safetensors" for rank in writers]
     assert sum(model.values()) == sum(moments.values()) == num_parameters

@@ -23,8 +23,9 @@ def losses(report: dict) -> list[float]:
 
 def test_sync_ps_equals_one_process_and_ssp_trains(tmp_path, corpus_file):
     single = train_report(tmp_path, corpus_file, "single")
+    # No --dp: the workers are the processes that are not servers.
     sync = train_report(tmp_path, corpus_file, "sync", "--strategy", "ps", "--nproc", "3",
-                        "--dp", "2", "--servers", "1")
+                        "--servers", "1")
     assert len(losses(sync)) == 5
     for a, b in zip(losses(sync), losses(single)):
         assert abs(a - b) <= 1e-5 * abs(b), (losses(sync), losses(single))
@@ -60,3 +61,18 @@ def test_bad_ps_layouts_cost_one_line(capsys, corpus_file, argv, fragment):
     assert code == 2, err
     assert "Traceback" not in err and len(err.splitlines()) == 1, err
     assert fragment in err, err
+
+
+@pytest.mark.parametrize("argv, dp", [
+    (["--strategy", "ps", "--nproc", "4", "--servers", "1"], 3),
+    (["--strategy", "ps", "--nproc", "5", "--servers", "2"], 3),
+    (["--strategy", "ps", "--nproc", "4", "--servers", "1", "--dp", "2"], 2),  # as typed
+    (["--nproc", "4", "--dp", "4"], 4),
+])
+def test_ps_workers_are_the_processes_that_are_not_servers(argv, dp):
+    from tetrad.cli.main import build_parser
+    from tetrad.config import build_train_config
+
+    args = vars(build_parser().parse_args(["train", *argv]))
+    overrides = {k: v for k, v in args.items() if k not in ("command", "run", "config")}
+    assert build_train_config(None, overrides).parallel.dp == dp

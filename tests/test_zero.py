@@ -21,7 +21,7 @@ from tetrad.config import ParallelConfig, TrainConfig
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import OFF_STEP_TAGS, Comm, CommCounter
 from tetrad.parallel.fsdp import SHARDED
-from tetrad.parallel.mesh import Group, ParallelDims, build_mesh
+from tetrad.parallel.mesh import Group, build_mesh
 from tetrad.parallel.zero_optimizer import FlatShard, scatter_state
 from tetrad.presets import resolve_model
 from tetrad.sharded_tensors import LazyMapping
@@ -243,10 +243,10 @@ def run_pipelined(zero: int, schedule: str, mesh) -> dict:
 
 def job(rank: int, world_size: int, cases: list[Case], extras: bool,
         pipelined: list[tuple[int, str]] = ()) -> dict:
-    mesh = build_mesh(ParallelDims(dp=world_size), rank, world_size)
+    mesh = build_mesh(ParallelConfig(dp=world_size), rank, world_size)
     result = {"cases": [run_case(case, mesh, rank) for case in cases]}
     if pipelined:
-        mesh = build_mesh(ParallelDims(dp=2, pp=world_size // 2), rank, world_size)
+        mesh = build_mesh(ParallelConfig(dp=2, pp=world_size // 2), rank, world_size)
         result["pipelined"] = [run_pipelined(zero, schedule, mesh)
                                for zero, schedule in pipelined]
     if extras:

@@ -1,12 +1,23 @@
 """tetrad: plan, train and serve large transformers on one shared model and cluster description.
 
-`import tetrad` stays torch-free (the planner runs anywhere, in milliseconds): the entry points
-that need torch are imported on first use through the module-level `__getattr__`.
+    from tetrad import LLM, SamplingParams            # serve (vLLM's names)
+    from tetrad import TrainConfig, train_model       # train
+    from tetrad import load_pretrained                # a model folder or checkpoint as a module
+
+`import tetrad` stays torch-free (the planner runs anywhere, in milliseconds): every name below is
+imported on first use through the module-level `__getattr__`.
 """
 
 from __future__ import annotations
 
 _LAZY = {
+    "LLM": "tetrad.inference.engine",
+    "SamplingParams": "tetrad.inference.params",
+    "EngineConfig": "tetrad.inference.config",
+    "train_model": "tetrad.train.launch",
+    "TrainConfig": "tetrad.config",
+    "ParallelConfig": "tetrad.config",
+    "ModelConfig": "tetrad.config",
     "load_pretrained": "tetrad.models.hf",
     "load_hf_weights": "tetrad.models.hf",
     "load_tokenizer": "tetrad.tokenizer",
@@ -23,3 +34,7 @@ def __getattr__(name: str):
     value = getattr(importlib.import_module(_LAZY[name]), name)
     globals()[name] = value  # later lookups skip __getattr__
     return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

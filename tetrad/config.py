@@ -1,4 +1,5 @@
-"""One description of a model, a parallel layout and a run, shared by planner, trainer, server.
+"""One description of a model, a parallel layout and a run, shared by planner, trainer, server
+(the layout, ParallelConfig, has a module of its own: tetrad.parallel_config).
 
 Every config is a frozen dataclass validated on construction: a config that exists can work.
 Configs come from presets (tetrad.presets), HF config.json files (tetrad.hf_config), TOML files,
@@ -15,19 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tetrad.errors import ConfigError
+from tetrad.errors import ConfigError, check_choice, check_positive
+from tetrad.parallel_config import ParallelConfig
 
 DTYPES = ("fp32", "bf16", "fp16")
-
-
-def check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
-
-
-def check_positive(name: str, value: int | float, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
 def unknown_key_message(kind: str, key: str, known: list[str]) -> str:
@@ -147,93 +139,6 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
-class ParallelConfig:
-    """Degrees of the 4D layout and the strategy knobs. The world size is dp*pp*cp*tp; expert
-    parallelism is folded over dp*cp, so ep does not multiply the world size (as in Megatron).
-    strategy "ps" (docs/parameter_server.md) adds `servers` processes beside the dp workers."""
-
-    dp: int = 1
-    pp: int = 1
-    cp: int = 1
-    tp: int = 1
-    ep: int = 1
-    vpp: int = 1
-    zero: int = 0
-    offload: bool = False
-    sequence_parallel: bool = False
-    schedule: str = "1f1b"  # naive | gpipe | 1f1b | interleaved | zb
-    microbatches: int = 0  # 0 means pp (the fewest that keeps every stage busy)
-    recompute: str = "none"  # none | selective | full
-    collectives: str = "backend"  # backend | ring (tetrad's own ring all-reduce on send/recv)
-    stage_layers: tuple[int, ...] = ()  # layers per pipeline stage; () balances by cost
-    strategy: str = "collective"  # collective | ps (parameter servers)
-    servers: int = 0  # ps: server processes after the dp workers
-    ps_mode: str = "sync"  # sync | async | ssp
-    staleness: int | None = None  # ssp's bound K; None: PSOptions' default
-
-    def __post_init__(self) -> None:
-        for name in ("dp", "pp", "cp", "tp", "ep", "vpp"):
-            check_positive(name, getattr(self, name))
-        check_positive("microbatches", self.microbatches, allow_zero=True)
-        if self.zero not in (0, 1, 2, 3):
-            raise ConfigError(f"zero must be 0, 1, 2 or 3, got {self.zero}")
-        if self.offload and self.zero == 0:
-            raise ConfigError("--offload needs a ZeRO stage: add --zero 1, 2 or 3")
-        check_choice("schedule", self.schedule, ("naive", "gpipe", "1f1b", "interleaved", "zb"))
-        if (self.vpp > 1) != (self.schedule == "interleaved"):
-            raise ConfigError("virtual stages go with the interleaved schedule: use --schedule "
-                              "interleaved with --vpp 2 or more, or --vpp 1 with other schedules")
-        check_choice("recompute", self.recompute, ("none", "selective", "full"))
-        check_choice("collectives", self.collectives, ("backend", "ring"))
-        if (self.dp * self.cp) % self.ep:
-            raise ConfigError(f"ep {self.ep} must divide dp*cp = {self.dp * self.cp}")
-        object.__setattr__(self, "stage_layers", tuple(self.stage_layers))  # TOML gives a list
-        if self.microbatches == 0:
-            object.__setattr__(self, "microbatches", self.pp)
-        if self.schedule == "interleaved" and self.microbatches % self.pp:
-            raise ConfigError(f"the interleaved schedule needs microbatches ({self.microbatches}) "
-                              f"to be a multiple of pp ({self.pp})")
-        self._check_strategy()
-
-    def _check_strategy(self) -> None:
-        check_choice("strategy", self.strategy, ("collective", "ps"))
-        if self.strategy == "collective":
-            for flag, value, default in (("--servers", self.servers, 0),
-                                         ("--ps-mode", self.ps_mode, "sync"),
-                                         ("--staleness", self.staleness, None)):
-                if value != default:
-                    raise ConfigError(f"{flag} configures the parameter server: add --strategy ps "
-                                      f"or drop {flag}")
-            return
-        if self.servers < 1:
-            raise ConfigError(f"--strategy ps needs --servers 1 or more (the processes that hold "
-                              f"the parameters), got {self.servers}")
-        # The workers are whole-model data-parallel replicas: nothing else splits the model.
-        others = [f"--{name} {getattr(self, name)}" for name in ("tp", "pp", "cp", "ep", "vpp")
-                  if getattr(self, name) > 1] + ([f"--zero {self.zero}"] if self.zero else [])
-        if self.sequence_parallel:
-            others.append("--sequence-parallel")
-        if others:
-            raise ConfigError(f"--strategy ps is data parallel only (--dp workers + --servers): "
-                              f"drop {' '.join(others)}")
-        check_choice("ps_mode", self.ps_mode, ("sync", "async", "ssp"))
-        if self.staleness is not None:
-            if self.ps_mode != "ssp":
-                raise ConfigError(f"--staleness bounds --ps-mode ssp only: drop it or use "
-                                  f"--ps-mode ssp (got --ps-mode {self.ps_mode})")
-            check_positive("staleness", self.staleness, allow_zero=True)
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.pp * self.cp * self.tp
-
-    @property
-    def num_processes(self) -> int:
-        """Processes the run needs: the world, plus the parameter servers with --strategy ps."""
-        return self.world_size + (self.servers if self.strategy == "ps" else 0)
-
-
-@dataclass(frozen=True)
 class TrainConfig:
     """One training run. Field names are the CLI flags with '-' for '_'."""
 
@@ -300,13 +205,18 @@ def load_toml(path: str | Path) -> dict[str, Any]:
 
 def build_train_config(toml_path: str | None, overrides: dict[str, Any]) -> TrainConfig:
     """TOML file values, then the flags the user set explicitly (they win). Parallel degrees may
-    sit at the top level or in a [parallel] table; model field overrides in a [model] table."""
+    sit at the top level or in a [parallel] table; model field overrides in a [model] table.
+    With --strategy ps and no --dp, the workers are the --nproc processes minus the servers."""
     values: dict[str, Any] = load_toml(toml_path) if toml_path else {}
     parallel = dict(values.pop("parallel", {}))
     model_overrides = values.pop("model") if isinstance(values.get("model"), dict) else {}
     merged = {**values, **overrides}
     for key in [key for key in merged if key in PARALLEL_FIELDS]:
         parallel[key] = merged.pop(key)
+    nproc, servers = merged.get("nproc"), parallel.get("servers", 0)
+    if (parallel.get("strategy") == "ps" and "dp" not in parallel and isinstance(nproc, int)
+            and isinstance(servers, int) and nproc > servers):
+        parallel["dp"] = nproc - servers  # every process that is not a server is a worker
     merged["parallel"] = from_dict(ParallelConfig, parallel)
     merged["model_overrides"] = {**model_overrides, **merged.get("model_overrides", {})}
     return from_dict(TrainConfig, merged)

@@ -1,4 +1,5 @@
-"""User-facing errors. The CLI prints these as one line (no traceback) and exits with status 2."""
+"""User-facing errors and the small checks that raise them. The CLI prints these as one line (no
+traceback) and exits with status 2."""
 
 
 class TetradError(Exception):
@@ -7,3 +8,13 @@ class TetradError(Exception):
 
 class ConfigError(TetradError):
     """A configuration that cannot work (shapes, degrees, paths, flags)."""
+
+
+def check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+
+
+def check_positive(name: str, value: int | float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")

@@ -19,6 +19,15 @@ SUPPORTED = LLAMA_LIKE + ("gpt2",)
 
 
 def model_config_from_hf(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
+    """A ModelConfig from an HF config dict; a missing required key is a ConfigError naming it."""
+    try:
+        return _model_config_from_hf(hf, name)
+    except KeyError as missing:
+        raise ConfigError(f"HF config {name!r} (model_type {hf.get('model_type')!r}) lacks the "
+                          f"required key {missing}") from None
+
+
+def _model_config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED:
         raise ConfigError(f"HF model_type {model_type!r} is not supported "
@@ -132,9 +141,13 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     if not file.is_file():
         raise ConfigError(f"no config.json at {path}")
     try:
-        return json.loads(file.read_text())
+        values = json.loads(file.read_text())
     except json.JSONDecodeError as error:
         raise ConfigError(f"{file} is not valid JSON: {error}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{file} must hold one JSON object of model fields, "
+                          f"not a {type(values).__name__}")
+    return values
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

@@ -53,7 +53,7 @@ def resolve_model(spec: str, overrides: dict | None = None) -> ModelConfig:
                                        else path.resolve().name)
                   if "model_type" in hf else from_dict(ModelConfig, hf))
     elif path.suffix in (".toml", ".json") and path.exists():
-        values = load_toml(path) if path.suffix == ".toml" else json.loads(path.read_text())
+        values = load_toml(path) if path.suffix == ".toml" else read_hf_config(path)
         if "model_type" in values:
             config = model_config_from_hf(values, name=path.stem)
         else:

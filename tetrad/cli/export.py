@@ -13,17 +13,20 @@ def add_parser(subparsers) -> None:
         description="Write a tetrad checkpoint (a step folder, or a checkpoint root with a "
                     "`latest` file) as an HF folder: config.json, model.safetensors and, when "
                     "the checkpoint has one, tokenizer.json.")
-    parser.add_argument("checkpoint", help="checkpoint step folder or checkpoint root")
+    parser.add_argument("checkpoint", help="checkpoint step folder, checkpoint root, or a stored "
+                                           "model's name (tetrad list)")
     parser.add_argument("--out", required=True, help="folder to write the HF model to")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from tetrad.models.hf import load_pretrained, save_hf
+    from tetrad.store import resolve_model_argument
     from tetrad.tokenizer import load_tokenizer
 
-    model = load_pretrained(args.checkpoint)
-    tokenizer = load_tokenizer(args.checkpoint)
+    folder, _ = resolve_model_argument(args.checkpoint)
+    model = load_pretrained(folder)
+    tokenizer = load_tokenizer(folder)
     save_hf(model, args.out, eos_id=tokenizer.eos_id)
     # A byte-level tokenizer has no HF file form: the folder then holds the model only.
     tokenizer.save(args.out)

@@ -36,8 +36,9 @@ SAMPLING_FLAGS: list[tuple[str, type, str]] = [
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("path", help="HF model folder (llama, qwen2, gpt2, ...) or tetrad "
-                                     "checkpoint (step folder or checkpoint root)")
+    parser.add_argument("path", metavar="MODEL",
+                        help="a stored model's name (tetrad list), an HF model folder (llama, "
+                             "qwen2, gpt2, ...) or a tetrad checkpoint (step folder or root)")
     parser.add_argument("--tokenizer", help="'byte', a tokenizer.json or a folder (default: the "
                                             "model folder's)")
     group = parser.add_argument_group("engine")
@@ -58,10 +59,16 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_engine(args: argparse.Namespace):
+    """The engine over args.path. A stored model's name becomes its folder, and `args.stored`
+    the stored model, whose Modelfile settings are the defaults of the flags left out."""
     from tetrad.inference.engine import LLM, EngineConfig
+    from tetrad.store import resolve_model_argument
 
+    args.path, args.stored = resolve_model_argument(args.path)
     fields = {name for name in EngineConfig.__dataclass_fields__}
     config = {key: value for key, value in vars(args).items() if key in fields}
+    if args.stored and "max_model_len" in args.stored.parameters:
+        config.setdefault("max_model_len", args.stored.parameters["max_model_len"])
     tokenizer = None
     if getattr(args, "tokenizer", None):
         from tetrad.tokenizer import load_tokenizer
@@ -78,7 +85,9 @@ def sampling_params(args: argparse.Namespace, **extra):
                          "stop", "ignore_eos", "n")}
     if "sample_seed" in vars(args):
         values["seed"] = args.sample_seed
-    return SamplingParams(**{**values, **extra})
+    stored = getattr(args, "stored", None)
+    defaults = stored.sampling_defaults if stored else {}
+    return SamplingParams(**{**defaults, **values, **extra})
 
 
 def add_parser(subparsers) -> None:

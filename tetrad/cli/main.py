@@ -13,6 +13,24 @@ import tetrad.cli
 
 from tetrad.errors import TetradError
 
+# Which extra of pyproject.toml brings each third-party module a subcommand may import (the base
+# install has none of them); tests/test_packaging.py checks this against pyproject.toml.
+EXTRA_MODULES = {
+    "train": ("torch", "numpy", "safetensors", "tokenizers", "tqdm"),
+    "serve": ("torch", "safetensors", "tokenizers", "fastapi", "uvicorn", "pydantic", "jinja2"),
+    "plot": ("matplotlib",),
+}
+SERVING_COMMANDS = ("serve", "run", "generate")
+
+
+def missing_extra(module: str | None, command: str) -> str | None:
+    """The extra to install for a `command` that could not import `module`; None when no extra
+    brings it (then the missing module is a bug, not an install choice)."""
+    top = (module or "").partition(".")[0]
+    extras = [extra for extra, modules in EXTRA_MODULES.items() if top in modules]
+    if "serve" in extras and command in SERVING_COMMANDS:
+        return "serve"
+    return extras[0] if extras else None
 
 
 def subcommand_modules() -> list[str]:
@@ -36,6 +54,13 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args) or 0
     except TetradError as error:
         print(f"tetrad {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as error:
+        extra = missing_extra(error.name, args.command)
+        if extra is None:
+            raise
+        print(f"tetrad {args.command}: error: {error.name} is not installed: "
+              f"pip install 'tetrad[{extra}]'", file=sys.stderr)
         return 2
     except BrokenPipeError:
         # The reader went away (`tetrad schedule ... | head`): nothing left to say to it.

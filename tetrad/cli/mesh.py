@@ -1,5 +1,5 @@
 """`tetrad mesh`: print the rank grid and every process group of a layout, without starting any
-process (the grid is plain arithmetic, tetrad.parallel.mesh.ParallelDims)."""
+process (the grid is plain arithmetic, tetrad.parallel_config.ParallelConfig)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tetrad.parallel.mesh import ParallelDims
+    from tetrad.config import ParallelConfig
 
-    dims = ParallelDims(dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp, ep=args.ep)
+    dims = ParallelConfig(dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp, ep=args.ep)
     print(dims.describe())
     return 0

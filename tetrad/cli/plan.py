@@ -49,11 +49,21 @@ def add_parser(subparsers) -> None:
     train.add_argument("--dtype", default="bf16", choices=("fp32", "bf16", "fp16", "fp8"))
     train.add_argument("--tokens", type=float, default=0.0,
                        help="token budget: adds total FLOPs, days and GPU-hours")
-    train.add_argument("--no-flash-attention", action="store_true",
-                       help="the training code materializes the s x s scores (Megatron before "
-                            "2023): more memory and time")
-    train.add_argument("--dropout", action="store_true",
+    train.add_argument("--stack", default="torchtitan",
+                       choices=("megatron", "megatron-2021", "deepspeed", "torchtitan", "tetrad"),
+                       help="training software: what it overlaps and stores (docs/planner.md, "
+                            "'Training stacks'); the flags below override single choices")
+    train.add_argument("--flash-attention", action=argparse.BooleanOptionalAction, default=None,
+                       help="--no-flash-attention: the training code materializes the s x s "
+                            "scores (Megatron before 2023): more memory and time")
+    train.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=None,
                        help="the model uses dropout (GPT-3 era): masks in memory, more time")
+    for name, what in (("grad-reduce", "data-parallel gradient reduction behind the backward"),
+                       ("param-gather", "ZeRO parameter all-gathers behind compute"),
+                       ("tp-comm", "tensor-parallel collectives chunked behind their GEMMs"),
+                       ("p2p", "pipeline sends and receives behind compute")):
+        train.add_argument(f"--overlap-{name}", action=argparse.BooleanOptionalAction,
+                           default=None, help=f"overlap {what} (default: the stack's)")
     serve = modes.add_parser("serve", help="plan serving (inference)")
     _common(serve)
     serve.add_argument("--dtype", default="bf16",
@@ -69,10 +79,28 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(run=run)
 
 
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Counts must be counts: 0 or a negative value is refused, never read as "unset"."""
+    from tetrad.errors import ConfigError
+
+    at_least_one = ["num_gpus", "tp", "pp", "ep", "top"]
+    if args.mode == "train":
+        at_least_one += ["dp", "cp", "vpp", "micro_batch", "global_batch", "seq_len"]
+        if args.tokens < 0:
+            raise ConfigError(f"--tokens must be a token budget (0 or more), got {args.tokens:g}")
+    else:
+        at_least_one += ["prompt_len", "context_len"]
+    for name in at_least_one:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+
 def run(args: argparse.Namespace) -> int:
     from tetrad.hardware import cluster
     from tetrad.presets import resolve_model
 
+    _check_numbers(args)
     config = resolve_model(args.model)
     world = cluster(args.gpu, args.num_gpus, args.gpus_per_node, args.nic_gbps)
     if args.mode == "train":
@@ -85,10 +113,16 @@ def _train(args, config, world) -> int:
     from tetrad.planner.report import (default_global_batch, training_fit_advice,
                                        training_json, training_text)
 
-    seq_len = args.seq_len or min(config.max_seq_len, 4096)
-    global_batch = args.global_batch or default_global_batch(seq_len)
-    workload = TrainWorkload(seq_len=seq_len, dtype=args.dtype,
-                             flash_attention=not args.no_flash_attention, dropout=args.dropout)
+    from tetrad.planner.stacks import stack_fields
+
+    seq_len = args.seq_len if args.seq_len is not None else min(config.max_seq_len, 4096)
+    global_batch = (args.global_batch if args.global_batch is not None
+                    else default_global_batch(seq_len))
+    workload = TrainWorkload(seq_len=seq_len, dtype=args.dtype, **stack_fields(
+        args.stack, flash_attention=args.flash_attention, dropout=args.dropout,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather, overlap_tp_comm=args.overlap_tp_comm,
+        overlap_p2p=args.overlap_p2p))
     space = TrainSpace(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep,
                        vpp=args.vpp, zero=args.zero, offload=args.offload,
                        recompute=args.recompute, sequence_parallel=args.sequence_parallel,

@@ -21,7 +21,8 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("run", help="chat with a model in the terminal",
                                    description=__doc__)
     add_engine_arguments(parser)
-    parser.add_argument("--system", default="", help="system message that starts the chat")
+    parser.add_argument("--system", help="system message that starts the chat (default: the "
+                                          "stored model's SYSTEM)")
     add_sampling_arguments(parser)
     parser.set_defaults(run=run)
 
@@ -108,7 +109,11 @@ def run(args: argparse.Namespace) -> int:
     from tetrad.cli.generate import sampling_params
 
     with build_engine(args) as llm:
-        converse(Chat(llm, sampling_params(args), args.system))
+        stored = args.stored
+        system = args.system if args.system is not None else (stored and stored.system) or ""
+        chat = Chat(llm, sampling_params(args), system)
+        chat.history = list(stored.messages) if stored else []  # the Modelfile's MESSAGEs
+        converse(chat)
     return 0
 
 

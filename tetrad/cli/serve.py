@@ -19,7 +19,8 @@ def add_parser(subparsers) -> None:
                         help="address to listen on (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     parser.add_argument("--served-model-name",
-                        help="the model name clients send (default: the folder's name)")
+                        help="the model name clients send (default: the stored model's name "
+                             "or the folder's)")
     limits = parser.add_argument_group("access and limits")
     limits.add_argument("--api-key", default=os.environ.get("TETRAD_API_KEY"),
                         help="clients must send 'Authorization: Bearer KEY' to /v1/* and "
@@ -43,13 +44,8 @@ SERVER_FLAGS: list[tuple[str, type, str]] = [
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        import uvicorn
-    except ImportError:
-        from tetrad.errors import TetradError
+    import uvicorn
 
-        raise TetradError("tetrad serve needs fastapi and uvicorn: pip install fastapi uvicorn") \
-            from None
     from tetrad.config import from_dict
     from tetrad.inference.api import ServerConfig
     from tetrad.inference.chat import ChatFormatter, load_chat_template
@@ -59,10 +55,14 @@ def run(args: argparse.Namespace) -> int:
                if key in ServerConfig.__dataclass_fields__}
     config = from_dict(ServerConfig, options)
     llm = build_engine(args)
-    name = args.served_model_name or llm.path.resolve().name
+    name = args.served_model_name or (args.stored.name if args.stored
+                                      else llm.path.resolve().name)
     server = None  # the app stops it when the engine can no longer step (a dead tp rank)
-    app = build_app(llm, name, ChatFormatter(load_chat_template(llm.path)),
-                    on_fatal=lambda: setattr(server, "should_exit", True), config=config)
+    stored = args.stored  # a stored model's Modelfile: its SYSTEM and PARAMETERs are defaults
+    app = build_app(llm, name, ChatFormatter(load_chat_template(llm.path),
+                                             stored.system if stored else None),
+                    on_fatal=lambda: setattr(server, "should_exit", True),
+                    defaults=stored.sampling_defaults if stored else None, config=config)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level="warning"))
     print(f"serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr)

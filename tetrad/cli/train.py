@@ -58,6 +58,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--dtype", choices=DTYPES, help="compute precision (autocast)")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest checkpoint in --checkpoint-dir")
+    parser.add_argument("--save-as", metavar="NAME",
+                        help="store the trained model under this name[:tag] (tetrad list, "
+                             "tetrad run NAME)")
     distributed = parser.add_argument_group(
         "distributed", "N local worker processes (gloo on CPU, NCCL with a GPU per rank); the "
         "same command also runs under torchrun, one node or many")
@@ -103,20 +106,71 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tetrad.config import build_train_config
+    from tetrad.store import parse_name
 
+    save_as = getattr(args, "save_as", None)
+    if save_as is not None:
+        parse_name(save_as)  # a bad name costs one line, not a run
     overrides = {key: value for key, value in vars(args).items()
-                 if key not in ("command", "run", "config")}
+                 if key not in ("command", "run", "config", "save_as")}
     config = build_train_config(getattr(args, "config", None), overrides)
+    if save_as is not None:
+        return train_and_store(config, save_as)
 
-    from tetrad.train.launch import is_distributed, launch_training
-    from tetrad.train.trainer import train
+    from tetrad.train.launch import run_training
 
-    if is_distributed(config):
-        result = launch_training(config)
-        if result is None:  # a torchrun rank other than 0: rank 0 reports
-            return 0
-    else:
-        result = train(config)
+    return finish(run_training(config), config)
+
+
+def train_and_store(config, name: str) -> int:
+    """Train, then store the final checkpoint under `name`. Without --checkpoint-dir the run
+    checkpoints into a staging folder inside the store (one filesystem, so storing hardlinks);
+    the folder goes once the model is stored, and stays, named, if storing fails."""
+    import dataclasses
+    import shutil
+    import tempfile
+
+    from tetrad.errors import TetradError
+    from tetrad.modelfile import Modelfile
+    from tetrad.store import ModelStore
+    from tetrad.train.launch import run_training, started_by_torchrun
+
+    store = ModelStore()
+    staging = None
+    if not config.checkpoint_dir:
+        if started_by_torchrun():  # each rank would stage in a folder of its own
+            raise TetradError("--save-as under torchrun needs --checkpoint-dir (a folder every "
+                              "rank sees)")
+        store.root.mkdir(parents=True, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=".tmp-train-", dir=store.root)
+        config = dataclasses.replace(config, checkpoint_dir=staging)
+    try:
+        result = run_training(config)
+    except BaseException:
+        if staging:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if result is None:  # a torchrun rank other than 0: rank 0 stores
+        return 0
+    try:
+        stored = store.create(name, Modelfile(source=str(result.checkpoint)),
+                              origin=f"tetrad train --model {config.model} ({config.steps} steps)")
+    except (OSError, TetradError) as error:
+        raise TetradError(f"the run finished, but storing it as {name} failed ({error}); its "
+                          f"checkpoint is {result.checkpoint}: tetrad create {name} -f a "
+                          f"Modelfile with FROM {result.checkpoint}") from None
+    if staging:
+        shutil.rmtree(staging)
+        result.checkpoint = None
+    finish(result, config)
+    print(f"stored as {stored.name}: tetrad run {stored.name}")
+    return 0
+
+
+def finish(result, config) -> int:
+    """Print what the run did (nothing on a torchrun rank other than 0: rank 0 reports)."""
+    if result is None:
+        return 0
     steps = result.report["steps"]
     if steps:
         print(f"loss {steps[0]['loss']:.4f} (step {steps[0]['step']}) -> {steps[-1]['loss']:.4f} "

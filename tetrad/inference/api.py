@@ -103,16 +103,21 @@ class SamplingFields(BaseModel):
         return stop
 
     def sampling_params(self, limits: ServerConfig, extra_stop: tuple[str, ...] = (),
-                        **fields) -> SamplingParams:
-        """The engine's parameters; `fields` (logprobs, ...) add to or replace the body's."""
+                        defaults: dict | None = None, **fields) -> SamplingParams:
+        """The engine's parameters: the body's; `defaults` (a stored model's Modelfile
+        PARAMETERs, as SamplingParams fields) for the fields the body leaves out; then `fields`
+        (logprobs, ...), which the server derives."""
         if self.presence_penalty or self.frequency_penalty:
             raise TetradError("presence_penalty and frequency_penalty are not supported: use "
                               "repetition_penalty")
-        return SamplingParams(**{
-            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-            "repetition_penalty": self.repetition_penalty, "max_tokens": self.max_tokens,
-            "stop": self.stop_strings(limits) + extra_stop, "seed": self.seed, "n": self.n,
-            "ignore_eos": self.ignore_eos, **fields})
+        values = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                  "repetition_penalty": self.repetition_penalty, "max_tokens": self.max_tokens,
+                  "stop": self.stop_strings(limits), "seed": self.seed, "n": self.n,
+                  "ignore_eos": self.ignore_eos}
+        values.update({key: value for key, value in (defaults or {}).items()
+                       if key not in self.model_fields_set})
+        values.update(fields)
+        return SamplingParams(**{**values, "stop": tuple(values["stop"]) + extra_stop})
 
 
 class CompletionRequest(SamplingFields):

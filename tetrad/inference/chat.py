@@ -39,9 +39,12 @@ def load_chat_template(folder: str | Path | None) -> str | None:
 
 
 class ChatFormatter:
-    def __init__(self, template: str | None = None):
+    def __init__(self, template: str | None = None, system: str | None = None):
+        """`system`: the system message of conversations that bring none (a stored model's
+        Modelfile SYSTEM)."""
         self.template = None
         self.source = template or None  # the template's text (/tokenizer_info shows it)
+        self.system = system
         if template:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -59,6 +62,8 @@ class ChatFormatter:
                                   f"got {message!r}")
             cleaned.append({"role": message["role"],
                             "content": message_text(message.get("content", ""))})
+        if self.system and all(message["role"] != "system" for message in cleaned):
+            cleaned.insert(0, {"role": "system", "content": self.system})
         if self.template is not None:
             return self.template.render(messages=cleaned, add_generation_prompt=True,
                                         bos_token="", eos_token="")

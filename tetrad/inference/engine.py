@@ -11,65 +11,29 @@ from __future__ import annotations
 import copy
 import itertools
 import json
-import re
 import time
 import traceback
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from tetrad.config import check_choice, check_positive, from_dict
+from tetrad.config import from_dict
 from tetrad.errors import ConfigError
 from tetrad.inference.block_manager import BlockManager
-from tetrad.inference.kv_cache import DTYPE_BYTES
+from tetrad.inference.config import EngineConfig
 from tetrad.inference.logprobs import (logits_layout, prompt_logprobs, sample_rows,
                                        sampled_logprobs)
 from tetrad.inference.metrics import EngineMetrics, engine_stats, kv_utilization
 from tetrad.inference.output import RequestOutput, TokenLogprob
 from tetrad.inference.params import RequestFailed, SamplingParams
-from tetrad.inference.runner import ATTENTION_BACKENDS, StepPlan, load_runner
+from tetrad.inference.runner import StepPlan, load_runner
 from tetrad.inference.sampler import Sampler
 from tetrad.inference.scheduler import Scheduler, SchedulerConfig
 from tetrad.inference.sequence import Sequence
 from tetrad.inference.tp import TensorParallelDriver
 from tetrad.inference.tracker import RequestTracker
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Field names are the `tetrad serve / run / generate` flags with '-' for '_'."""
-
-    dtype: str = "fp32"
-    device: str = "auto"  # auto (cuda when available) | cpu | cuda | cuda:N
-    block_size: int = 16
-    kv_memory: str | int | None = None  # KV pool budget; None: 512 MiB on CPU, free memory on GPU
-    swap_memory: str | int = "256MiB"  # CPU pool for --preemption swap
-    num_blocks: int = 0  # > 0 overrides kv_memory (tests force preemption with a tiny pool)
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 0  # 0 means the model's max_seq_len
-    enable_prefix_caching: bool = True
-    preemption: str = "recompute"
-    attention: str = "auto"
-    watermark: float = 0.01
-    seed: int = 0
-    tp: int = 1  # tensor-parallel ranks (processes; GPUs with --device cuda)
-
-    def __post_init__(self) -> None:
-        check_choice("dtype", self.dtype, tuple(DTYPE_BYTES))
-        check_choice("attention", self.attention, ATTENTION_BACKENDS)
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tp"):
-            check_positive(name, getattr(self, name))
-        for name in ("num_blocks", "max_model_len", "watermark"):
-            check_positive(name, getattr(self, name), allow_zero=True)
-        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
-            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ConfigError(f"device {self.device!r} asked for, but torch sees no GPU: use "
-                              f"--device cpu")
 
 
 class LLM:
@@ -96,6 +60,9 @@ class LLM:
         if getattr(tokenizer, "eos_id", None) is not None:
             self.eos_token_ids = tuple(sorted({*self.eos_token_ids, tokenizer.eos_id}))
         self.model_config = model.config
+        # A vocabulary rounded up past the tokenizer's: sample only ids the tokenizer decodes.
+        self.num_sampleable = min(model.config.vocab_size,
+                                  getattr(tokenizer, "vocab_size", model.config.vocab_size))
         self.max_model_len = min(config.max_model_len or model.config.max_seq_len,
                                  model.config.max_seq_len)
         self.tp: TensorParallelDriver | None = None
@@ -204,7 +171,7 @@ class LLM:
         logits = logits[torch.tensor([rows[row] for _, row in to_sample], dtype=torch.long,
                                      device=logits.device)]
         seqs = [seq for seq, _ in to_sample]
-        tokens = self.sampler(logits, seqs) if seqs else []
+        tokens = self.sampler(logits[:, :self.num_sampleable], seqs) if seqs else []
         logprobs = sampled_logprobs(logits, seqs, tokens)
         self.scheduler.append_tokens(list(zip(seqs, tokens)), self.eos_token_ids)
         return list(zip(seqs, tokens, logprobs))

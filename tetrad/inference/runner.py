@@ -20,16 +20,15 @@ from torch import nn
 
 from tetrad.errors import ConfigError
 from tetrad.inference.attention import sdpa_paged_attention, tiled_paged_attention
+from tetrad.inference.config import ATTENTION_BACKENDS
 from tetrad.inference.kv_cache import (TORCH_DTYPES, KVCache, KVPlan, parse_bytes,
                                        plan_kv_pool)
 from tetrad.inference.scheduler import ScheduledBatch
 from tetrad.models.layers import causal_attention
 
 if TYPE_CHECKING:
-    from tetrad.inference.engine import EngineConfig
-    from tetrad.inference.tp import TensorParallelRanks
+    from tetrad.inference.config import EngineConfig, RankShare
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "tiled")
 # With "auto", a call whose gathered K/V copy would exceed this many bytes goes to the tiled
 # kernel, which never builds it. On CPU (benchmarks/bench_serving.py --attention) SDPA is twice
 # as fast for prefill chunks over a cached context and on par for small decode batches; the tiled
@@ -223,7 +222,7 @@ class ModelRunner:
 
 
 def load_runner(model: nn.Module, config: "EngineConfig", max_model_len: int,
-                device: torch.device, ranks: "TensorParallelRanks | None" = None
+                device: torch.device, ranks: "RankShare | None" = None
                 ) -> tuple[ModelRunner, KVPlan]:
     """This rank's runner: the model (with `ranks`, this rank's tensor-parallel share of it) on
     the device in the engine's dtype, and a KV pool sized from config. Every tensor-parallel rank

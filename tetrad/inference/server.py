@@ -37,8 +37,10 @@ from tetrad.inference.output import RequestOutput
 
 
 def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None,
-              on_fatal: Callable[[], None] | None = None,
+              on_fatal: Callable[[], None] | None = None, defaults: dict | None = None,
               config: ServerConfig | None = None) -> FastAPI:
+    """`defaults`: sampling fields for requests that leave them out (a stored model's
+    Modelfile PARAMETERs); `config`: the API key and the limits."""
     engine = AsyncEngine(llm, on_fatal)
     chat = chat or ChatFormatter()
     config = config or ServerConfig()
@@ -168,8 +170,9 @@ def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None,
         prompt_only = body.echo and body.max_tokens == 0
         scored = body.logprobs is not None
         params = body.sampling_params(
-            config, logprobs=body.logprobs, max_tokens=1 if prompt_only else body.max_tokens,
-            prompt_logprobs=body.logprobs if body.echo and scored else None)
+            config, defaults=defaults, logprobs=body.logprobs,
+            prompt_logprobs=body.logprobs if body.echo and scored else None,
+            **({"max_tokens": 1} if prompt_only else {}))
         ids = await asyncio.to_thread(encode, prompts)
         texts = [p if isinstance(p, str) else None for p in prompts]
         if body.echo or scored:  # the prompt's text: echoed, and where text offsets start
@@ -234,7 +237,8 @@ def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None,
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true")
         params = body.sampling_params(
-            config, chat.stop, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+            config, chat.stop, defaults,
+            logprobs=(body.top_logprobs or 0) if body.logprobs else None)
         ids = await asyncio.to_thread(lambda: encode([chat.render(body.messages)]))
         streams = submit_all(ids, params, body.stream)
         common = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),

@@ -19,8 +19,9 @@ mesh["tp"] (NCCL on GPUs) under the collective timeout. A rank that dies closes 
 the others' next collective fails at once; rank 0 then reports the dead rank's traceback (workers
 send it on a queue), stops the rest and refuses further steps.
 
-Started without a process group, LLM spawns ranks 1..tp-1 itself (the spawn start method; rank 0
-hosts the rendezvous store) and owns the process group; each worker loads the model folder itself
+Started without a process group, LLM starts ranks 1..tp-1 itself with the launcher `tetrad train`
+uses too (tetrad.parallel.launch: spawn start method, rank 0 hosts the rendezvous store, errors
+come back on one queue) and owns the process group; each worker loads the model folder itself
 (a model object travels to it pickled). Inside a process group of exactly tp ranks (torchrun, the
 tests) LLM runs on rank 0 and every other rank runs `TensorParallelWorker(model).serve()`.
 """
@@ -29,11 +30,8 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing
-import queue
 import signal
 import threading
-import time
-import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -43,24 +41,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tetrad.config import ParallelConfig
 from tetrad.errors import ConfigError, TetradError
 from tetrad.inference.kv_cache import KVPlan
 from tetrad.inference.runner import StepPlan, load_runner
 from tetrad.models.hf import load_pretrained
 from tetrad.parallel.comm import Comm, CommCounter
-from tetrad.parallel.mesh import Group, ParallelDims, build_mesh
+from tetrad.parallel.launch import COLLECTIVE_TIMEOUT_S, WorkerProcesses, init_worker
+from tetrad.parallel.mesh import Group, build_mesh
 from tetrad.parallel.tensor_parallel import (TensorParallelTransformer, check_tensor_parallel,
                                              parallelize_tensor)
 
 if TYPE_CHECKING:
-    from tetrad.inference.engine import EngineConfig
+    from tetrad.inference.config import EngineConfig
 
-HOST = "127.0.0.1"
-COLLECTIVE_TIMEOUT_S = 300.0  # a model collective waiting longer than this means a rank is stuck
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # the control group's: an idle engine waits forever
 REPORT_WAIT_S = 2.0  # after a failed collective, how long rank 0 waits for a worker's traceback
 STOP_GRACE_S = 10.0  # how long closed workers get to exit before they are terminated
-STARTED_KEY = "tetrad-tp/started"  # set by each spawned worker once torch is imported
 STOP, STEP = 0, 1
 HEADER_SIZE = 7  # [STOP or STEP, *StepPlan.sizes()]
 # Comm tags: the step broadcast, the logits sent to rank 0, the start-up exchanges. The model's
@@ -89,13 +86,13 @@ def device_type(device: str, tp: int) -> str:
 
 class TensorParallelRanks:
     """This rank's place in a process group that spans exactly the engine's tp ranks: the mesh
-    of the distributed core (ParallelDims(tp=world size); mesh["tp"] carries the model's
+    of the distributed core (ParallelConfig(tp=world size); mesh["tp"] carries the model's
     collectives and the logits), the control group (the step messages), the Comm that counts
     every byte, and the device. Collective: every rank constructs it, in the same order."""
 
     def __init__(self, device: torch.device | None = None):
         world, rank = dist.get_world_size(), dist.get_rank()
-        self.mesh = build_mesh(ParallelDims(tp=world), rank, world)
+        self.mesh = build_mesh(ParallelConfig(tp=world), rank, world)
         ranks = list(range(world))
         self.control = Group("control", tuple(ranks), rank,
                              dist.new_group(ranks, timeout=IDLE_TIMEOUT, backend="gloo"))
@@ -147,7 +144,7 @@ class TensorParallelDriver:
         folder) or receive pickled (a model object)."""
         check_tensor_parallel(model.config, config.tp)
         self.workers: list[multiprocessing.Process] = []
-        self._errors: multiprocessing.Queue | None = None
+        self._started: WorkerProcesses | None = None
         self._owns_world = False
         self.ranks: TensorParallelRanks | None = None
         self.failure: BaseException | None = None
@@ -182,48 +179,20 @@ class TensorParallelDriver:
                               f"tetrad.inference.tp.TensorParallelWorker(model).serve()")
 
     def _spawn(self, tp: int, source: nn.Module | str, device: torch.device) -> None:
-        backend = "nccl" if device.type == "cuda" else "gloo"
         threads = torch.get_num_threads()
         if device.type == "cpu":  # the ranks share the cores
             threads = max(1, threads // tp)
             torch.set_num_threads(threads)
-        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-        # Rank 0 hosts the rendezvous store on a free port: no port guessing, no races.
-        self._store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False,
-                                    timeout=timeout)
-        context = multiprocessing.get_context("spawn")
-        self._errors = context.Queue()
-        self.workers = [context.Process(target=_worker_process, name=f"tetrad-tp-rank{rank}",
-                                        daemon=True,
-                                        args=(rank, tp, self._store.port, backend, threads,
-                                              source, self._errors))
-                        for rank in range(1, tp)]
-        for worker in self.workers:
-            worker.start()
+        self._started = WorkerProcesses(_serve_rank, range(1, tp), tp, (source,), threads,
+                                        device.type, ignore_interrupts=True)
+        self.workers = self._started.processes
         try:
-            self._wait_started(tp)
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
-            dist.init_process_group(backend, store=self._store, rank=0, world_size=tp,
-                                    timeout=timeout)
+            self._started.wait_started(COLLECTIVE_TIMEOUT_S)
+            init_worker(0, tp, 0, tp, COLLECTIVE_TIMEOUT_S, self._started.store, threads, device)
         except BaseException as error:
             self._fail(error)
         self._owns_world = True
         TensorParallelDriver._spawned_world = self
-
-    def _wait_started(self, tp: int) -> None:
-        """Until every worker has imported torch and reached the rendezvous. One that dies first
-        (a bad environment) fails the start here instead of leaving rank 0 waiting in
-        init_process_group until its timeout."""
-        keys = [f"{STARTED_KEY}/{rank}" for rank in range(1, tp)]
-        deadline = time.monotonic() + COLLECTIVE_TIMEOUT_S
-        while not self._store.check(keys):
-            if any(worker.exitcode is not None for worker in self.workers):
-                raise TensorParallelError("a tensor-parallel rank exited while starting")
-            if time.monotonic() > deadline:
-                raise TensorParallelError(f"tensor-parallel ranks did not start within "
-                                          f"{COLLECTIVE_TIMEOUT_S:.0f} s")
-            time.sleep(0.05)
 
     # ---- steps ---------------------------------------------------------------------------------
 
@@ -273,23 +242,10 @@ class TensorParallelDriver:
         raise failure from error
 
     def _worker_failure(self) -> TensorParallelError | None:
-        """The first error a worker reported, waiting REPORT_WAIT_S for it to arrive; else a
-        worker that died without one; None when every worker is alive and silent."""
-        if self._errors is None:
-            return None
-        deadline = time.monotonic() + REPORT_WAIT_S
-        while True:
-            try:
-                rank, message = self._errors.get(timeout=0.05)
-                return TensorParallelError(f"tensor-parallel rank {rank} failed: {message}")
-            except queue.Empty:
-                if time.monotonic() > deadline:
-                    break
-        for rank, worker in enumerate(self.workers, start=1):
-            if worker.exitcode is not None:
-                return TensorParallelError(f"tensor-parallel rank {rank} died with exit code "
-                                           f"{worker.exitcode} and no error report")
-        return None
+        """The first error a worker reported (waiting REPORT_WAIT_S for it), else a worker that
+        died without one; None when every worker is alive and silent."""
+        failure = self._started and self._started.first_failure(REPORT_WAIT_S)
+        return TensorParallelError(f"tensor-parallel {failure}") if failure else None
 
     def close(self) -> None:
         """Tell the other ranks to exit, wait for them, and close the groups this engine made."""
@@ -304,16 +260,8 @@ class TensorParallelDriver:
 
     def _shutdown(self, grace_s: float) -> None:
         self.closed = True
-        deadline = time.monotonic() + grace_s
-        for worker in self.workers:
-            worker.join(timeout=max(0.0, deadline - time.monotonic()))
-        for worker in self.workers:
-            if worker.is_alive():  # after a failure: waiting in a collective that never ends
-                worker.terminate()
-                worker.join(timeout=5)
-            if worker.is_alive():
-                worker.kill()
-                worker.join()
+        if self._started is not None:  # after a failure some wait in a collective forever
+            self._started.stop(grace_s)
         if self.ranks is not None:
             self.ranks.close()
         if self._owns_world:
@@ -379,25 +327,7 @@ class TensorParallelWorker:
             pass
 
 
-def _worker_process(rank: int, tp: int, port: int, backend: str, threads: int,
-                    source: nn.Module | str, errors: multiprocessing.Queue) -> None:
-    """A spawned rank: join rank 0's process group, serve until rank 0 stops it. An error goes
-    to rank 0 (its traceback, or one line for a TetradError) before the process exits."""
-    # Ctrl-C reaches the whole terminal's process group; rank 0 decides what it means.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        torch.set_num_threads(threads)
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-        store = dist.TCPStore(HOST, port, is_master=False, timeout=timeout)
-        store.set(f"{STARTED_KEY}/{rank}", "1")
-        dist.init_process_group(backend, store=store, rank=rank, world_size=tp, timeout=timeout)
-        TensorParallelWorker(source).serve()
-    except BaseException as error:  # noqa: BLE001 - everything must reach rank 0
-        errors.put((rank, f"{type(error).__name__}: {error}" if isinstance(error, TetradError)
-                    else traceback.format_exc().strip()))
-        raise SystemExit(1)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _serve_rank(rank: int, tp: int, source: nn.Module | str) -> None:
+    """A spawned rank (tetrad.parallel.launch has joined it to rank 0's process group): serve
+    until rank 0 stops it."""
+    TensorParallelWorker(source).serve()

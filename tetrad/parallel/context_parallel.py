@@ -43,28 +43,14 @@ from typing import Iterator
 
 import torch
 
-from tetrad.config import ModelConfig
-from tetrad.errors import ConfigError
 from tetrad.models.layers import causal_attention
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm, Handle
 from tetrad.parallel.mesh import Group
+from tetrad.planner.rules import check_context_parallel
 
 TAG = "ring_attention"  # the K/V and dK/dV blocks on the ring
 ROUTING_TAG = "routing"  # MoE routed fractions averaged over the cp ranks
-
-
-def check_context_parallel(config: ModelConfig, cp: int, seq_len: int) -> None:
-    """What can be wrong with context parallelism for this model and sequence length."""
-    if cp < 1:
-        raise ConfigError(f"cp must be a positive integer, got {cp}")
-    if seq_len > config.max_seq_len:
-        raise ConfigError(f"sequence length {seq_len} is longer than the model's max_seq_len "
-                          f"{config.max_seq_len}: shorten --seq-len")
-    if seq_len % (2 * cp):
-        raise ConfigError(
-            f"sequence length {seq_len} does not split into 2*cp = {2 * cp} equal chunks (the "
-            f"load-balanced causal layout): make --seq-len a multiple of {2 * cp} or change --cp")
 
 
 def chunk_positions(seq_len: int, cp: int, index: int) -> torch.Tensor:

@@ -47,31 +47,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tetrad.config import ModelConfig
-from tetrad.errors import ConfigError
 from tetrad.models.moe import MoE
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm
 from tetrad.parallel.grad_norm import grad_square, scale_to_max_norm_
 from tetrad.parallel.mesh import Group, Mesh
+from tetrad.planner.rules import check_expert_parallel
 
 TOKENS_TAG = "experts"  # dispatch and combine
 SPLITS_TAG = "expert_splits"  # the per-expert counts exchanged before each dispatch
-
-
-def check_expert_parallel(config: ModelConfig, ep: int,
-                          capacity_factor: float | None = None) -> None:
-    """What can be wrong with expert parallelism for this model."""
-    if ep > 1 and not config.is_moe:
-        raise ConfigError(f"--ep {ep} needs a mixture-of-experts model (num_experts > 0), but "
-                          f"{config.name} is dense: set --ep 1")
-    if config.is_moe and config.num_experts % ep:
-        choices = [d for d in range(1, config.num_experts + 1) if config.num_experts % d == 0]
-        raise ConfigError(f"ep {ep} does not divide num_experts {config.num_experts}: choose ep "
-                          f"among {', '.join(map(str, choices))}")
-    if capacity_factor is not None and not capacity_factor > 0:
-        raise ConfigError(f"capacity factor must be positive, got {capacity_factor}: use None "
-                          f"for dropless routing")
 
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int,

@@ -39,42 +39,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from tetrad.config import ModelConfig, ParallelConfig
-from tetrad.errors import ConfigError
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm
-from tetrad.parallel.context_parallel import (ContextParallel, apply_context_parallel,
-                                              check_context_parallel)
+from tetrad.parallel.context_parallel import ContextParallel, apply_context_parallel
 from tetrad.parallel.data_parallel import DEFAULT_BUCKET_BYTES, DataParallel
-from tetrad.parallel.expert_parallel import (ExpertParallel, apply_expert_parallel,
-                                             check_expert_parallel)
+from tetrad.parallel.expert_parallel import ExpertParallel, apply_expert_parallel
 from tetrad.parallel.fsdp import FullyShardedDataParallel, transformer_units
 from tetrad.parallel.mesh import Mesh
 from tetrad.parallel.pipeline import PipelineExecutor, partition
 from tetrad.parallel.pipeline.executor import whole_sequences
 from tetrad.parallel.recompute import apply_recompute
-from tetrad.parallel.tensor_parallel import (TensorParallelTransformer, check_tensor_parallel,
-                                             parallelize_tensor)
+from tetrad.parallel.tensor_parallel import TensorParallelTransformer, parallelize_tensor
 from tetrad.parallel.zero import Pipelined, ZeroDataParallel
 from tetrad.sharded_tensors import CHECKPOINT_KINDS, LazyMapping, Piece
 
 NORM_TAG = "grad_norm"
-
-
-def check_parallel(config: ModelConfig, parallel: ParallelConfig, seq_len: int) -> None:
-    """Everything about `parallel` that can be wrong for this model and sequence length, as one
-    ConfigError saying the fix, before any process starts."""
-    if parallel.pp == 1 and (parallel.microbatches > 1 or parallel.vpp > 1):
-        raise ConfigError("--microbatches and --vpp are the pipeline's, but --pp is 1: add --pp "
-                          "(or use --grad-accum for gradient accumulation)")
-    if parallel.sequence_parallel and parallel.tp == 1:
-        raise ConfigError("--sequence-parallel splits the sequence over the tensor-parallel "
-                          "ranks, but --tp is 1: add --tp 2 or more, or drop it")
-    if parallel.cp > 1:
-        check_context_parallel(config, parallel.cp, seq_len)
-    check_tensor_parallel(config, parallel.tp, parallel.sequence_parallel,
-                          seq_len // parallel.cp)
-    check_expert_parallel(config, parallel.ep)
-    partition(config, parallel.pp * parallel.vpp, seq_len, parallel.stage_layers or None)
 
 
 @dataclass(frozen=True)
@@ -110,9 +89,12 @@ def parallelize(model: Transformer, mesh: Mesh, comm: Comm, parallel: ParallelCo
                 autocast: Callable[[], ContextManager] = contextlib.nullcontext
                 ) -> "ParallelModel":
     """Apply `parallel` to `model` (the full model, built with the same seed on every rank) on
-    this rank, in the order of the module docstring. Collective: every rank calls it."""
+    this rank, in the order of the module docstring. Collective: every rank calls it. `parallel`
+    is a run's resolved layout (tetrad.planner.rules.resolve_layout: checked for this model,
+    stage_layers its pipeline cut), which parallelize trusts."""
     config = model.config
     runs = range(config.num_layers)
+    cut = None
     if parallel.pp > 1:  # the blocks of this rank's stages (stage s lives on rank s % pp)
         cut = partition(config, parallel.pp * parallel.vpp, seq_len, parallel.stage_layers or None)
         runs = [layer for stage in range(mesh.coords["pp"], cut.num_stages, parallel.pp)
@@ -129,7 +111,7 @@ def parallelize(model: Transformer, mesh: Mesh, comm: Comm, parallel: ParallelCo
         pipeline = PipelineExecutor.from_model(
             module, mesh, comm, parallel.schedule, parallel.microbatches, parallel.vpp,
             parallel.stage_layers or None, seq_len, autocast,
-            context.shard if context else whole_sequences)
+            context.shard if context else whole_sequences, cut)
     params = pipeline.named_parameters() if pipeline else dict(module.named_parameters())
     expert_ids = {id(p) for p in experts.expert_parameters()} if experts else set()
     replicated = {name: p for name, p in params.items() if id(p) not in expert_ids}

@@ -52,6 +52,7 @@ from tetrad.parallel.grad_norm import scale_to_max_norm_
 from tetrad.parallel.mesh import Group, Mesh
 from tetrad.parallel.tp_operators import TensorParallel, keep_moe_whole
 from tetrad.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from tetrad.planner.rules import check_tensor_parallel
 
 # The layers. Each remembers which rows (or columns) of the full weight every rank holds:
 # `indices[r]` for rank r, along `dim`, which is what gathering a whole checkpoint needs.
@@ -128,40 +129,6 @@ def up_rows(ffn: int, gated: bool, tp: int, index: int) -> torch.Tensor:
 def even_split(size: int, tp: int) -> list[torch.Tensor]:
     per_rank = size // tp
     return [torch.arange(r * per_rank, (r + 1) * per_rank) for r in range(tp)]
-
-
-def _fits(config: ModelConfig, tp: int) -> bool:
-    kv = config.num_kv_heads
-    dense = any(not config.is_moe_layer(layer) for layer in range(config.num_layers))
-    return (config.num_heads % tp == 0 and (kv % tp == 0 if kv >= tp else tp % kv == 0)
-            and config.vocab_size % tp == 0 and not (dense and config.ffn_hidden_size % tp))
-
-
-def check_tensor_parallel(config: ModelConfig, tp: int, sequence_parallel: bool = False,
-                          seq_len: int | None = None) -> None:
-    """Raise ConfigError, before anything starts, when `config` cannot be split over `tp` ranks."""
-    if tp == 1 or (_fits(config, tp) and not (sequence_parallel and seq_len and seq_len % tp)):
-        return
-    valid = [t for t in range(1, config.num_heads + 1) if _fits(config, t)]
-    hint = f"; tp values that fit this model: {', '.join(map(str, valid))}"
-    kv = config.num_kv_heads
-    if config.num_heads % tp:
-        raise ConfigError(f"tp {tp} does not divide num_heads {config.num_heads}: attention is "
-                          f"split by heads{hint}")
-    if kv >= tp and kv % tp or kv < tp and tp % kv:
-        raise ConfigError(f"tp {tp} and num_kv_heads {kv} do not fit: tp must divide the kv heads "
-                          f"or be a multiple of them (each kv head then replicated on "
-                          f"tp / num_kv_heads ranks){hint}")
-    if config.vocab_size % tp:
-        padded = -(-config.vocab_size // tp) * tp
-        raise ConfigError(f"tp {tp} does not divide vocab_size {config.vocab_size}: pad the "
-                          f"vocabulary to {padded} (a multiple of tp){hint}")
-    if not _fits(config, tp):
-        raise ConfigError(f"tp {tp} does not divide ffn_hidden_size {config.ffn_hidden_size}: "
-                          f"the MLP is split by its hidden units{hint}")
-    raise ConfigError(f"--sequence-parallel splits the sequence over tp {tp} ranks, but seq_len "
-                      f"{seq_len} is not a multiple of {tp}: change --seq-len or drop "
-                      f"--sequence-parallel")
 
 
 def parallelize_tensor(model: Transformer, mesh_or_group: Mesh | Group, comm: Comm,

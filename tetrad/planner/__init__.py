@@ -3,7 +3,8 @@ search for the best parallel layout. Pure Python, no torch: it runs anywhere in 
 
 The small API the trainer and the CLI use:
   predict_training   one layout, given as tetrad's own ParallelConfig: per-rank bytes, per-step
-                     communication bytes and (with a GPU) step time, for the run report
+                     communication bytes and (with a GPU) step time
+  predict_run        the same for a layout a run resolved (tetrad.planner.rules), for its report
   plan_training      search (or evaluate) training layouts on a cluster
   plan_serving       search (or evaluate) serving layouts on a cluster
 """
@@ -14,16 +15,17 @@ from tetrad.config import ModelConfig, ParallelConfig
 from tetrad.hardware import Cluster, cluster as make_cluster
 from tetrad.planner import eager
 from tetrad.planner.comm import CommLedger
-from tetrad.planner.layout import TrainLayout, check_training_layout
+from tetrad.planner.layout import TrainLayout
 from tetrad.planner.memory import MemoryBreakdown, eager_breakdown
 from tetrad.planner.model_stats import count_parameters
 from tetrad.planner.precision import TrainingPrecision
+from tetrad.planner.rules import ResolvedLayout, check_layout
 from tetrad.planner.search import (SearchResult, ServeSpace, TrainSpace, search_serving,
                                    search_training)
 from tetrad.planner.serving import ServeWorkload
 from tetrad.planner.training import TrainWorkload, evaluate_training
 
-__all__ = ["predict_training", "plan_training", "plan_serving", "TrainSpace", "ServeSpace",
+__all__ = ["predict_training", "predict_run", "plan_training", "plan_serving", "TrainSpace", "ServeSpace",
            "TrainWorkload", "ServeWorkload", "SearchResult"]
 
 # Timing needs a GPU; bytes do not. Without one, a nominal GPU runs the model and the times
@@ -53,11 +55,23 @@ def predict_training(model_config: ModelConfig, parallel_config: ParallelConfig,
     calibration. `parallel_config.stage_layers` cuts the pipeline (else evenly);
     microbatches beyond `parallel_config.microbatches` repeat whole pipeline steps
     (--grad-accum)."""
-    layout = TrainLayout.from_parallel_config(parallel_config, micro_batch, num_microbatches)
+    check_layout(model_config, parallel_config, seq_len, runtime=False,
+                 kv_replicas=runtime == "tetrad")
+    return predict_run(ResolvedLayout(model_config, parallel_config, seq_len), micro_batch,
+                       num_microbatches, dtype, gpu, gpus_per_node, precision, flash_attention,
+                       runtime)
+
+
+def predict_run(resolved: ResolvedLayout, micro_batch: int, num_microbatches: int | None = None,
+                dtype: str = "fp32", gpu: str | None = None, gpus_per_node: int = 8,
+                precision: TrainingPrecision | None = None, flash_attention: bool = True,
+                runtime: str = "tetrad") -> dict:
+    """predict_training's answer for a layout already checked against its model (a run's, made
+    once by tetrad.planner.rules.resolve_layout)."""
+    model_config, seq_len = resolved.model, resolved.seq_len
+    layout = TrainLayout.of(resolved.parallel, micro_batch, num_microbatches)
     workload = TrainWorkload(seq_len=seq_len, dtype=dtype, flash_attention=flash_attention,
                              recipe=precision, runtime=runtime)
-    check_training_layout(model_config, layout.world_size, layout, seq_len,
-                          kv_replicas=runtime == "tetrad")
     # Bytes do not depend on the topology, so without a GPU all ranks share one nominal node.
     per_node = min(gpus_per_node, layout.world_size) if gpu else layout.world_size
     world = make_cluster(gpu or _NOMINAL_GPU, layout.world_size, per_node)

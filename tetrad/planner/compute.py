@@ -48,13 +48,27 @@ ZERO = KernelTimes(0.0, 0.0, 0.0, 0.0, 0.0)
 
 
 def gemm_time(gpu: GPU, gemm: Gemm, compute_dtype: str, act_bytes: float,
-              weight_bytes: float) -> float:
+              weight_bytes: float, fp8_casts: str = "") -> float:
     """`gemm.count` equal matmuls run as one grouped (or batched) kernel: MoE experts as in
     Megatron's grouped GEMM and vLLM's fused MoE, attention heads as one batched GEMM."""
     bytes_moved = gemm.count * ((gemm.m * gemm.k + gemm.m * gemm.n) * act_bytes
                                 + gemm.k * gemm.n * weight_bytes)
-    return gpu.efficiency.matmul_time(gemm.flops, bytes_moved, gpu.peak(compute_dtype),
-                                      gpu.memory_bandwidth)
+    time = gpu.efficiency.matmul_time(gemm.flops, bytes_moved, gpu.peak(compute_dtype),
+                                      gpu.memory_bandwidth,
+                                      compute_dtype == "fp8" and "fp8" in gpu.peak_flops)
+    return time + (fp8_cast_time(gpu, gemm, act_bytes, fp8_casts) if fp8_casts else 0.0)
+
+
+def fp8_cast_time(gpu: GPU, gemm: Gemm, act_bytes: float, casts: str = "inputs") -> float:
+    """Quantizing one GEMM's operands in fp8 training (`casts`: "inputs" or "inputs+weights"),
+    which keeps 16-bit activations and quantizes them on the fly: Transformer Engine's cast-transpose reads each 16-bit element
+    and writes it twice in fp8 (as is, and transposed for the backward GEMMs), after an amax
+    pass that reads it once more. Persistent weights are cast once per step and reused by every
+    microbatch (Megatron's is_first_microbatch); ZeRO-3 frees each gathered weight after use, so
+    its fp8 copy is cast again every microbatch ("inputs+weights"). Bandwidth-bound: a GEMM that
+    fp8 makes twice as fast gains less than twice."""
+    elements = gemm.count * (gemm.m * gemm.k + (gemm.k * gemm.n if "weights" in casts else 0))
+    return bandwidth_time(gpu, elements * (2 * act_bytes + 2), 2)
 
 
 def bandwidth_time(gpu: GPU, bytes_moved: float, num_kernels: int) -> float:
@@ -65,14 +79,16 @@ def bandwidth_time(gpu: GPU, bytes_moved: float, num_kernels: int) -> float:
 
 @lru_cache(maxsize=4096)
 def attention_times(config: ModelConfig, gpu: GPU, micro_batch: int, seq_len: int, tp: int,
-                    cp: int, flash: bool, dropout: bool, act_bytes: float) -> tuple[float, float]:
-    """(forward, backward) seconds of the attention core (scores, softmax, weighted values)."""
+                    cp: int, flash: bool, dropout: bool, act_bytes: float,
+                    portable: bool = False) -> tuple[float, float]:
+    """(forward, backward) seconds of the attention core (scores, softmax, weighted values);
+    `portable`: FlashAttention-2 / Triton kernels instead of the vendor's."""
     heads = -(-config.num_heads // tp)
     peak = gpu.peak("bf16")  # attention stays 16-bit even in fp8 training (Transformer Engine)
     overhead = gpu.efficiency.kernel_overhead_s
     if flash:
         flops = attention_core_flops(config, seq_len, heads) * micro_batch / cp
-        forward = flops / (peak * gpu.efficiency.attention) + overhead
+        forward = flops / (peak * gpu.efficiency.attention_efficiency(portable)) + overhead
         return forward, BACKWARD_ATTENTION_FACTOR * (forward - overhead) + 2 * overhead
     d_qk, d_v = attention_head_dims(config)
     queries = seq_len // cp
@@ -123,13 +139,15 @@ def _elementwise_bytes(config: ModelConfig, layer: int, tp: int, sequence_parall
 def layer_times(config: ModelConfig, gpu: GPU, layer: int, micro_batch: int, seq_len: int,
                 tp: int, cp: int, ep: int, sequence_parallel: bool, recompute: str, flash: bool,
                 dropout: bool, compute_dtype: str, act_bytes: float, weight_bytes: float,
-                group_tokens: int | None = None, expert_tp: int | None = None) -> KernelTimes:
-    """One block, one microbatch (see layer_gemms for the expert-parallel arguments)."""
+                group_tokens: int | None = None, expert_tp: int | None = None,
+                portable_attention: bool = False, fp8_casts: str = "") -> KernelTimes:
+    """One block, one microbatch (see layer_gemms for the expert-parallel arguments;
+    fp8_cast_time for `fp8_casts`)."""
     tokens = micro_batch * seq_len // cp
-    matmul = sum(gemm_time(gpu, g, compute_dtype, act_bytes, weight_bytes)
+    matmul = sum(gemm_time(gpu, g, compute_dtype, act_bytes, weight_bytes, fp8_casts)
                  for g in layer_gemms(config, layer, tokens, tp, ep, group_tokens, expert_tp))
     attention_forward, attention_backward = attention_times(
-        config, gpu, micro_batch, seq_len, tp, cp, flash, dropout, act_bytes)
+        config, gpu, micro_batch, seq_len, tp, cp, flash, dropout, act_bytes, portable_attention)
     per_token, num_kernels = _elementwise_bytes(config, layer, tp, sequence_parallel, dropout,
                                                 act_bytes)
     elementwise = bandwidth_time(gpu, per_token * tokens, num_kernels)
@@ -160,22 +178,30 @@ def head_times(config: ModelConfig, gpu: GPU, micro_batch: int, seq_len: int, tp
 def stage_times(config: ModelConfig, gpu: GPU, num_stages: int, stage: int, micro_batch: int,
                 seq_len: int, tp: int, cp: int, ep: int, sequence_parallel: bool, recompute: str,
                 flash: bool, dropout: bool, compute_dtype: str, act_bytes: float,
-                weight_bytes: float) -> KernelTimes:
+                weight_bytes: float, expert_tp: int | None = None,
+                portable_attention: bool = False, fp8_casts: str = "inputs") -> KernelTimes:
     """Kernel time of one microbatch through one pipeline stage (its blocks, plus the LM head on
-    the last stage). Dense and MoE blocks are timed once each and multiplied."""
+    the last stage). Dense and MoE blocks are timed once each and multiplied. `expert_tp` below
+    tp: experts whole over tensor ranks too, each rank routing its 1/tp of the tokens."""
     counts = stage_layer_counts(config.num_layers, num_stages)
     first = stage_first_layer(counts, stage)
     layers = range(first, first + counts[stage])
     num_moe = sum(1 for layer in layers if config.is_moe_layer(layer))
+    fp8 = fp8_casts if compute_dtype == "fp8" else ""  # fp8 training quantizes GEMM operands
     total = ZERO
     args = (micro_batch, seq_len, tp, cp, ep, sequence_parallel, recompute, flash, dropout,
             compute_dtype, act_bytes, weight_bytes)
     if num_moe:
         moe_layer = next(layer for layer in layers if config.is_moe_layer(layer))
-        total = total + layer_times(config, gpu, moe_layer, *args).scaled(num_moe)
+        expert_args = (None, None)
+        if expert_tp is not None and expert_tp != tp:
+            expert_args = (micro_batch * seq_len // cp // tp * ep, expert_tp)
+        total = total + layer_times(config, gpu, moe_layer, *args, *expert_args,
+                                    portable_attention, fp8).scaled(num_moe)
     if len(layers) - num_moe:
         dense_layer = next(layer for layer in layers if not config.is_moe_layer(layer))
-        total = total + layer_times(config, gpu, dense_layer, *args).scaled(len(layers) - num_moe)
+        total = total + layer_times(config, gpu, dense_layer, *args, None, None,
+                                    portable_attention, fp8).scaled(len(layers) - num_moe)
     if stage == num_stages - 1:
         total = total + head_times(config, gpu, micro_batch, seq_len, tp, cp, compute_dtype,
                                    act_bytes, weight_bytes)

@@ -1,51 +1,38 @@
-"""A training layout (degrees, ZeRO stage, recomputation, schedule, microbatching) and the checks
-that say which constraint an impossible layout breaks.
-
-The rank grid is Megatron's: tp innermost, then cp, dp and pp outermost; expert parallelism folds
-over dp*cp and does not multiply the world size (tetrad.config.ParallelConfig says the same).
+"""A training layout as the planner evaluates it: tetrad's one ParallelConfig (degrees, ZeRO stage,
+recomputation, schedule, microbatches per pipeline pass, pipeline cut) plus how a rank's batch is
+split (micro batch size, pipeline passes per step), and the checks that say which constraint an
+impossible layout breaks (the shared rules of tetrad.planner.rules, and the GPU count).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
 from tetrad.config import ModelConfig, ParallelConfig
 from tetrad.errors import ConfigError
+from tetrad.planner.rules import check_layout
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 
+@dataclass(frozen=True)
+class TrainLayout(ParallelConfig):
+    """`microbatches` microbatches of `micro_batch` sequences go through the pipeline schedule in
+    one pass; `grad_accum` passes make one optimizer step (tetrad's --grad-accum; Megatron runs
+    all microbatches in one pass). An empty stage_layers means the planner's even cut."""
 
-@dataclass(frozen=True, slots=True)
-class TrainLayout:
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    cp: int = 1
-    ep: int = 1
-    vpp: int = 1
-    zero: int = 0
-    offload: bool = False
-    recompute: str = "none"
-    sequence_parallel: bool = False
-    schedule: str = "1f1b"
     micro_batch: int = 1
-    num_microbatches: int = 1
-    # What tetrad's runtime adds (the `tetrad` runtime profile, tetrad.planner.eager): the
-    # layers of each of the pp * vpp pipeline stages (empty: the planner's even cut), and the
-    # whole pipeline steps per optimizer step (--grad-accum: each runs num_microbatches /
-    # grad_accum microbatches through the schedule; Megatron runs them all in one).
-    stage_layers: tuple[int, ...] = ()
     grad_accum: int = 1
+
+    @property
+    def num_microbatches(self) -> int:
+        """Microbatches per optimizer step."""
+        return self.microbatches * self.grad_accum
 
     @property
     def schedule_microbatches(self) -> int:
         """Microbatches of one pass of the pipeline schedule."""
-        return self.num_microbatches // self.grad_accum
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.dp * self.cp
+        return self.microbatches
 
     @property
     def global_batch(self) -> int:
@@ -56,9 +43,26 @@ class TrainLayout:
         """Ranks that share (and, with ZeRO, shard) the dense parameters' gradients."""
         return self.dp * self.cp
 
+    # --- experts over tensor ranks (planner-only: tetrad's runtime folds ep over dp*cp) ---
+    @property
+    def expert_tp(self) -> int:
+        """Ranks each expert's columns are split over: tp while ep folds over dp*cp (Megatron's
+        default); 1 when ep also spans the tensor ranks (ep does not divide dp*cp: Megatron-Core's
+        expert tensor parallel size 1, as NVIDIA's DeepSeek-V3 recipe runs ep 64 on tp 2 x dp 32).
+        """
+        return self.tp if self.zero_group % self.ep == 0 else 1
+
+    def _check_expert_fold(self) -> None:
+        """The planner also evaluates experts spread over tensor and data ranks (expert_tp 1);
+        check_training_layout refuses that for tetrad's runtime (`experts_over_tp`)."""
+        if (self.dp * self.cp * self.tp) % self.ep:
+            raise ConfigError(f"ep {self.ep} must divide tp*dp*cp = "
+                              f"{self.dp * self.cp * self.tp}")
+
     @property
     def expert_zero_group(self) -> int:
-        return self.dp * self.cp // self.ep
+        """Ranks holding the same experts, which share (and shard) their gradients."""
+        return self.dp * self.cp * self.tp // (self.ep * self.expert_tp)
 
     def to_dict(self) -> dict:
         return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "cp": self.cp, "ep": self.ep,
@@ -68,20 +72,17 @@ class TrainLayout:
                 "num_microbatches": self.num_microbatches}
 
     @classmethod
-    def from_parallel_config(cls, parallel: ParallelConfig, micro_batch: int,
-                             num_microbatches: int | None = None) -> "TrainLayout":
-        """With a pipeline, microbatches beyond parallel.microbatches are whole pipeline steps
-        repeated (tetrad's --grad-accum)."""
+    def of(cls, parallel: ParallelConfig, micro_batch: int,
+           num_microbatches: int | None = None) -> "TrainLayout":
+        """`parallel` with a batch split. With a pipeline, microbatches beyond
+        parallel.microbatches are whole pipeline passes repeated (tetrad's --grad-accum); without
+        one they are all one pass."""
         num_microbatches = num_microbatches or parallel.microbatches
-        grad_accum = (num_microbatches // parallel.microbatches
-                      if parallel.pp > 1 and num_microbatches % parallel.microbatches == 0
-                      else 1)
-        return cls(tp=parallel.tp, pp=parallel.pp, dp=parallel.dp, cp=parallel.cp,
-                   ep=parallel.ep, vpp=parallel.vpp, zero=parallel.zero,
-                   offload=parallel.offload, recompute=parallel.recompute,
-                   sequence_parallel=parallel.sequence_parallel, schedule=parallel.schedule,
-                   micro_batch=micro_batch, num_microbatches=num_microbatches,
-                   stage_layers=parallel.stage_layers, grad_accum=grad_accum)
+        passes = (num_microbatches // parallel.microbatches
+                  if parallel.pp > 1 and num_microbatches % parallel.microbatches == 0 else 1)
+        fields = {f.name: getattr(parallel, f.name) for f in dataclasses.fields(ParallelConfig)}
+        return cls(**{**fields, "microbatches": num_microbatches // passes},
+                   micro_batch=micro_batch, grad_accum=passes)
 
 
 @lru_cache(maxsize=1024)
@@ -102,105 +103,24 @@ def stage_first_layer(counts: tuple[int, ...], stage: int) -> int:
     return sum(counts[:stage])
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _options(values: list[int]) -> str:
-    return ", ".join(str(v) for v in values[:12]) + (" ..." if len(values) > 12 else "")
-
-
-def valid_tp_degrees(config: ModelConfig, training: bool = True,
-                     kv_replicas: bool = False) -> list[int]:
-    """TP splits attention heads; training (Megatron) also needs it to split the KV heads.
-    Serving replicates KV heads when TP exceeds them (vLLM), so only the query heads count;
-    tetrad's trainer (`kv_replicas`) replicates each on tp / num_kv_heads ranks."""
-    heads = [d for d in divisors(config.num_heads)]
-    kv = config.num_kv_heads
-    if training and config.attention == "mha":
-        heads = [d for d in heads if kv % d == 0 or (kv_replicas and d % kv == 0)]
-    return heads
-
-
-def check_tp(config: ModelConfig, tp: int, training: bool = True,
-             kv_replicas: bool = False) -> None:
-    if config.num_heads % tp:
-        raise ConfigError(f"tp {tp} does not divide num_heads {config.num_heads}: use one of "
-                          f"{_options(valid_tp_degrees(config, training, kv_replicas))}")
-    if tp not in valid_tp_degrees(config, training, kv_replicas):
-        rule = ("nor is a multiple of it (each kv head then replicated on tp / num_kv_heads "
-                "ranks)" if kv_replicas else "(each TP rank needs whole KV heads)")
-        raise ConfigError(f"tp {tp} does not divide num_kv_heads {config.num_kv_heads} {rule}: "
-                          f"use one of {_options(valid_tp_degrees(config, training, kv_replicas))}")
-
-
-def check_degrees(config: ModelConfig, tp: int, pp: int, ep: int, training: bool = True,
-                  kv_replicas: bool = False) -> None:
-    """The model-shape constraints of the degrees, whatever the GPU count."""
-    check_tp(config, tp, training, kv_replicas)
-    if pp > config.num_layers:
-        raise ConfigError(f"pp {pp} is more than the model's {config.num_layers} layers: "
-                          f"use pp <= {config.num_layers}")
-    if ep > 1:
-        if not config.is_moe:
-            raise ConfigError(f"ep {ep} needs a mixture-of-experts model; {config.name} is "
-                              f"dense: use --ep 1")
-        if config.num_experts % ep:
-            raise ConfigError(f"ep {ep} does not divide num_experts {config.num_experts}: "
-                              f"use one of {_options(divisors(config.num_experts))}")
-
-
 def check_training_layout(config: ModelConfig, num_gpus: int, layout: TrainLayout,
-                          seq_len: int, kv_replicas: bool = False) -> None:
+                          seq_len: int, kv_replicas: bool = False,
+                          experts_over_tp: bool = False) -> None:
     """Raise ConfigError naming the first constraint the layout breaks and how to fix it.
-    `kv_replicas`: tp may exceed the KV heads, as tetrad's trainer allows."""
-    check_degrees(config, layout.tp, layout.pp, layout.ep, kv_replicas=kv_replicas)
+    `kv_replicas`: tp may exceed the KV heads, as tetrad's trainer allows. `experts_over_tp`:
+    ep may span tensor ranks too (TrainLayout.expert_tp), which the planner models for
+    Megatron-Core's layouts and tetrad's runtime does not run."""
+    check_layout(config, layout, seq_len, runtime=False, kv_replicas=kv_replicas)
     if layout.world_size != num_gpus:
         raise ConfigError(
             f"tp*pp*dp*cp = {layout.tp}*{layout.pp}*{layout.dp}*{layout.cp} = "
             f"{layout.world_size}, but there are {num_gpus} GPUs: the degrees must multiply to "
             f"the GPU count")
-    if layout.schedule == "interleaved":
-        if layout.pp == 1 or layout.vpp < 2:
-            raise ConfigError("the interleaved schedule needs pp > 1 and --vpp >= 2 "
-                              "(model chunks per pipeline rank)")
-        if layout.pp * layout.vpp > config.num_layers:
-            raise ConfigError(f"pp*vpp = {layout.pp * layout.vpp} chunks is more than the "
-                              f"{config.num_layers} layers: lower --vpp")
-        if layout.num_microbatches % layout.pp:
-            # Megatron's rule, and tetrad.schedules': forwards cycle through the chunks in
-            # groups of pp microbatches.
-            raise ConfigError(f"the interleaved schedule needs microbatches per step to be a "
-                              f"multiple of pp = {layout.pp}, got {layout.num_microbatches}: "
-                              f"change --global-batch or --micro-batch")
-    elif layout.vpp != 1:
-        raise ConfigError(f"--vpp {layout.vpp} needs --schedule interleaved")
-    if layout.stage_layers and (len(layout.stage_layers) != layout.pp * layout.vpp
-                                or sum(layout.stage_layers) != config.num_layers
-                                or min(layout.stage_layers) < 1):
-        raise ConfigError(f"stage_layers {list(layout.stage_layers)} must give each of the "
-                          f"pp*vpp = {layout.pp * layout.vpp} stages at least one layer and add "
-                          f"up to the model's {config.num_layers}")
-    if layout.zero_group % layout.ep:
-        raise ConfigError(f"ep {layout.ep} must divide dp*cp = {layout.zero_group} "
-                          f"(experts are spread over the data-parallel ranks)")
-    if layout.cp > 1 and seq_len % (2 * layout.cp):
-        raise ConfigError(f"cp {layout.cp} needs seq_len divisible by 2*cp = {2 * layout.cp} "
-                          f"(each rank takes two balanced chunks of the causal sequence)")
-    if config.position == "learned" and seq_len > config.max_seq_len:
-        raise ConfigError(f"seq_len {seq_len} exceeds the learned position table "
-                          f"({config.max_seq_len}): lower --seq-len")
-    if layout.zero not in (0, 1, 2, 3):
-        raise ConfigError(f"zero must be 0, 1, 2 or 3, got {layout.zero}")
-    if layout.offload and layout.zero == 0:
-        raise ConfigError("--offload needs a ZeRO stage: add --zero 1, 2 or 3")
-    if layout.schedule not in SCHEDULES:
-        raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, "
-                          f"got {layout.schedule!r}")
-    if layout.recompute not in ("none", "selective", "full"):
-        raise ConfigError(f"recompute must be none, selective or full, got {layout.recompute!r}")
-    if layout.micro_batch < 1 or layout.num_microbatches < 1:
-        raise ConfigError("micro batch and number of microbatches must be at least 1")
+    if layout.zero_group % layout.ep and not experts_over_tp:
+        raise ConfigError(f"ep {layout.ep} must divide dp*cp = {layout.zero_group} (tetrad's "
+                          f"runtime spreads experts over the data-parallel ranks only)")
+    if layout.micro_batch < 1:
+        raise ConfigError("the micro batch must be at least 1 sequence")
 
 
 def microbatches_for(global_batch: int, dp: int, micro_batch: int) -> int:

@@ -38,6 +38,7 @@ class ActivationOptions:
     flash_attention: bool = True  # the s x s score matrix is never stored
     dropout: bool = False  # GPT-3-era models store a 1-byte mask per dropout
     runtime: str = "megatron"  # see RUNTIMES; "tetrad" fixes the two above (SDPA, no dropout)
+    zero3_live_params: float = 0.0  # see gathered_params_bytes
 
     def __post_init__(self) -> None:
         if self.runtime not in RUNTIMES:
@@ -74,15 +75,16 @@ def representative_stages(num_layers: int, num_stages: int) -> tuple[int, ...]:
 
 @lru_cache(maxsize=4096)
 def stage_params(config: ModelConfig, num_stages: int, stage: int, tp: int,
-                 ep: int) -> tuple[float, float]:
-    """(dense, expert) parameter elements one GPU of `stage` holds."""
+                 ep: int, expert_tp: int | None = None) -> tuple[float, float]:
+    """(dense, expert) parameter elements one GPU of `stage` holds; each expert is split over
+    `expert_tp` ranks (default tp: TrainLayout.expert_tp)."""
     counts = stage_layer_counts(config.num_layers, num_stages)
     first = stage_first_layer(counts, stage)
     dense = expert = 0.0
     for layer in range(first, first + counts[stage]):
         params = layer_params(config, layer)
         dense += params.tp_sharded / tp + params.replicated
-        expert += params.experts / (ep * tp)
+        expert += params.experts / (ep * (tp if expert_tp is None else expert_tp))
     if stage == 0:
         dense += embedding_params(config) / tp + position_params(config)
     if stage == num_stages - 1:
@@ -106,25 +108,29 @@ def zero_state_bytes(num_params: float, group: int, zero: int, offload: bool,
 
 
 def model_state_bytes(config: ModelConfig, layout: TrainLayout, precision: TrainingPrecision,
-                      stage: int) -> tuple[float, float, float]:
+                      stage: int, live_params: float = 0.0) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes on one GPU of `stage` (ZeRO, Rajbhandari et al. 2020):
     dense parameters shard over dp*cp, expert parameters over their own group, dp*cp/ep."""
-    dense, expert = stage_params(config, layout.pp, stage, layout.tp, layout.ep)
+    dense, expert = stage_params(config, layout.pp, stage, layout.tp, layout.ep,
+                                 layout.expert_tp)
     params, grads, optimizer = zero_state_bytes(dense, layout.zero_group, layout.zero,
                                                 layout.offload, precision)
     expert_params, expert_grads, expert_optimizer = zero_state_bytes(
         expert, layout.expert_zero_group, layout.zero, layout.offload, precision)
-    return (params + expert_params + gathered_params_bytes(config, layout, precision),
+    return (params + expert_params
+            + gathered_params_bytes(config, layout, precision, live_params),
             grads + expert_grads, optimizer + expert_optimizer)
 
 
 def gathered_params_bytes(config: ModelConfig, layout: TrainLayout,
-                          precision: TrainingPrecision) -> float:
+                          precision: TrainingPrecision, live_params: float = 0.0) -> float:
     """ZeRO-3's whole parameters on one GPU at the peak: FSDP gathers one block while
-    prefetching the next, two full blocks in flight."""
+    prefetching the next, two full blocks in flight; DeepSpeed gathers sub-modules and keeps at
+    most `live_params` elements whole (stage3_max_live_parameters), when that is fewer."""
     if layout.zero < 3:
         return 0.0
-    return 2 * _biggest_layer(config) / layout.tp * precision.param_bytes
+    blocks = 2 * _biggest_layer(config) / layout.tp
+    return (min(blocks, live_params) if live_params else blocks) * precision.param_bytes
 
 
 @lru_cache(maxsize=256)
@@ -243,12 +249,13 @@ def training_memory(config: ModelConfig, layout: TrainLayout, precision: Trainin
         return eager_breakdown(ranks[fullest]), fullest
     best: tuple[MemoryBreakdown, int] | None = None
     for stage in representative_stages(config.num_layers, layout.pp):
-        params, grads, optimizer = model_state_bytes(config, layout, precision, stage)
+        params, grads, optimizer = model_state_bytes(config, layout, precision, stage,
+                                                     options.zero3_live_params)
         activations = stage_activation_bytes(config, layout, seq_len, options,
                                              precision.activation_bytes, stage)
         breakdown = MemoryBreakdown(params, grads, optimizer, activations,
-                                    params_gathered=gathered_params_bytes(config, layout,
-                                                                          precision))
+                                    params_gathered=gathered_params_bytes(
+                                        config, layout, precision, options.zero3_live_params))
         if best is None or breakdown.total > best[0].total:
             best = (breakdown, stage)
     assert best is not None
@@ -269,7 +276,8 @@ def peak_bytes_by_zero_stage(config: ModelConfig, layout: TrainLayout,
     totals = []
     for zero in zeros:
         with_zero = dataclasses.replace(layout, zero=zero)
-        totals.append(max(sum(model_state_bytes(config, with_zero, precision, stage)) + act
+        totals.append(max(sum(model_state_bytes(config, with_zero, precision, stage,
+                                                options.zero3_live_params)) + act
                           for stage, act in zip(stages, activations)))
     return totals
 

@@ -35,7 +35,14 @@ def training_config_json(estimate: TrainingEstimate, tokens: float = 0.0) -> dic
         "parallel": estimate.layout.to_dict(),
         "fits": estimate.fits,
         "memory_gib": {**{key: _gib(value) for key, value in memory.items()},
-                       "usable": _gib(estimate.usable_memory)},
+                       "usable": _gib(estimate.usable_memory),
+                       # Of `params`: ZeRO-3's whole blocks at the peak, which the ZeRO
+                       # paper's model-state formula (params + grads + optimizer without
+                       # them) leaves out.
+                       "params_gathered": _gib(estimate.memory.params_gathered),
+                       "model_states_formula": _gib(
+                           estimate.memory.params + estimate.memory.grads
+                           + estimate.memory.optimizer - estimate.memory.params_gathered)},
         "fullest_stage": estimate.fullest_stage,
         "step_time_s": {key: _round(value) for key, value in estimate.step.as_dict().items()},
         "tokens_per_s": _round(estimate.tokens_per_s),
@@ -59,6 +66,9 @@ def training_json(config: ModelConfig, cluster: Cluster, workload: TrainWorkload
         "num_parameters": count_parameters(config),
         "num_active_parameters": active_parameters(config),
         "seq_len": workload.seq_len, "global_batch": global_batch, "dtype": workload.dtype,
+        "stack": {key: getattr(workload, key) for key in (
+            "flash_attention", "dropout", "overlap_grad_reduce", "overlap_param_gather",
+            "overlap_tp_comm", "overlap_p2p", "zero3_live_params", "runtime")},
         "num_candidates": result.num_candidates, "num_fitting": result.num_fitting,
         "configs": [training_config_json(e, tokens) for e in result.ranked],
     }
@@ -145,6 +155,10 @@ def training_text(config: ModelConfig, cluster: Cluster, workload: TrainWorkload
               f"{memory['grads']:.1f}, optimizer {memory['optimizer']:.1f}, activations "
               f"{memory['activations']:.1f}; total {memory['total']:.1f} of "
               f"{memory['usable']:.1f} usable"]
+    if memory["params_gathered"]:
+        lines.append(f"ZeRO-3: params include {memory['params_gathered']:.2f} GiB of parameters "
+                     f"gathered whole at the peak; the ZeRO paper's sharded model states "
+                     f"without them: {memory['model_states_formula']:.3f} GiB")
     if tokens:
         lines.append(f"{tokens:.3g} tokens: {data['total_flops']:.3g} FLOPs "
                      f"(6ND: {data['total_flops_6nd']:.3g}), {best['days']:.1f} days, "
@@ -195,7 +209,7 @@ def training_fit_advice(config: ModelConfig, cluster: Cluster, workload: TrainWo
         changes.append(("--sequence-parallel", dict(sequence_parallel=True)))
     if layout.micro_batch > 1:
         changes.append(("--micro-batch 1", dict(
-            micro_batch=1, num_microbatches=layout.num_microbatches * layout.micro_batch)))
+            micro_batch=1, microbatches=layout.microbatches * layout.micro_batch)))
     if layout.zero >= 1 and not layout.offload:
         changes.append(("--offload", dict(offload=True)))
     # All of them at once, each knob at its most memory-saving setting.
@@ -208,8 +222,8 @@ def training_fit_advice(config: ModelConfig, cluster: Cluster, workload: TrainWo
         changes.append((" ".join(flags.values()), every))
     fixes = []
     for flag, change in changes:
-        candidate = dataclasses.replace(layout, **change)
         try:
+            candidate = dataclasses.replace(layout, **change)
             check_training_layout(config, cluster.num_gpus, candidate, workload.seq_len)
         except ConfigError:
             continue
@@ -233,6 +247,13 @@ def training_fit_advice(config: ModelConfig, cluster: Cluster, workload: TrainWo
 def serving_fit_advice(config: ModelConfig, cluster: Cluster, estimate: ServingEstimate,
                        workload: ServeWorkload) -> str:
     need = estimate.weights + estimate.activations
+    per_replica = estimate.max_concurrent_sequences // estimate.layout.dp
+    if per_replica >= 1:
+        return (f"weights, scratch and the KV cache of {estimate.batch} sequences need "
+                f"{estimate.total_memory / GiB:.1f} GiB per GPU against "
+                f"{estimate.usable_memory / GiB:.1f} GiB usable on a {cluster.gpu.name}: at most "
+                f"{per_replica} sequences of {workload.context_len} tokens fit per replica; "
+                f"lower --batch, or use a smaller --kv-dtype or more GPUs")
     lines = [f"weights and scratch need {need / GiB:.1f} GiB per GPU against "
              f"{estimate.usable_memory / GiB:.1f} GiB usable on a {cluster.gpu.name}, leaving no "
              f"room for the KV cache of one {workload.context_len}-token sequence"]

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from tetrad.config import ModelConfig
 from tetrad.errors import ConfigError
 from tetrad.hardware import Cluster
-from tetrad.planner.layout import (TrainLayout, check_degrees, check_training_layout, divisors,
-                                   microbatches_for, valid_tp_degrees)
+from tetrad.planner.layout import TrainLayout, check_training_layout, microbatches_for
+from tetrad.planner.rules import check_degrees, divisors, valid_tp_degrees
 from tetrad.planner.memory import peak_bytes_by_zero_stage
 from tetrad.planner.serving import (ServeLayout, ServeWorkload, ServingEstimate,
                                     check_serve_layout, evaluate_serving)
@@ -124,8 +124,11 @@ def training_layouts(config: ModelConfig, cluster: Cluster, global_batch: int, s
                             if schedule == "interleaved" and m % pp and (
                                     space.schedule is None or space.micro_batch is None):
                                 continue  # interleaving needs a multiple of pp microbatches
-                            yield TrainLayout(tp, pp, dp, cp, ep, vpp, 0, space.offload, "none",
-                                              sequence_parallel, schedule, micro_batch, m)
+                            yield TrainLayout(
+                                tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vpp=vpp,
+                                zero=1 if space.offload else 0, offload=space.offload,
+                                sequence_parallel=sequence_parallel, schedule=schedule,
+                                microbatches=m, micro_batch=micro_batch)
 
 
 def _zero_stages(layout: TrainLayout, space: TrainSpace) -> tuple[int, ...]:
@@ -158,12 +161,32 @@ def _explain_no_layout(config: ModelConfig, cluster: Cluster, global_batch: int,
                       f"batch {global_batch}: leave more degrees open or change the batch")
 
 
+def check_training_space(cluster: Cluster, workload: TrainWorkload, global_batch: int,
+                         space: TrainSpace) -> None:
+    """Given choices that contradict each other or the hardware, refused before the search
+    (which would otherwise drop or ignore them without a word)."""
+    if workload.seq_len < 1 or global_batch < 1:
+        raise ConfigError(f"seq_len and global batch must be at least 1, got {workload.seq_len} "
+                          f"and {global_batch}")
+    if space.vpp is not None and space.vpp > 1 and space.schedule not in (None, "interleaved"):
+        raise ConfigError(f"--vpp {space.vpp} needs --schedule interleaved, not "
+                          f"{space.schedule}: drop --vpp or use the interleaved schedule")
+    if space.zero and space.dp == 1 and (space.cp or 1) == 1:
+        raise ConfigError(f"--zero {space.zero} shards over dp*cp ranks, and --dp 1 leaves one: "
+                          f"use --zero 0 or more data-parallel ranks")
+    compute = workload.precision.compute_dtype
+    if compute not in cluster.gpu.peak_flops:
+        raise ConfigError(f"{cluster.gpu.name} has no {compute} tensor cores: train in "
+                          f"{', '.join(d for d in ('bf16', 'fp16') if d in cluster.gpu.peak_flops)}")
+
+
 def search_training(config: ModelConfig, cluster: Cluster, workload: TrainWorkload,
                     global_batch: int, space: TrainSpace = TrainSpace(),
                     top: int = 5) -> SearchResult:
     """Rank the layouts of `space`. Per layout shape, recomputation is tried from none to full
     and the search keeps the least that fits (more recomputation only adds work); memory is
     computed for every candidate, time only for the fitting ones."""
+    check_training_space(cluster, workload, global_batch, space)
     usable = cluster.gpu.memory_bytes * USABLE_MEMORY_FRACTION
     precision, options = workload.precision, workload.activation_options
     recomputes = _choices(space.recompute, ("none", "selective", "full"))
@@ -174,7 +197,8 @@ def search_training(config: ModelConfig, cluster: Cluster, workload: TrainWorklo
         zeros = _zero_stages(shape, space)
         for recompute in recomputes:
             layout = dataclasses.replace(shape, recompute=recompute, zero=zeros[0])
-            check_training_layout(config, cluster.num_gpus, layout, workload.seq_len)
+            check_training_layout(config, cluster.num_gpus, layout, workload.seq_len,
+                                  experts_over_tp=workload.runtime != "tetrad")
             totals = peak_bytes_by_zero_stage(config, layout, precision, workload.seq_len,
                                               options, zeros)
             num_candidates += len(zeros)

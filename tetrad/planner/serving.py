@@ -20,11 +20,12 @@ from tetrad.hardware import Cluster
 from tetrad.planner import comm
 from tetrad.planner.compute import bandwidth_time, gemm_time, layer_times
 from tetrad.planner.flops import attention_head_dims, head_gemm, layer_gemms
-from tetrad.planner.layout import check_degrees, stage_first_layer, stage_layer_counts
+from tetrad.planner.layout import stage_first_layer, stage_layer_counts
 from tetrad.planner.memory import kv_bytes_per_token, representative_stages
 from tetrad.planner.model_stats import (embedding_params, head_params, layer_params,
                                         norm_params, position_params, unquantized_layer_params)
 from tetrad.planner.precision import COMPUTE_DTYPE, element_bytes, unquantized_bytes, weight_bytes
+from tetrad.planner.rules import check_degrees
 
 USABLE_MEMORY_FRACTION = 0.9  # vLLM's default gpu_memory_utilization
 MAX_BATCH = 256  # vLLM's default max_num_seqs
@@ -51,6 +52,17 @@ class ServeWorkload:
     kv_dtype: str = "bf16"
     batch: int = 0  # concurrent sequences; 0 means as many as fit (at most MAX_BATCH)
 
+    def __post_init__(self) -> None:
+        if self.prompt_len < 1 or self.output_len < 0:
+            raise ConfigError(f"--prompt-len must be at least 1 and --output-len at least 0, got "
+                              f"{self.prompt_len} and {self.output_len}")
+        if self.context_len < self.prompt_len + self.output_len:
+            raise ConfigError(f"--context-len {self.context_len} cannot hold the prompt and the "
+                              f"output ({self.prompt_len} + {self.output_len} tokens)")
+        if self.batch < 0:
+            raise ConfigError(f"--batch must be a number of concurrent sequences (at least 1), "
+                              f"or 0 for as many as fit; got {self.batch}")
+
 
 @dataclass(frozen=True)
 class ServingEstimate:
@@ -66,7 +78,8 @@ class ServingEstimate:
 
     @property
     def fits(self) -> bool:
-        return self.max_concurrent_sequences >= self.layout.dp and self.batch >= 1
+        """Weights, scratch and the KV cache of `batch` sequences per replica fit."""
+        return self.batch >= 1 and self.batch * self.layout.dp <= self.max_concurrent_sequences
 
     @property
     def total_memory(self) -> float:

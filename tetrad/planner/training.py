@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from tetrad.config import ModelConfig
+from tetrad.errors import ConfigError
 from tetrad.hardware import Cluster
 from tetrad.planner import comm, eager
 from tetrad.planner.comm import CommLedger
@@ -52,6 +53,16 @@ class TrainWorkload:
     overlap_p2p: bool = True  # pipeline sends and receives behind compute
     recipe: TrainingPrecision | None = None  # overrides the recipe `dtype` implies
     runtime: str = "megatron"  # whose tensors are counted: memory.RUNTIMES
+    zero3_live_params: float = 0.0  # ZeRO-3 gather budget (DeepSpeed); 0: two whole blocks
+    # DeepSpeed's ZeRO-3 of 2021 gathered parameter by parameter: messages too small for NCCL to
+    # spread over a node's rails, so each crosses nodes at one NIC's bandwidth; its activation
+    # checkpointing re-runs the gather hooks, one more all-gather under full recomputation.
+    zero3_per_parameter: bool = False
+    portable_attention: bool = False  # FlashAttention-2 / Triton, not the vendor's kernels
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 1:
+            raise ConfigError(f"seq_len must be at least 1, got {self.seq_len}")
 
     @property
     def precision(self) -> TrainingPrecision:
@@ -59,7 +70,8 @@ class TrainWorkload:
 
     @property
     def activation_options(self) -> ActivationOptions:
-        return ActivationOptions(self.flash_attention, self.dropout, self.runtime)
+        return ActivationOptions(self.flash_attention, self.dropout, self.runtime,
+                                 self.zero3_live_params)
 
 
 @dataclass(frozen=True)
@@ -106,8 +118,9 @@ def _tp_collective_time(cluster: Cluster, layout: TrainLayout, size: float) -> f
 
 def _microbatch_comm(config: ModelConfig, cluster: Cluster, layout: TrainLayout,
                      workload: TrainWorkload, kernels: KernelTimes, stage: int,
-                     ledger: CommLedger | None) -> float:
-    """Exposed TP, CP and EP communication of one microbatch on `stage`; records bytes."""
+                     ledger: CommLedger | None, expert_tp: int) -> float:
+    """Exposed TP, CP and EP communication of one microbatch on `stage`; records bytes.
+    `expert_tp` is layout.expert_tp (passed, as `layout` may be a shape without dp)."""
     act = workload.precision.activation_bytes
     tokens = layout.micro_batch * workload.seq_len / layout.cp
     counts = stage_layer_counts(config.num_layers, layout.pp)
@@ -146,7 +159,8 @@ def _microbatch_comm(config: ModelConfig, cluster: Cluster, layout: TrainLayout,
             ledger.add("p2p", layout.cp, chunk, 3 * (layout.cp - 1) * num_layers)
     if layout.ep > 1 and num_moe:
         size = tokens / layout.tp * config.num_experts_per_token * config.hidden_size * act
-        group = comm.place_group(cluster, layout.ep, layout.tp)
+        # Over tensor ranks too (expert_tp 1), the group's members are adjacent ranks.
+        group = comm.place_group(cluster, layout.ep, expert_tp)
         num_a2a = 2 * passes * num_moe
         exposed += num_a2a * comm.all_to_all_time(cluster, group, size)
         if ledger is not None:
@@ -159,14 +173,18 @@ def _data_parallel(config: ModelConfig, cluster: Cluster, layout: TrainLayout,
                    ledger: CommLedger) -> float:
     """Exposed time of the gradient reduction and ZeRO parameter gathers of one step."""
     precision = workload.precision
-    dense, expert = stage_params(config, layout.pp, stage, layout.tp, layout.ep)
+    dense, expert = stage_params(config, layout.pp, stage, layout.tp, layout.ep,
+                                 layout.expert_tp)
     m = layout.num_microbatches
     exposed = 0.0
     for elements, size, stride in ((dense, layout.zero_group, layout.tp),
-                                   (expert, layout.expert_zero_group, layout.tp * layout.ep)):
+                                   (expert, layout.expert_zero_group,
+                                    layout.expert_tp * layout.ep)):
         if size == 1 or elements == 0:
             continue
-        group = comm.place_group(cluster, size, stride)
+        flat = layout.zero == 3 and workload.zero3_per_parameter
+        # One NIC per rank: placed as if each rank were alone on its node.
+        group = comm.place_group(cluster, size, cluster.node_size if flat else stride)
         grads = elements * precision.grad_bytes
         params = elements * precision.param_bytes
         reduce_time = comm.reduce_scatter_time(cluster, group, grads)
@@ -186,10 +204,11 @@ def _data_parallel(config: ModelConfig, cluster: Cluster, layout: TrainLayout,
             ledger.add("reduce_scatter", size, grads, m)
             ledger.add("all_gather", size, params)
         else:
+            backward_gathers = 2 if flat and layout.recompute == "full" else 1
             exposed += m * overlapped(gather_time, forward, workload.overlap_param_gather)
-            exposed += m * overlapped(gather_time + reduce_time, backward,
+            exposed += m * overlapped(backward_gathers * gather_time + reduce_time, backward,
                                       workload.overlap_grad_reduce)
-            ledger.add("all_gather", size, params, 2 * m)
+            ledger.add("all_gather", size, params, (1 + backward_gathers) * m)
             ledger.add("reduce_scatter", size, grads, m)
     return exposed
 
@@ -216,10 +235,11 @@ def _pipeline_p2p(config: ModelConfig, cluster: Cluster, layout: TrainLayout,
 @lru_cache(maxsize=16384)
 def _bottleneck(config: ModelConfig, cluster: Cluster, workload: TrainWorkload, tp: int, pp: int,
                 cp: int, ep: int, sequence_parallel: bool, recompute: str,
-                micro_batch: int) -> tuple[int, KernelTimes, float]:
+                micro_batch: int, expert_tp: int, zero: int) -> tuple[int, KernelTimes, float]:
     """(slowest stage, its kernel times, its exposed TP/CP/EP time) for one microbatch. Keyed by
-    the fields that decide them, so layouts differing in dp, ZeRO or schedule share an entry."""
-    shape = TrainLayout(tp=tp, pp=pp, cp=cp, ep=ep, sequence_parallel=sequence_parallel,
+    the fields that decide them, so layouts differing in dp or schedule (ZeRO only through `zero`) share an entry."""
+    # dp does not change these times; dp = ep keeps the shape a valid layout (ep divides dp*cp).
+    shape = TrainLayout(tp=tp, pp=pp, dp=ep, cp=cp, ep=ep, sequence_parallel=sequence_parallel,
                         recompute=recompute, micro_batch=micro_batch)
     precision = workload.precision
     weight = 1.0 if precision.compute_dtype == "fp8" else precision.param_bytes
@@ -228,8 +248,11 @@ def _bottleneck(config: ModelConfig, cluster: Cluster, workload: TrainWorkload, 
         kernels = stage_times(config, cluster.gpu, pp, stage, micro_batch, workload.seq_len, tp,
                               cp, ep, sequence_parallel, recompute, workload.flash_attention,
                               workload.dropout, precision.compute_dtype,
-                              precision.activation_bytes, weight)
-        exposed = _microbatch_comm(config, cluster, shape, workload, kernels, stage, None)
+                              precision.activation_bytes, weight, expert_tp,
+                              workload.portable_attention,
+                              "inputs+weights" if zero == 3 else "inputs")
+        exposed = _microbatch_comm(config, cluster, shape, workload, kernels, stage, None,
+                                   expert_tp)
         total = kernels.forward + kernels.backward + kernels.recompute + exposed
         if best is None or total > (best[1].forward + best[1].backward + best[1].recompute
                                     + best[2]):
@@ -248,16 +271,19 @@ def evaluate_training(config: ModelConfig, cluster: Cluster, layout: TrainLayout
     gpu = cluster.gpu
     stage, kernels, microbatch_comm = _bottleneck(
         config, cluster, workload, layout.tp, layout.pp, layout.cp, layout.ep,
-        layout.sequence_parallel, layout.recompute, layout.micro_batch)
+        layout.sequence_parallel, layout.recompute, layout.micro_batch, layout.expert_tp,
+        layout.zero)
     ledger = CommLedger()
     if count_bytes:
-        _microbatch_comm(config, cluster, layout, workload, kernels, stage, ledger)
+        _microbatch_comm(config, cluster, layout, workload, kernels, stage, ledger,
+                         layout.expert_tp)
         for kind in ledger.sent:  # per microbatch so far: scale to the step
             ledger.sent[kind] *= layout.num_microbatches
             ledger.payload[kind] *= layout.num_microbatches
     m = layout.num_microbatches
     per_microbatch_kernels = kernels.forward + kernels.backward + kernels.recompute
-    dense, expert = stage_params(config, layout.pp, fullest, layout.tp, layout.ep)
+    dense, expert = stage_params(config, layout.pp, fullest, layout.tp, layout.ep,
+                                 layout.expert_tp)
     shard = ((dense / layout.zero_group + expert / layout.expert_zero_group)
              if layout.zero >= 1 else dense + expert)
     optimizer = optimizer_time(gpu, shard, precision.grad_bytes, precision.param_bytes,

@@ -19,8 +19,8 @@ from tetrad.config import ModelConfig, TrainConfig
 from tetrad.errors import ConfigError, TetradError
 from tetrad.hardware import GPU, gpu_from_device_name
 from tetrad.models.transformer import Transformer, count_parameters
-from tetrad.parallel.pipeline.partition import partition
-from tetrad.planner import predict_training
+from tetrad.planner import predict_run
+from tetrad.planner.rules import ResolvedLayout, resolve_layout
 from tetrad.presets import resolve_model
 from tetrad.tokenizer import load_tokenizer
 from tetrad.train import checkpoint as ckpt
@@ -40,12 +40,18 @@ class TrainResult:
     sample: str
 
 
-def prepare(config: TrainConfig) -> tuple[ModelConfig, AnyTokenizer, Path | None]:
-    """Everything that can be wrong with the input, checked before any data or model is built."""
-    model_config = resolve_model(config.model, config.model_overrides)
-    if config.seq_len > model_config.max_seq_len:
-        raise ConfigError(f"--seq-len {config.seq_len} is longer than the model's max_seq_len "
-                          f"{model_config.max_seq_len}: lower --seq-len")
+def resolve_run(config: TrainConfig) -> ResolvedLayout:
+    """The run's model and layout, checked against each other and with the pipeline cut: done
+    once, before any process starts, and handed to every rank."""
+    return resolve_layout(resolve_model(config.model, config.model_overrides), config.parallel,
+                          config.seq_len)
+
+
+def prepare(config: TrainConfig, model_config: ModelConfig | None = None
+            ) -> tuple[ModelConfig, AnyTokenizer, Path | None]:
+    """Everything that can be wrong with the input, checked before any data or model is built
+    (the layout's fit to the model is resolve_run's)."""
+    model_config = model_config or resolve_model(config.model, config.model_overrides)
     tokenizer = load_tokenizer(config.tokenizer)
     if tokenizer.vocab_size > model_config.vocab_size:
         raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's "
@@ -72,24 +78,18 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def predict(model_config: ModelConfig, config: TrainConfig, gpu: GPU | None) -> dict[str, Any]:
+def predict(layout: ResolvedLayout, config: TrainConfig, gpu: GPU | None) -> dict[str, Any]:
     """The planner's prediction for this very run, which the report puts next to the
-    measurement: same config, same cost model. A rank's batch goes through grad_accum pipeline
-    steps of `microbatches` microbatches each (one without a pipeline), through the stages the
-    runtime cuts (its cost-balanced partition unless --stage-layers gives one)."""
+    measurement: the same resolved layout (pipeline cut included), the same cost model. A rank's
+    batch goes through grad_accum pipeline steps of `microbatches` microbatches each (one
+    without a pipeline)."""
     num_microbatches = config.grad_accum * config.parallel.microbatches
     micro_batch = config.batch_size // (config.parallel.dp * num_microbatches)
-    parallel = config.parallel
     try:
-        if parallel.pp > 1:
-            cut = partition(model_config, parallel.pp * parallel.vpp, config.seq_len,
-                            parallel.stage_layers or None)
-            parallel = dataclasses.replace(parallel, stage_layers=cut.stage_layers)
-        return predict_training(model_config, parallel, micro_batch, config.seq_len,
-                                num_microbatches=num_microbatches, dtype=config.dtype,
-                                gpu=gpu.name if gpu else None,
-                                precision=planned_precision(config))
-    except ConfigError as error:  # the planner's layout rules can be stricter than the runtime's
+        return predict_run(layout, micro_batch, num_microbatches=num_microbatches,
+                           dtype=config.dtype, gpu=gpu.name if gpu else None,
+                           precision=planned_precision(config))
+    except ConfigError as error:  # a layout the cost model does not cover
         return {"error": str(error)}
 
 
@@ -113,8 +113,11 @@ def check_finite(loss: float, grad_norm: float, step: int, model: torch.nn.Modul
 
 
 def train(config: TrainConfig, make_strategy: Callable[..., Any] = build_strategy,
-          show_progress: bool = True) -> TrainResult:
-    model_config, tokenizer, resume_from = prepare(config)
+          show_progress: bool = True, layout: ResolvedLayout | None = None) -> TrainResult:
+    """Run `config`; `layout` is its resolve_run, when the launcher has made it already."""
+    layout = layout or resolve_run(config)
+    config = dataclasses.replace(config, parallel=layout.parallel)  # the strategies read this
+    model_config, tokenizer, resume_from = prepare(config, layout.model)
     dataset = Dataset(config.data, tokenizer, config.seq_len, config.seed)
     device = default_device()
     model = build_model(model_config, config).to(device)
@@ -122,7 +125,7 @@ def train(config: TrainConfig, make_strategy: Callable[..., Any] = build_strateg
     strategy = make_strategy(model, config, device)
     start_step = resume(strategy, resume_from, model_config) if resume_from is not None else 0
     gpu = device_gpu(device)
-    predicted = predict(model_config, config, gpu)
+    predicted = predict(layout, config, gpu)
     peak_flops = gpu.peak(config.dtype) * strategy.world_size if gpu else None
     held: dict[str, int] = {}
     steps: list[dict[str, Any]] = []

@@ -41,7 +41,7 @@ from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm
 from tetrad.parallel.grad_norm import grad_square, scale_to_max_norm_
 from tetrad.parallel.mesh import Group, Mesh
-from tetrad.parallel.pipeline.partition import Partition, partition
+from tetrad.planner.partition import Partition, partition
 from tetrad.parallel.pipeline.stage import PipelineStage, build_stages, embedding_group
 from tetrad.schedules import Action, Schedule, build_schedule
 
@@ -128,17 +128,17 @@ class PipelineExecutor:
                    microbatches: int = 0, vpp: int = 1, stage_layers: Sequence[int] | None = None,
                    seq_len: int | None = None,
                    autocast: Callable[[], ContextManager] = contextlib.nullcontext,
-                   shard: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] = whole_sequences
-                   ) -> "PipelineExecutor":
+                   shard: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] = whole_sequences,
+                   cut: Partition | None = None) -> "PipelineExecutor":
         """Cut `model` (built with the same seed on every rank; a Transformer, or its tensor-
         parallel version) into mesh.dims.pp * vpp stages and keep this rank's. Collective over
         the world when embeddings are tied (it creates the embedding groups). microbatches 0
         means pp; seq_len (for balancing) defaults to the model's max_seq_len. `shard` turns a
         microbatch window into (inputs, targets, positions): ContextParallel.shard under context
-        parallelism."""
+        parallelism. `cut`, when the caller has it, replaces `stage_layers`."""
         pp = mesh.dims.pp
         plan = build_schedule(schedule, pp, microbatches or pp, vpp)
-        cut = partition(model.config, pp * vpp, seq_len, stage_layers)
+        cut = cut or partition(model.config, pp * vpp, seq_len, stage_layers)
         tied = (embedding_group(mesh.dims, mesh.rank)
                 if model.config.tie_embeddings and pp > 1 else None)
         return cls(build_stages(model, cut, pp, mesh.coords["pp"]), plan, mesh["pp"], comm,

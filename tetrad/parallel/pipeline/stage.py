@@ -23,9 +23,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from tetrad.config import ParallelConfig
 from tetrad.models.transformer import Transformer
-from tetrad.parallel.mesh import Group, ParallelDims
-from tetrad.parallel.pipeline.partition import Partition
+from tetrad.parallel.mesh import Group
+from tetrad.planner.partition import Partition
 from tetrad.parallel.tensor_parallel import TensorParallelTransformer
 from tetrad.parallel.vocab_parallel import vocab_parallel_cross_entropy
 
@@ -98,7 +99,7 @@ def build_stages(model: Transformer | TensorParallelTransformer, partition: Part
             for stage in range(pp_index, partition.num_stages, pp)}
 
 
-def embedding_group(dims: ParallelDims, rank: int) -> Group | None:
+def embedding_group(dims: ParallelConfig, rank: int) -> Group | None:
     """The first and last rank of this rank's pipeline group, which hold the two copies of a tied
     embedding; None on the ranks in between. Collective: every rank calls it (new_group must see
     every pair on every rank, in the same order), and only when embeddings are tied and pp > 1."""

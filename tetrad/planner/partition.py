@@ -64,17 +64,10 @@ def partition(config: ModelConfig, num_stages: int, seq_len: int | None = None,
               stage_layers: Sequence[int] | None = None) -> Partition:
     """Split `config`'s blocks into `num_stages` (pp*vpp) stages: as `stage_layers` says, or,
     without it, so that the slowest stage is as fast as possible."""
-    num_layers = config.num_layers
-    if num_stages > num_layers:
-        raise ConfigError(f"pp*vpp = {num_stages} pipeline stages need at least one transformer "
-                          f"layer each, but the model has {num_layers}: lower --pp or --vpp to "
-                          f"at most {num_layers} stages in all")
+    check_stages(config.num_layers, num_stages, stage_layers)
     costs = piece_costs(config, seq_len or config.max_seq_len)
-    if stage_layers is None:
-        stage_layers = _balanced(costs, num_stages)
-    else:
-        stage_layers = tuple(stage_layers)
-        _check_stage_layers(stage_layers, num_stages, num_layers)
+    stage_layers = (_balanced(costs, num_stages) if stage_layers is None
+                    else tuple(stage_layers))
     starts = [sum(stage_layers[:s]) for s in range(num_stages)]
     stage_costs = tuple(
         sum(costs.blocks[start:start + count]) + (costs.embed if s == 0 else 0.0)
@@ -83,7 +76,16 @@ def partition(config: ModelConfig, num_stages: int, seq_len: int | None = None,
     return Partition(tuple(stage_layers), stage_costs)
 
 
-def _check_stage_layers(stage_layers: tuple[int, ...], num_stages: int, num_layers: int) -> None:
+def check_stages(num_layers: int, num_stages: int,
+                 stage_layers: Sequence[int] | None = None) -> None:
+    """Every one of the pp*vpp stages needs a layer; a given cut must cover the model exactly."""
+    if num_stages > num_layers:
+        raise ConfigError(f"pp*vpp = {num_stages} pipeline stages need at least one transformer "
+                          f"layer each, but the model has {num_layers}: lower --pp or --vpp to "
+                          f"at most {num_layers} stages in all")
+    if stage_layers is None:
+        return
+    stage_layers = tuple(stage_layers)
     if not all(isinstance(n, int) for n in stage_layers):
         raise ConfigError(f"stage_layers must be whole numbers of layers, got {list(stage_layers)}")
     if len(stage_layers) != num_stages:

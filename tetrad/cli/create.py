@@ -1,0 +1,36 @@
+"""`tetrad create NAME -f Modelfile`: store a model under a name, with the Modelfile's system
+message, chat template and sampling defaults (Ollama's `create`; docs/models.md)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("create", help="store a model under a name from a Modelfile",
+                                   description=__doc__)
+    parser.add_argument("name", help="name[:tag] to store it as (tag 'latest' by default)")
+    parser.add_argument("-f", "--file", default="Modelfile",
+                        help="the Modelfile (default: ./Modelfile)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tetrad.modelfile import read_modelfile
+    from tetrad.store import ModelStore, parse_name
+
+    parse_name(args.name)  # a bad name costs nothing
+    modelfile = read_modelfile(args.file)
+    model = ModelStore().create(args.name, modelfile, Path(args.file).read_text())
+    print(f"created {model.name} ({format_size(model.size)}) in {model.folder}")
+    return 0
+
+
+def format_size(size: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    raise AssertionError("unreachable")

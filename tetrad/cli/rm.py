@@ -1,0 +1,23 @@
+"""`tetrad rm NAME...`: remove models from the local store (Ollama's `rm`)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("rm", help="remove stored models", description=__doc__)
+    parser.add_argument("names", nargs="+", metavar="NAME", help="name[:tag]")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tetrad.store import ModelStore, parse_name
+
+    store = ModelStore()
+    for name in args.names:
+        store.require(name)  # all or nothing: check every name before removing any
+    for name in args.names:
+        store.remove(name)
+        print(f"deleted {parse_name(name)}")
+    return 0

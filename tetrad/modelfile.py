@@ -1,0 +1,215 @@
+"""Ollama's Modelfile, as `tetrad create NAME -f Modelfile` reads it (torch-free).
+
+    # comment
+    FROM ./runs/ckpt            a model folder (relative to the Modelfile's folder) or a stored name
+    SYSTEM You are a pirate.    the chat's system message when a conversation brings none
+    TEMPLATE \"\"\"...\"\"\"          the chat template (Jinja, as HF's chat_template; see below)
+    PARAMETER temperature 0.7   sampling and context defaults (PARAMETERS below)
+    MESSAGE user Ahoy?          a conversation `tetrad run` starts with
+    LICENSE \"\"\"...\"\"\"           kept with the model, shown by `tetrad show`
+
+Instructions are case-insensitive; an argument is the rest of the line, a "quoted" string, or a
+\"\"\"triple-quoted\"\"\" one that may span lines. Ollama's TEMPLATE is a Go template over .System /
+.Prompt; tetrad renders chat templates in Jinja over `messages` (the language of HF's
+tokenizer_config.json), so a Go template is refused with that fix rather than rendered wrong.
+Every error is one line naming the line at fault: `Modelfile:4: ...`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from tetrad.errors import ConfigError
+
+INSTRUCTIONS = ("FROM", "PARAMETER", "SYSTEM", "TEMPLATE", "MESSAGE", "LICENSE", "ADAPTER")
+# Ollama's PARAMETER name -> (tetrad's setting, its type). max_model_len is the engine's context
+# length; the rest are SamplingParams fields.
+PARAMETERS: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "temperature": ("temperature", float),
+    "top_p": ("top_p", float),
+    "top_k": ("top_k", int),
+    "repeat_penalty": ("repetition_penalty", float),
+    "seed": ("seed", int),
+    "stop": ("stop", str),
+    "num_predict": ("max_tokens", int),
+    "num_ctx": ("max_model_len", int),
+}
+ROLES = ("system", "user", "assistant")
+GO_TEMPLATE = re.compile(r"\{\{-?\s*(\.|if\s+\.|range\s+\.)")
+
+
+class ModelfileError(ConfigError):
+    """A Modelfile tetrad cannot use; the message starts with `file:line:`."""
+
+
+@dataclass
+class Modelfile:
+    source: str  # FROM: a folder or a stored model's name
+    system: str | None = None
+    template: str | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)  # tetrad names (PARAMETERS)
+    messages: list[dict[str, str]] = field(default_factory=list)
+    license: list[str] = field(default_factory=list)
+    folder: Path = Path(".")  # a relative FROM is relative to the Modelfile's folder
+
+
+def _argument(lines: list[str], index: int, text: str, where: str) -> tuple[str, int]:
+    """The argument starting at `text` on line `index`: (value, index of its last line)."""
+    if text.startswith('"""'):
+        rest = text[3:]
+        collected = []
+        for end in range(index, len(lines)):
+            chunk = rest if end == index else lines[end]
+            if '"""' in chunk:
+                value, _, after = chunk.partition('"""')
+                if after.strip():
+                    raise ModelfileError(f"{where}:{end + 1}: text after the closing \"\"\"")
+                collected.append(value)
+                return "\n".join(collected).strip("\n"), end
+            collected.append(chunk)
+        raise ModelfileError(f"{where}:{index + 1}: the \"\"\" opened here is never closed")
+    if len(text) >= 2 and text[0] == text[-1] == '"':
+        return text[1:-1], index
+    return text, index
+
+
+def _parameter(argument: str, where: str) -> tuple[str, Any]:
+    name, _, value = argument.partition(" ")
+    name, value = name.lower(), value.strip()
+    if name not in PARAMETERS:
+        close = difflib.get_close_matches(name, PARAMETERS, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise ModelfileError(f"{where}: PARAMETER {name or '(none)'} is not one tetrad uses: "
+                             f"{hint}use {', '.join(PARAMETERS)}")
+    setting, kind = PARAMETERS[name]
+    if len(value) >= 2 and value[0] == value[-1] == '"':
+        value = value[1:-1]
+    try:
+        parsed = kind(value)
+    except ValueError:
+        noun = {int: "an integer", float: "a number"}.get(kind, "a value")
+        raise ModelfileError(f"{where}: PARAMETER {name} needs {noun}, got {value!r}") from None
+    if name == "num_predict" and parsed < 0:
+        return setting, None  # Ollama's -1: no limit but the context
+    _check(setting, parsed, name, where)
+    return setting, parsed
+
+
+def _check(setting: str, value: Any, name: str, where: str) -> None:
+    from tetrad.inference.params import SamplingParams
+
+    try:
+        if setting == "max_model_len":
+            if value < 1:
+                raise ConfigError(f"must be 1 or more, got {value}")
+        elif setting == "stop":
+            SamplingParams(stop=(value,))
+        else:
+            SamplingParams(**{setting: value})
+    except ConfigError as error:
+        raise ModelfileError(f"{where}: PARAMETER {name}: {error}") from None
+
+
+def check_template(template: str, where: str) -> None:
+    if GO_TEMPLATE.search(template):
+        raise ModelfileError(
+            f"{where}: TEMPLATE is an Ollama Go template ({{{{ .Prompt }}}}); tetrad renders "
+            f"Jinja chat templates over `messages`, e.g. {{% for m in messages %}}"
+            f"{{{{ m.role }}}}: {{{{ m.content }}}}{{% endfor %}}")
+    try:
+        from jinja2 import TemplateSyntaxError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:  # the base install: the serving extra checks it when it renders
+        return
+    try:
+        ImmutableSandboxedEnvironment().parse(template)
+    except TemplateSyntaxError as error:
+        raise ModelfileError(f"{where}: TEMPLATE is not valid Jinja: {error.message}") from None
+
+
+def parse_modelfile(text: str, name: str = "Modelfile") -> Modelfile:
+    lines = text.splitlines()
+    found: dict[str, Any] = {"parameters": {}, "messages": [], "license": []}
+    stops: list[str] = []
+    index = 0
+    while index < len(lines):
+        line = lines[index].strip()
+        where = f"{name}:{index + 1}"
+        if not line or line.startswith("#"):
+            index += 1
+            continue
+        word, _, rest = line.partition(" ")
+        instruction = word.upper()
+        if instruction not in INSTRUCTIONS:
+            close = difflib.get_close_matches(instruction, INSTRUCTIONS, n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise ModelfileError(f"{where}: unknown instruction {word!r}: {hint}use "
+                                 f"{', '.join(INSTRUCTIONS[:-1])}")
+        argument, last = _argument(lines, index, rest.strip(), name)
+        if not argument.strip() and instruction not in ("SYSTEM", "TEMPLATE"):
+            raise ModelfileError(f"{where}: {instruction} needs an argument")
+        if instruction == "FROM":
+            if "source" in found:
+                raise ModelfileError(f"{where}: a second FROM (one model per Modelfile)")
+            found["source"] = argument.strip()
+        elif instruction == "ADAPTER":
+            raise ModelfileError(f"{where}: ADAPTER (LoRA) is not supported: merge the adapter "
+                                 f"into the weights and use FROM on the result")
+        elif instruction == "PARAMETER":
+            setting, value = _parameter(argument, where)
+            if setting == "stop":
+                stops.append(value)
+            else:
+                found["parameters"][setting] = value
+        elif instruction == "SYSTEM":
+            found["system"] = argument
+        elif instruction == "TEMPLATE":
+            check_template(argument, where)
+            found["template"] = argument
+        elif instruction == "MESSAGE":
+            role, _, content = argument.partition(" ")
+            if role.lower() not in ROLES:
+                raise ModelfileError(f"{where}: MESSAGE role {role!r} is not one of "
+                                     f"{', '.join(ROLES)}")
+            found["messages"].append({"role": role.lower(), "content": content.strip()})
+        else:
+            found["license"].append(argument)
+        index = last + 1
+    if "source" not in found:
+        raise ModelfileError(f"{name}: no FROM line: add FROM <model folder or stored name>")
+    if stops:
+        found["parameters"]["stop"] = stops
+    return Modelfile(**found)
+
+
+def read_modelfile(path: str | Path) -> Modelfile:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"Modelfile {path} does not exist")
+    modelfile = parse_modelfile(path.read_text(), str(path))
+    modelfile.folder = path.resolve().parent
+    return modelfile
+
+
+def render_modelfile(source: str, system: str | None, template: str | None,
+                     parameters: dict[str, Any], messages: list[dict[str, str]],
+                     license: list[str]) -> str:
+    """A Modelfile that recreates a stored model (`tetrad show --modelfile`)."""
+    ollama_name = {setting: name for name, (setting, _) in PARAMETERS.items()}
+    lines = [f"FROM {source}"]
+    if template is not None:
+        lines.append(f'TEMPLATE """{template}"""')
+    if system is not None:
+        lines.append(f'SYSTEM """{system}"""')
+    for setting, value in parameters.items():
+        for one in value if setting == "stop" else [value]:
+            shown = -1 if one is None else one
+            lines.append(f'PARAMETER {ollama_name[setting]} "{one}"' if setting == "stop"
+                         else f"PARAMETER {ollama_name[setting]} {shown}")
+    lines += [f"MESSAGE {m['role']} {m['content']}" for m in messages]
+    lines += [f'LICENSE """{text}"""' for text in license]
+    return "\n".join(lines) + "\n"

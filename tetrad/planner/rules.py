@@ -1,0 +1,168 @@
+"""The one set of rules a parallel layout obeys against a model and a sequence length, shared by
+the planner and the runtime, and the layout resolved once for a run.
+
+`ParallelConfig` checks what its degrees and knobs must satisfy on their own; `check_layout` adds
+what depends on the model. Some layouts can be planned but not run by tetrad's runtime: the
+planner evaluates Megatron-style runs too (its vocabulary padded, no dense FFN split rule, tp
+beyond the kv heads refused unless replicated as tetrad does). Those differences are the
+`runtime` flag's, on top of the shared rules, never a second copy of them.
+
+`resolve_layout` is what a run does once, before any process starts: check the layout for the
+model, cut the pipeline, and hand the result (`ResolvedLayout`) to every rank, to `parallelize`
+and to the planner's prediction, so the three read the very same object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from tetrad.config import ModelConfig, ParallelConfig
+from tetrad.errors import ConfigError
+from tetrad.planner.partition import check_stages, partition
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _options(values: list[int]) -> str:
+    return ", ".join(str(v) for v in values[:12]) + (" ..." if len(values) > 12 else "")
+
+
+def _kv_fits(kv: int, tp: int, kv_replicas: bool) -> bool:
+    """Each rank needs whole kv heads: tp divides them, or (kv_replicas, tetrad's runtime) is a
+    multiple of them, each kv head then replicated on tp / num_kv_heads ranks."""
+    return kv % tp == 0 or (kv_replicas and tp % kv == 0)
+
+
+def tp_fits(config: ModelConfig, tp: int, training: bool = True, kv_replicas: bool = True,
+            runtime: bool = True) -> bool:
+    """Whether tp can split `config`. Serving (not `training`) replicates kv heads when tp exceeds
+    them (vLLM), so only the query heads count there; tetrad's runtime also splits the vocabulary
+    and the dense MLP's hidden units evenly."""
+    if config.num_heads % tp:
+        return False
+    if (runtime or training and config.attention == "mha") and \
+            not _kv_fits(config.num_kv_heads, tp, kv_replicas):
+        return False
+    if not runtime:
+        return True
+    dense = any(not config.is_moe_layer(layer) for layer in range(config.num_layers))
+    return config.vocab_size % tp == 0 and not (dense and config.ffn_hidden_size % tp)
+
+
+def valid_tp_degrees(config: ModelConfig, training: bool = True, kv_replicas: bool = False,
+                     runtime: bool = False) -> list[int]:
+    return [t for t in divisors(config.num_heads)
+            if tp_fits(config, t, training, kv_replicas, runtime)]
+
+
+def check_tensor_parallel(config: ModelConfig, tp: int, sequence_parallel: bool = False,
+                          seq_len: int | None = None, training: bool = True,
+                          kv_replicas: bool = True, runtime: bool = True) -> None:
+    """Raise ConfigError, before anything starts, when `config` cannot be split over `tp` ranks."""
+    if tp == 1 or (tp_fits(config, tp, training, kv_replicas, runtime)
+                   and not (sequence_parallel and seq_len and seq_len % tp)):
+        return
+    valid = valid_tp_degrees(config, training, kv_replicas, runtime)
+    hint = f"; tp values that fit this model: {_options(valid)}"
+    kv = config.num_kv_heads
+    if config.num_heads % tp:
+        raise ConfigError(f"tp {tp} does not divide num_heads {config.num_heads}: attention is "
+                          f"split by heads{hint}")
+    if not tp_fits(config, tp, training, kv_replicas, runtime=False):
+        if kv_replicas:
+            raise ConfigError(f"tp {tp} and num_kv_heads {kv} do not fit: tp must divide the kv "
+                              f"heads or be a multiple of them (each kv head then replicated on "
+                              f"tp / num_kv_heads ranks){hint}")
+        raise ConfigError(f"tp {tp} does not divide num_kv_heads {kv} (each TP rank needs whole "
+                          f"KV heads){hint}")
+    if config.vocab_size % tp:
+        padded = -(-config.vocab_size // tp) * tp
+        raise ConfigError(f"tp {tp} does not divide vocab_size {config.vocab_size}: pad the "
+                          f"vocabulary to {padded} (a multiple of tp){hint}")
+    if not tp_fits(config, tp, training, kv_replicas, runtime):
+        raise ConfigError(f"tp {tp} does not divide ffn_hidden_size {config.ffn_hidden_size}: "
+                          f"the MLP is split by its hidden units{hint}")
+    raise ConfigError(f"--sequence-parallel splits the sequence over tp {tp} ranks, but seq_len "
+                      f"{seq_len} is not a multiple of {tp}: change --seq-len or drop "
+                      f"--sequence-parallel")
+
+
+def check_context_parallel(config: ModelConfig, cp: int, seq_len: int) -> None:
+    """What can be wrong with context parallelism for this model and sequence length."""
+    if cp < 1:
+        raise ConfigError(f"cp must be a positive integer, got {cp}")
+    if seq_len > config.max_seq_len:
+        raise ConfigError(f"sequence length {seq_len} is longer than the model's max_seq_len "
+                          f"{config.max_seq_len}: shorten --seq-len")
+    if seq_len % (2 * cp):
+        raise ConfigError(
+            f"sequence length {seq_len} does not split into 2*cp = {2 * cp} equal chunks (the "
+            f"load-balanced causal layout): make --seq-len a multiple of {2 * cp} or change --cp")
+
+
+def check_expert_parallel(config: ModelConfig, ep: int,
+                          capacity_factor: float | None = None) -> None:
+    """What can be wrong with expert parallelism for this model."""
+    if ep > 1 and not config.is_moe:
+        raise ConfigError(f"--ep {ep} needs a mixture-of-experts model (num_experts > 0), but "
+                          f"{config.name} is dense: set --ep 1")
+    if config.is_moe and config.num_experts % ep:
+        raise ConfigError(f"ep {ep} does not divide num_experts {config.num_experts}: choose ep "
+                          f"among {', '.join(map(str, divisors(config.num_experts)))}")
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise ConfigError(f"capacity factor must be positive, got {capacity_factor}: use None "
+                          f"for dropless routing")
+
+
+def check_degrees(config: ModelConfig, tp: int, pp: int, ep: int, training: bool = True,
+                  kv_replicas: bool = False, runtime: bool = False) -> None:
+    """The model-shape constraints of the degrees, whatever the GPU count."""
+    check_tensor_parallel(config, tp, training=training, kv_replicas=kv_replicas,
+                          runtime=runtime)
+    if pp > config.num_layers:
+        raise ConfigError(f"pp {pp} is more than the model's {config.num_layers} layers: "
+                          f"use pp <= {config.num_layers}")
+    check_expert_parallel(config, ep)
+
+
+def check_layout(config: ModelConfig, parallel: ParallelConfig, seq_len: int,
+                 runtime: bool = True, kv_replicas: bool = True) -> None:
+    """Everything about `parallel` that can be wrong for this model and sequence length, as one
+    ConfigError saying the fix. `runtime` adds what tetrad's runtime needs beyond the planner."""
+    if parallel.pp == 1 and (parallel.vpp > 1 or runtime and parallel.microbatches > 1):
+        raise ConfigError("--microbatches and --vpp are the pipeline's, but --pp is 1: add --pp "
+                          "(or use --grad-accum for gradient accumulation)")
+    if runtime and parallel.sequence_parallel and parallel.tp == 1:
+        raise ConfigError("--sequence-parallel splits the sequence over the tensor-parallel "
+                          "ranks, but --tp is 1: add --tp 2 or more, or drop it")
+    if seq_len > config.max_seq_len and (runtime or config.position == "learned"):
+        raise ConfigError(f"--seq-len {seq_len} is longer than the model's max_seq_len "
+                          f"{config.max_seq_len}: lower --seq-len")
+    if parallel.cp > 1:
+        check_context_parallel(config, parallel.cp, seq_len)
+    check_tensor_parallel(config, parallel.tp, parallel.sequence_parallel and runtime,
+                          seq_len // parallel.cp, kv_replicas=kv_replicas, runtime=runtime)
+    check_stages(config.num_layers, parallel.pp * parallel.vpp, parallel.stage_layers or None)
+    check_expert_parallel(config, parallel.ep)
+
+
+@dataclass(frozen=True)
+class ResolvedLayout:
+    """A layout checked against its model and sequence length, with the pipeline cut: made once
+    by `resolve_layout` and read by every rank, `parallelize` and the planner alike."""
+
+    model: ModelConfig
+    parallel: ParallelConfig  # stage_layers holds the pipeline cut (one count per stage)
+    seq_len: int
+
+
+def resolve_layout(config: ModelConfig, parallel: ParallelConfig, seq_len: int,
+                   runtime: bool = True, kv_replicas: bool = True) -> ResolvedLayout:
+    check_layout(config, parallel, seq_len, runtime, kv_replicas)
+    cut = partition(config, parallel.pp * parallel.vpp, seq_len, parallel.stage_layers or None)
+    if parallel.pp > 1:
+        parallel = dataclasses.replace(parallel, stage_layers=cut.stage_layers)
+    return ResolvedLayout(config, parallel, seq_len)
