@@ -68,8 +68,10 @@ def free_port() -> int:
 def start_server(folder: Path, port: int, args) -> subprocess.Popen:
     flags = [f"--{key.replace('_', '-')}={value}" for key, value in engine_flags(args).items()]
     env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    # Started in the model's folder: `python -m` puts the working directory first on sys.path,
+    # and PYTHONPATH must choose the tetrad that serves (the benchmark compares two trees).
     server = subprocess.Popen([sys.executable, "-m", "tetrad.cli.main", "serve", str(folder),
-                               "--port", str(port), *flags], env=env,
+                               "--port", str(port), *flags], env=env, cwd=folder,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -167,8 +169,11 @@ def main() -> None:
     results = {"model": args.model, "requests": args.requests, "prompt_len": args.prompt_len,
                "output_len": args.output_len, "threads": torch.get_num_threads(),
                "tokens_per_s": speed, "cpu_s_per_token": cpu, "runs": runs}
+    import tetrad
+
     print(f"{args.requests} requests x {args.prompt_len}-token prompts, {args.output_len} "
-          f"tokens each, {args.model}, {torch.get_num_threads()} threads")
+          f"tokens each, {args.model}, {torch.get_num_threads()} threads, tetrad from "
+          f"{Path(tetrad.__file__).parent.parent}")
     for name in runs:
         print(f"  {name:13s} {speed[name]:8.1f} tokens/s ({speed[name] / speed['generate']:.3f}x "
               f"generate)   {cpu[name] * 1e3:7.2f} CPU ms/token (generate / this = "
