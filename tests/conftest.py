@@ -12,3 +12,18 @@ def corpus_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("corpus") / "hamlet.txt"
     path.write_text((default_corpus() / "hamlet_gut.txt").read_text()[:60_000])
     return str(path)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_cached_hardware_profile(tmp_path_factory):
+    """Runs predict step times from this machine's cached profile when it has one (tetrad
+    calibrate); tests see an empty cache unless they pass --hardware."""
+    import os
+
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if before is None:
+        del os.environ["XDG_CACHE_HOME"]
+    else:
+        os.environ["XDG_CACHE_HOME"] = before

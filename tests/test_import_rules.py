@@ -33,8 +33,10 @@ ALLOWED = {
     "train": [*SHARED, *BASE, "memory", "models", "parallel", "planner"],
     "inference": [*SHARED, "models", "parallel", "planner", ""],  # "": lazy `import tetrad`
     "viz": ["errors", "hardware", "schedules"],
-    "cli": [*SHARED, *BASE, "inference", "modelfile", "models", "planner", "store", "train",
-            "viz"],
+    # Microbenchmarks: the activation meter every strategy runs, train.launch's spawned ranks.
+    "calibrate": ["errors", "hardware", "memory", "train"],
+    "cli": [*SHARED, *BASE, "calibrate", "inference", "modelfile", "models", "planner", "store",
+            "train", "viz"],
 }
 # Beyond tetrad: model code runs on one device.
 FORBIDDEN_EXTERNAL = {"models": ["torch.distributed"]}

@@ -107,7 +107,7 @@ def test_report_prints_the_table_and_draws(zero_reports, tmp_path, capsys):
     assert gathered.split()[-1] == "exact"
     activations = next(line for line in out.splitlines() if "activations_peak" in line)
     assert activations.split()[-1].endswith("%")  # the CPU token-id slack, a fraction of 1%
-    assert "loss: first" in out and "validation" in out and "the planner times GPUs only" in out
+    assert "loss: first" in out and "validation" in out and "no hardware profile" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

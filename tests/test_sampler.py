@@ -1,5 +1,7 @@
-"""Sampler: logits processors equal HF's, seeded draws are reproducible and follow the
-distribution, and the stop policy (tokens, max_tokens, stop strings held back while streaming)."""
+"""Sampler: the batched logits processors equal HF's row by row, seeded draws are reproducible
+whatever shares the batch, draws follow the filtered distribution, tiny temperatures are greedy,
+log-probabilities; and the stop policy (tokens, max_tokens, stop strings held back while
+streaming)."""
 
 import pytest
 import torch
@@ -17,65 +19,110 @@ class Seq:
         self.generator = None
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.8),
-                                                     (0.5, 20, 0.5), (1.0, 0, 0.05)])
-def test_warping_equals_hf_logits_warpers(temperature, top_k, top_p):
+def ids(output):
+    return output.token_ids.tolist()
+
+
+def test_batched_warping_equals_hf_logits_warpers_row_by_row():
     torch.manual_seed(0)
-    logits = torch.randn(4, 50) * 3
-    expected = TemperatureLogitsWarper(temperature)(None, logits.clone())
-    if top_k:
-        expected = TopKLogitsWarper(top_k)(None, expected)
-    if top_p < 1:
-        expected = TopPLogitsWarper(top_p)(None, expected)
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    ours = torch.stack([warp(row, params) for row in logits])
-    assert torch.equal(ours.isinf(), expected.isinf())
-    torch.testing.assert_close(ours[~ours.isinf()], expected[~expected.isinf()])
+    settings = [(0.7, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.8), (0.5, 20, 0.5), (1.0, 0, 0.05),
+                (1.0, 0, 1.0)]
+    logits = torch.randn(len(settings), 50) * 3
+    temperature, top_k, top_p = (torch.tensor(column, dtype=torch.float)
+                                 for column in zip(*settings))
+    ours = warp(logits, temperature, top_k, top_p)
+    for row, (t, k, p) in enumerate(settings):
+        expected = TemperatureLogitsWarper(t)(None, logits[row:row + 1].clone())
+        if k:
+            expected = TopKLogitsWarper(k)(None, expected)
+        if p < 1:
+            expected = TopPLogitsWarper(p)(None, expected)
+        assert torch.equal(ours[row].isinf(), expected[0].isinf()), row
+        torch.testing.assert_close(ours[row][~ours[row].isinf()], expected[0][~expected[0].isinf()])
 
 
 def test_repetition_penalty_equals_hf():
     torch.manual_seed(1)
-    logits = torch.randn(1, 30)
-    history = [3, 7, 7, 12, 29]
-    expected = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([history]), logits.clone())
-    torch.testing.assert_close(apply_repetition_penalty(logits[0], history, 1.3), expected[0])
+    logits = torch.randn(2, 30)
+    histories = [[3, 7, 7, 12, 29], [0, 5]]
+    seen = torch.zeros(2, 30, dtype=torch.bool)
+    for row, history in enumerate(histories):
+        seen[row, history] = True
+    ours = apply_repetition_penalty(logits, seen, torch.tensor([1.3, 0.8]))
+    for row, (history, penalty) in enumerate(zip(histories, (1.3, 0.8))):
+        expected = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([history]),
+                                                             logits[row:row + 1].clone())
+        torch.testing.assert_close(ours[row], expected[0])
 
 
 def test_greedy_takes_the_argmax_and_the_penalty_can_change_it():
     logits = torch.tensor([[0.0, 5.0, 4.0, 1.0], [2.0, -1.0, 0.0, 0.0]])
     greedy = SamplingParams(temperature=0)
-    assert Sampler()(logits, [Seq(greedy), Seq(greedy)]) == [1, 0]
+    assert ids(Sampler()(logits, [Seq(greedy), Seq(greedy)])) == [1, 0]
     penalized = SamplingParams(temperature=0, repetition_penalty=2.0)
-    assert Sampler()(logits, [Seq(penalized, token_ids=[1]), Seq(greedy)]) == [2, 0]
+    assert ids(Sampler()(logits, [Seq(penalized, token_ids=[1]), Seq(greedy)])) == [2, 0]
 
 
-def test_a_seed_fixes_the_draws_and_different_samples_differ():
-    logits = torch.zeros(1, 1000)  # uniform: two streams agreeing on 8 draws would be a fluke
+def test_a_tiny_temperature_is_greedy_not_nan():
+    logits = torch.tensor([[0.0, 5.0, 4.0, 1.0]] * 2)
+    for temperature in (1e-300, 1e-6):
+        params = SamplingParams(temperature=temperature, seed=3)
+        assert params.greedy
+        output = Sampler()(logits, [Seq(params), Seq(SamplingParams(temperature=1e-300))], 2)
+        assert ids(output) == [1, 1]
+        assert torch.isfinite(output.logprobs).all() and torch.isfinite(output.top_logprobs).all()
+
+
+def test_a_seed_fixes_the_draws_whatever_shares_the_batch_and_samples_differ():
+    logits = torch.zeros(3, 1000)  # uniform: two streams agreeing on 8 draws would be a fluke
     params = SamplingParams(seed=1234)
 
-    def draws(index):
-        seq, sampler = Seq(params, index=index), Sampler(seed=99)
-        return [sampler(logits, [seq])[0] for _ in range(8)]
+    def draws(index, others):
+        seq, sampler = Seq(params, index=index), Sampler(seed=others)
+        neighbours = [Seq(SamplingParams(temperature=0.5 + others)), Seq(SamplingParams())]
+        return [ids(sampler(logits[:1 + len(neighbours[:others])],
+                            [seq] + neighbours[:others]))[0] for _ in range(8)]
 
-    assert draws(0) == draws(0)
-    assert draws(0) != draws(1)
+    assert draws(0, others=0) == draws(0, others=1) == draws(0, others=2)
+    assert draws(0, others=0) != draws(1, others=0)
     # No seed: the engine's own seed decides, still reproducible.
     unseeded = SamplingParams()
-    runs = [[Sampler(seed=5)(logits, [Seq(unseeded)])[0] for _ in range(3)] for _ in range(2)]
+    runs = [[ids(Sampler(seed=5)(logits[:1], [Seq(unseeded)]))[0] for _ in range(3)]
+            for _ in range(2)]
     assert runs[0] == runs[1]
 
 
-def test_draws_follow_the_filtered_distribution():
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    sampler = Sampler()
-    seq = Seq(SamplingParams(top_k=2, seed=0))
-    counts = torch.bincount(torch.tensor([sampler(logits, [seq])[0] for _ in range(4000)]),
-                            minlength=4)
-    assert counts[2] == counts[3] == 0  # outside the top 2
-    assert abs(counts[0] / 4000 - 0.5 / 0.8) < 0.03  # renormalized over the top 2
-    seq = Seq(SamplingParams(top_p=0.7, seed=0))
-    drawn = {sampler(logits, [seq])[0] for _ in range(500)}
-    assert drawn == {0, 1}  # 0.5 < 0.7, 0.5 + 0.3 >= 0.7: the nucleus is two tokens
+def test_batched_draws_follow_each_rows_filtered_distribution():
+    base = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    rows = [SamplingParams(top_k=2, seed=0), SamplingParams(top_p=0.7), SamplingParams(
+        temperature=0.5), SamplingParams(temperature=0), SamplingParams(repetition_penalty=4.0)]
+    seqs = [Seq(params, token_ids=[0]) for params in rows]
+    sampler, draws = Sampler(), 4000
+    picks = torch.stack([sampler(base.expand(len(rows), 4), seqs).token_ids
+                         for _ in range(draws)])  # [draws, rows]
+    freq = torch.stack([torch.bincount(picks[:, row], minlength=4) for row in range(len(rows))
+                        ]).float() / draws
+    sharpened = (base / 0.5).softmax(-1)
+    penalized = base.clone()
+    penalized[0] *= 4.0  # log-probabilities are negative: the penalty multiplies them
+    expected = torch.stack([torch.tensor([0.5, 0.3, 0, 0]) / 0.8, torch.tensor([0.5, 0.3, 0, 0])
+                            / 0.8, sharpened, torch.tensor([1.0, 0, 0, 0]), penalized.softmax(-1)])
+    torch.testing.assert_close(freq, expected, atol=0.03, rtol=0)
+    assert (freq[expected == 0] == 0).all()  # filtered tokens are never drawn
+
+
+def test_logprobs_are_the_models_for_the_chosen_and_top_tokens():
+    torch.manual_seed(2)
+    logits = torch.randn(3, 40)
+    seqs = [Seq(SamplingParams(temperature=0)), Seq(SamplingParams(seed=1)),
+            Seq(SamplingParams(temperature=0, repetition_penalty=1.5))]
+    output = Sampler()(logits, seqs, num_logprobs=3)
+    reference = logits.log_softmax(-1)
+    chosen = output.token_ids
+    torch.testing.assert_close(output.logprobs, reference.gather(1, chosen[:, None])[:, 0])
+    torch.testing.assert_close(output.top_logprobs, reference.topk(3).values)
+    assert torch.equal(output.top_ids, reference.topk(3).indices)
+    assert Sampler()(logits, seqs).logprobs is None
 
 
 def test_stop_tokens_eos_and_max_tokens():

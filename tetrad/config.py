@@ -159,6 +159,7 @@ class TrainConfig:
     grad_accum: int = 1
     dtype: str = "fp32"
     report: str = ""
+    hardware: str = ""  # profile or catalog GPU the report's predicted time is for ("": default)
     checkpoint_dir: str = ""
     save_every: int = 0
     keep: int = 0  # step folders to keep (the newest); 0 keeps all

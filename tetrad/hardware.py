@@ -9,14 +9,21 @@ The efficiency profile is what the planner cannot read from a datasheet: how clo
 to those peaks. It is calibrated once per architecture against published training runs
 (benchmarks/planner_cross_validation.py) and never per question. GPUs without published large-scale runs
 inherit the profile of their architecture's calibrated sibling, which is said next to the entry.
+A machine `tetrad calibrate` measured is a GPU of the same schema, read from a JSON profile
+(load_profile; `--gpu` and `--hardware` take a catalog name or a profile file).
 No torch here: the planner runs on a laptop.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import difflib
+import json
+import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tetrad.errors import ConfigError
 
@@ -38,6 +45,20 @@ class EfficiencyProfile:
     kernel_overhead_s: launch and tail cost paid by every kernel, so small matmuls are slow.
     intra_link / inter_link: fraction of NVLink-or-PCIe / NIC bandwidth a collective reaches.
     intra_latency_s / inter_latency_s: per-hop latency of a collective inside / across nodes.
+
+    A profile measured by `tetrad calibrate` (tetrad/calibrate) also carries what a datasheet
+    cannot say, each left empty (zero) in the catalog, where the formulas above stand alone:
+    matmul_curve: (FLOPs of one GEMM, fraction of peak it reaches) points, ascending: the
+        efficiency curve across shapes, interpolated in log FLOPs (the plateau beyond the ends).
+    op_forward_s / op_backward_s: what eager PyTorch pays per dispatched operator in the forward
+        pass and per operator autograd runs in the backward pass (Python, dispatch, autograd).
+    optimizer_tensor_s: the optimizer step's fixed cost per parameter tensor (torch's AdamW
+        runs a handful of operators per tensor); optimizer_memory the fraction of the memory
+        bandwidth its streaming reaches (0: `memory`, a fused kernel's).
+    collectives: (kind, group size, alpha s, beta s/byte) fits of each collective by group size,
+        time = alpha + beta * the bytes the call is handed (the full tensor; p2p the message).
+    concurrent_ranks: ranks that compute at full speed at once on the machine (its cores, one
+        thread each); 0 means every rank has a device of its own.
     """
 
     matmul: float
@@ -50,6 +71,28 @@ class EfficiencyProfile:
     inter_latency_s: float
     portable_attention: float = 0.0  # 0: as fast as `attention`
     fp8_matmul: float = 0.0  # fraction of the fp8 peak an fp8 GEMM reaches; 0: `matmul`
+    matmul_curve: tuple[tuple[float, float], ...] = ()
+    op_forward_s: float = 0.0
+    op_backward_s: float = 0.0
+    optimizer_tensor_s: float = 0.0
+    optimizer_memory: float = 0.0
+    collectives: tuple[tuple[str, int, float, float], ...] = ()
+    concurrent_ranks: int = 0
+
+    def matmul_efficiency(self, flops: float) -> float:
+        """Fraction of peak a GEMM of `flops` reaches: the measured curve, else `matmul`."""
+        curve = self.matmul_curve
+        if not curve:
+            return self.matmul
+        sizes = [size for size, _ in curve]
+        index = bisect.bisect_left(sizes, flops)
+        if index == 0:
+            return curve[0][1]
+        if index == len(curve):
+            return curve[-1][1]
+        (low, low_eff), (high, high_eff) = curve[index - 1], curve[index]
+        weight = math.log(flops / low) / math.log(high / low)
+        return low_eff + weight * (high_eff - low_eff)
 
     def attention_efficiency(self, portable: bool) -> float:
         return self.portable_attention if portable and self.portable_attention else self.attention
@@ -57,10 +100,29 @@ class EfficiencyProfile:
     def matmul_time(self, flops: float, bytes_moved: float, peak_flops: float,
                     memory_bandwidth: float, fp8: bool = False) -> float:
         """Roofline of one GEMM plus its fixed overhead: the efficiency falls with the size."""
-        efficiency = self.fp8_matmul if fp8 and self.fp8_matmul else self.matmul
+        efficiency = (self.fp8_matmul if fp8 and self.fp8_matmul
+                      else self.matmul_efficiency(flops))
         return (max(flops / (peak_flops * efficiency),
                     bytes_moved / (memory_bandwidth * self.memory))
                 + self.kernel_overhead_s)
+
+    def collective_fit(self, kind: str, group_size: int) -> tuple[float, float] | None:
+        """(alpha, beta) of `kind` over `group_size` ranks: the measured fit of that size, else
+        of the nearest measured size with alpha and beta scaled as a ring's steps and volume
+        scale; None when the profile measured no such collective."""
+        fits = {size: (alpha, beta) for name, size, alpha, beta in self.collectives
+                if name == kind}
+        if not fits:
+            return None
+        if group_size in fits:
+            return fits[group_size]
+        nearest = min(fits, key=lambda size: (abs(math.log(size / group_size)), size))
+        alpha, beta = fits[nearest]
+        if kind == "p2p":
+            return alpha, beta
+        steps = (group_size - 1) / max(1, nearest - 1)
+        volume = ((group_size - 1) / group_size) / ((nearest - 1) / nearest)
+        return alpha * steps, beta * volume
 
 
 # Calibrated profiles: benchmarks/planner_cross_validation.py fits the matmul and attention
@@ -190,6 +252,82 @@ GPUS: dict[str, GPU] = {gpu.name: gpu for gpu in [
 ]}
 
 
+PROFILE_SCHEMA = 1
+
+
+def profile_to_dict(device: GPU) -> dict:
+    """A GPU (a catalog entry or a calibrated machine) as JSON-ready data: `tetrad calibrate`
+    writes this, `load_profile` reads it back."""
+    data = dataclasses.asdict(device)
+    data["aliases"] = list(device.aliases)
+    efficiency = data["efficiency"]
+    efficiency["matmul_curve"] = [list(point) for point in device.efficiency.matmul_curve]
+    efficiency["collectives"] = [list(fit) for fit in device.efficiency.collectives]
+    return {"schema": PROFILE_SCHEMA, **data}
+
+
+def profile_from_dict(data: dict, source: str = "profile") -> GPU:
+    """The inverse of profile_to_dict; every problem is one ConfigError naming `source`."""
+    if not isinstance(data, dict) or data.get("schema") != PROFILE_SCHEMA:
+        raise ConfigError(f"{source} is not a schema-{PROFILE_SCHEMA} hardware profile "
+                          f"(write one with tetrad calibrate --out {source})")
+    try:
+        efficiency = dict(data["efficiency"])
+        efficiency["matmul_curve"] = tuple((float(size), float(value))
+                                           for size, value in efficiency.get("matmul_curve", ()))
+        efficiency["collectives"] = tuple((str(kind), int(size), float(alpha), float(beta))
+                                          for kind, size, alpha, beta
+                                          in efficiency.get("collectives", ()))
+        fields = {key: value for key, value in data.items() if key != "schema"}
+        fields.update(efficiency=EfficiencyProfile(**efficiency),
+                      peak_flops={str(k): float(v) for k, v in data["peak_flops"].items()},
+                      aliases=tuple(data.get("aliases", ())))
+        device = GPU(**fields)
+    except (KeyError, TypeError, ValueError) as error:
+        raise ConfigError(f"{source} is not a valid hardware profile ({type(error).__name__}: "
+                          f"{error})") from None
+    if not device.peak_flops or min(device.peak_flops.values()) <= 0 \
+            or device.memory_bandwidth <= 0:
+        raise ConfigError(f"{source}: a hardware profile needs positive peak_flops and "
+                          f"memory_bandwidth")
+    return device
+
+
+def load_profile(path: str | Path) -> GPU:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"hardware profile {path} does not exist (write one with tetrad "
+                          f"calibrate --out {path})")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{path} is not a hardware profile (invalid JSON: {error})") from None
+    return profile_from_dict(data, str(path))
+
+
+def save_profile(device: GPU, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(profile_to_dict(device), indent=2) + "\n")
+
+
+def default_profile_path() -> Path:
+    """This machine's cached profile: what `tetrad calibrate` writes without --out and what
+    `tetrad train` reads when no --hardware is given."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "tetrad" / "hardware.json"
+
+
+def is_profile_path(name: str) -> bool:
+    """`--gpu` and `--hardware` take a catalog name or a profile file; a name ending in .json
+    or naming a file is a file."""
+    return name.endswith(".json") or Path(name).is_file()
+
+
+def gpu_or_profile(name: str) -> GPU:
+    return load_profile(name) if is_profile_path(name) else gpu(name)
+
+
 def _lookup_table() -> dict[str, GPU]:
     table = {}
     for gpu in GPUS.values():
@@ -280,7 +418,7 @@ CLUSTER_PRESETS: dict[str, tuple[str, int]] = {
 
 def cluster(gpu_name: str, num_gpus: int, gpus_per_node: int | None = None,
             nic_gbps: float | None = None) -> Cluster:
-    """A cluster from a GPU name or a server preset name (dgx-h100 ...)."""
+    """A cluster from a GPU name, a server preset name (dgx-h100 ...) or a profile file."""
     key = gpu_name.strip().lower()
     # Given values are checked, never replaced by a default: 0 is not "unset".
     if gpus_per_node is not None and gpus_per_node < 1:
@@ -290,5 +428,6 @@ def cluster(gpu_name: str, num_gpus: int, gpus_per_node: int | None = None,
     if key in CLUSTER_PRESETS:
         gpu_name, preset_per_node = CLUSTER_PRESETS[key]
         gpus_per_node = gpus_per_node if gpus_per_node is not None else preset_per_node
-    return Cluster(gpu(gpu_name), num_gpus, gpus_per_node if gpus_per_node is not None else 8,
+    return Cluster(gpu_or_profile(gpu_name), num_gpus,
+                   gpus_per_node if gpus_per_node is not None else 8,
                    nic_bandwidth=(nic_gbps or 0.0) * 1e9 / 8)

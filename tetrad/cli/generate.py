@@ -9,7 +9,7 @@ import sys
 import time
 
 ENGINE_FLAGS: list[tuple[str, type, str]] = [
-    ("--dtype", str, "fp32 (default), bf16 or fp16"),
+    ("--dtype", str, "auto (default: the checkpoint's), fp32, bf16 or fp16"),
     ("--device", str, "auto (default: cuda when available), cpu, cuda, cuda:N"),
     ("--block-size", int, "tokens per KV block (default 16)"),
     ("--kv-memory", str, "KV cache budget, e.g. 2GiB (default: 512MiB on CPU, the free memory "
@@ -20,7 +20,8 @@ ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("--max-num-batched-tokens", int, "tokens computed per step (default 2048)"),
     ("--max-model-len", int, "context length (default: the model's)"),
     ("--preemption", str, "recompute (default) or swap, when KV blocks run out"),
-    ("--attention", str, "auto (default), sdpa or tiled"),
+    ("--attention", str, "auto (default: varlen or flex on a GPU, sdpa or tiled on a CPU), sdpa, "
+                         "tiled, flex or varlen"),
     ("--seed", int, "engine seed: the sampling seed of requests that bring none"),
     ("--tp", int, "tensor-parallel ranks: the weights and KV cache split over this many "
                   "processes, one GPU each (default 1)"),
@@ -44,6 +45,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     for flag, kind, help_text in ENGINE_FLAGS:
         group.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text)
+    group.add_argument("--enforce-eager", action="store_true", default=argparse.SUPPRESS,
+                       help="no CUDA graphs for decode steps (they are captured on a GPU)")
+    group.add_argument("--compile", action="store_true", default=argparse.SUPPRESS,
+                       help="torch.compile the forward (and FlexAttention)")
     group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                        default=argparse.SUPPRESS, help="do not share KV blocks across requests")
 

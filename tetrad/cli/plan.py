@@ -49,10 +49,12 @@ def add_parser(subparsers) -> None:
     train.add_argument("--dtype", default="bf16", choices=("fp32", "bf16", "fp16", "fp8"))
     train.add_argument("--tokens", type=float, default=0.0,
                        help="token budget: adds total FLOPs, days and GPU-hours")
-    train.add_argument("--stack", default="torchtitan",
+    train.add_argument("--stack",
                        choices=("megatron", "megatron-2021", "deepspeed", "torchtitan", "tetrad"),
                        help="training software: what it overlaps and stores (docs/planner.md, "
-                            "'Training stacks'); the flags below override single choices")
+                            "'Training stacks'); the flags below override single choices "
+                            "(default: tetrad on a profile from tetrad calibrate, else "
+                            "torchtitan)")
     train.add_argument("--flash-attention", action=argparse.BooleanOptionalAction, default=None,
                        help="--no-flash-attention: the training code materializes the s x s "
                             "scores (Megatron before 2023): more memory and time")
@@ -118,8 +120,11 @@ def _train(args, config, world) -> int:
     seq_len = args.seq_len if args.seq_len is not None else min(config.max_seq_len, 4096)
     global_batch = (args.global_batch if args.global_batch is not None
                     else default_global_batch(seq_len))
+    # A profile of eager PyTorch on this machine times tetrad's own runtime by default.
+    eager = world.gpu.efficiency.op_forward_s > 0
+    stack = args.stack or ("tetrad" if eager else "torchtitan")
     workload = TrainWorkload(seq_len=seq_len, dtype=args.dtype, **stack_fields(
-        args.stack, flash_attention=args.flash_attention, dropout=args.dropout,
+        stack, flash_attention=args.flash_attention, dropout=args.dropout,
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather, overlap_tp_comm=args.overlap_tp_comm,
         overlap_p2p=args.overlap_p2p))

@@ -23,6 +23,9 @@ TRAIN_FLAGS: list[tuple[str, type, str]] = [
     ("--grad-clip", float, "clip the global gradient norm to this (0: no clipping)"),
     ("--grad-accum", int, "microbatches per optimizer step (gradient accumulation)"),
     ("--report", str, "write the run report JSON here"),
+    ("--hardware", str, "hardware profile (tetrad calibrate --out) or catalog GPU the report's "
+                        "predicted step time is for (default: this machine's cached profile, "
+                        "if any; on a GPU the catalog's entry)"),
     ("--checkpoint-dir", str, "folder for checkpoints (the final state is always saved here)"),
     ("--save-every", int, "also save every N steps"),
     ("--keep", int, "keep only the N newest checkpoints (0: keep all)"),

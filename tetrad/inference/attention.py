@@ -1,18 +1,27 @@
 """Attention of new query tokens over K/V that live in the paged cache, read through block tables.
 
-Two implementations of the same function:
+Reading in place (what serving on a GPU uses; no copy of any context is made):
+- `varlen_paged_attention`: torch's flash-attention varlen kernel (CUDA only) over every token of
+  the step at once, the K/V pool passed as pages with the block tables (block size a multiple of
+  256: flash-attention's rule for paged K/V), as vLLM and nano-vllm call it;
+- `flex_paged_attention`: FlexAttention with a block mask that lists each sequence's physical
+  blocks (`paged_block_mask`, built once per step), so the kernel visits only those blocks of the
+  pool. Compiled (torch.compile; a Triton kernel on GPU, C++ on CPU) it reads in place; run eagerly
+  torch evaluates it densely over the whole pool, which only tests use.
+
+Gathering (the CPU path, and the reference the tests hold the others to):
 - `sdpa_paged_attention` gathers each sequence's K/V into one contiguous tensor and calls torch's
   fused scaled_dot_product_attention with a mask;
 - `tiled_paged_attention` is the flash-attention algorithm written in torch: it walks the block
   table a tile of blocks at a time, keeping a running max and log-sum-exp per query, so neither
-  the [queries, context] score matrix nor a contiguous copy of the context is ever built.
+  the [queries, context] score matrix nor a contiguous copy of the whole context is built.
 
-Shapes: q [batch, queries, heads, head_dim]; k_cache, v_cache [num_blocks, block_size, kv_heads,
-head_dim]; block_tables [batch, max_blocks], as wide as the longest context (the caller sizes it
-once per step, so nothing here waits on the device) and padded with any valid block id;
-query_positions [batch, queries]: a query attends to keys at positions <= its own, which also
-bounds it to its own context (padded queries repeat a real position). Returns [batch, queries,
-heads, head_dim].
+Shapes of the batched functions: q [batch, queries, heads, head_dim]; k_cache, v_cache
+[num_blocks, block_size, kv_heads, head_dim]; block_tables [batch, max_blocks], as wide as the
+longest context (the caller sizes it once per step, so nothing here waits on the device) and
+padded with any valid block id; query_positions [batch, queries]: a query attends to keys at
+positions <= its own, which also bounds it to its own context (padded queries repeat a real
+position). Returns [batch, queries, heads, head_dim].
 """
 
 from __future__ import annotations
@@ -21,17 +30,27 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+
+def visible_keys(block_tables: torch.Tensor, query_positions: torch.Tensor, block_size: int
+                 ) -> torch.Tensor:
+    """SDPA's mask over the gathered keys [batch, 1, queries, keys]: the same for every layer of
+    a step, so the caller can make it once."""
+    key_positions = torch.arange(block_tables.shape[1] * block_size, device=block_tables.device)
+    return (key_positions <= query_positions.unsqueeze(-1)).unsqueeze(1)
 
 
 def sdpa_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         block_tables: torch.Tensor, query_positions: torch.Tensor
-                         ) -> torch.Tensor:
+                         block_tables: torch.Tensor, query_positions: torch.Tensor,
+                         mask: torch.Tensor | None = None) -> torch.Tensor:
+    """`mask`: visible_keys(block_tables, query_positions, block size), when already made."""
     k = k_cache[block_tables].flatten(1, 2)  # [batch, max_blocks * block_size, kv_heads, head_dim]
     v = v_cache[block_tables].flatten(1, 2)
-    key_positions = torch.arange(k.shape[1], device=q.device)
-    mask = key_positions <= query_positions.unsqueeze(-1)  # [batch, queries, keys]
+    if mask is None:
+        mask = visible_keys(block_tables, query_positions, k_cache.shape[1])
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask.unsqueeze(1),
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
         enable_gqa=k.shape[2] != q.shape[2])  # [batch, heads, queries, head_dim]
     return out.transpose(1, 2)
 
@@ -73,3 +92,62 @@ def tiled_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     out = (acc / running_sum).view(batch, num_kv_heads, group, num_queries, head_dim)
     return out.permute(0, 3, 1, 2, 4).reshape(batch, num_queries, num_heads, head_dim).to(q.dtype)
 
+
+
+def paged_block_mask(block_tables: torch.Tensor, num_table_blocks: torch.Tensor,
+                     query_positions: torch.Tensor, num_blocks: int, block_size: int
+                     ) -> BlockMask:
+    """FlexAttention's block mask for a step: query row q of sequence b sees pool slot s when s's
+    block is one of b's first num_table_blocks[b] table entries and its position in the sequence
+    is <= query_positions[b, q]. The mask lists exactly those blocks, so a compiled kernel reads
+    each sequence's own blocks and nothing else; the mask function (applied within them, and
+    everywhere by the eager fallback) maps a pool slot back to its position through
+    `logical` [batch, num_blocks]: the table index of each block in b's table, -1 elsewhere."""
+    batch, width = block_tables.shape
+    num_queries = query_positions.shape[1]
+    entries = torch.arange(width, device=block_tables.device).expand(batch, width)
+    used = entries < num_table_blocks[:, None]
+    # Padding entries scatter into an extra column, so they never overwrite a used block's index.
+    logical = torch.full((batch, num_blocks + 1), -1, dtype=torch.long,
+                         device=block_tables.device)
+    logical.scatter_(1, torch.where(used, block_tables, num_blocks), entries)
+    logical = logical[:, :num_blocks]
+    kv_indices = torch.zeros((batch, num_blocks), dtype=torch.int32, device=block_tables.device)
+    kv_indices[:, :width] = block_tables
+
+    def visible(b, h, q_index, kv_index):
+        table_index = logical[b, kv_index // block_size]
+        position = table_index * block_size + kv_index % block_size
+        return (table_index >= 0) & (position <= query_positions[b, q_index])
+
+    return BlockMask.from_kv_blocks(
+        num_table_blocks.to(torch.int32).view(batch, 1, 1), kv_indices.view(batch, 1, 1, -1),
+        BLOCK_SIZE=(num_queries, block_size), mask_mod=visible,
+        seq_lengths=(num_queries, num_blocks * block_size), compute_q_blocks=False)
+
+
+def flex_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_mask: BlockMask, attend=flex_attention) -> torch.Tensor:
+    """q [batch, queries, heads, head_dim] over the whole pool (viewed, not copied, as one
+    batch-1 sequence of num_blocks * block_size slots that every row of q shares) as block_mask
+    (paged_block_mask) allows. `attend`: flex_attention, or its compiled form."""
+    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    k, v = (cache.view(1, num_blocks * block_size, kv_heads, head_dim).transpose(1, 2)
+            for cache in (k_cache, v_cache))
+    out = attend(q.transpose(1, 2), k, v, block_mask=block_mask,
+                 enable_gqa=kv_heads != q.shape[2])
+    return out.transpose(1, 2)
+
+
+def varlen_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, cu_seq_q: torch.Tensor,
+                           cu_seq_k: torch.Tensor, context_lens: torch.Tensor, max_q: int,
+                           max_k: int) -> torch.Tensor:
+    """Every token of a step at once, on CUDA: q [tokens, heads, head_dim] (sequence after
+    sequence, cu_seq_q [batch + 1] int32 their offsets); sequence b attends causally (its queries
+    are the last of its context_lens[b] keys) over the pages block_tables[b] (int32) names."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn(q, k_cache, v_cache, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=True,
+                       enable_gqa=k_cache.shape[2] != q.shape[1], seqused_k=context_lens,
+                       block_table=block_tables)

@@ -15,14 +15,14 @@ from tetrad.config import check_choice, check_positive
 from tetrad.errors import ConfigError
 from tetrad.inference.kv_cache import DTYPE_BYTES, KVPlan
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "tiled")
+ATTENTION_BACKENDS = ("auto", "sdpa", "tiled", "flex", "varlen")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """Field names are the `tetrad serve / run / generate` flags with '-' for '_'."""
 
-    dtype: str = "fp32"
+    dtype: str = "auto"  # auto: the checkpoint's dtype (a model object's parameters')
     device: str = "auto"  # auto (cuda when available) | cpu | cuda | cuda:N
     block_size: int = 16
     kv_memory: str | int | None = None  # KV pool budget; None: 512 MiB on CPU, free memory on GPU
@@ -37,9 +37,11 @@ class EngineConfig:
     watermark: float = 0.01
     seed: int = 0
     tp: int = 1  # tensor-parallel ranks (processes; GPUs with --device cuda)
+    enforce_eager: bool = False  # no CUDA graphs for decode steps
+    compile: bool = False  # torch.compile the forward (and FlexAttention)
 
     def __post_init__(self) -> None:
-        check_choice("dtype", self.dtype, tuple(DTYPE_BYTES))
+        check_choice("dtype", self.dtype, ("auto", *DTYPE_BYTES))
         check_choice("attention", self.attention, ATTENTION_BACKENDS)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tp"):
             check_positive(name, getattr(self, name))

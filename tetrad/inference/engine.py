@@ -14,6 +14,7 @@ import json
 import time
 import traceback
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from tetrad.config import from_dict
 from tetrad.errors import ConfigError
 from tetrad.inference.block_manager import BlockManager
 from tetrad.inference.config import EngineConfig
+from tetrad.inference.kv_cache import TORCH_DTYPES, check_tokenizer_fits, resolve_dtype
 from tetrad.inference.logprobs import (logits_layout, prompt_logprobs, sample_rows,
                                        sampled_logprobs)
 from tetrad.inference.metrics import EngineMetrics, engine_stats, kv_utilization
@@ -43,19 +45,29 @@ class LLM:
         tokenizer: anything with encode / decode / eos_id; by default the model folder's.
         With tp > 1 the engine starts tp - 1 more processes (or joins a process group of tp
         ranks: see tetrad.inference.tp); close() stops them."""
-        self.config = config = from_dict(EngineConfig, engine_config)
+        config = from_dict(EngineConfig, engine_config)
         self.eos_token_ids: tuple[int, ...] = ()
         self.path = None if isinstance(model, nn.Module) else Path(model)
+        device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available()
+                              else "cpu" if config.device == "auto" else config.device)
         if isinstance(model, nn.Module):
             if tokenizer is None:
                 raise ConfigError("pass a tokenizer along with a model object")
+            config = replace(config, dtype=resolve_dtype(config.dtype, model))
         else:
             import tetrad
 
             path = Path(model)
+            folder_tokenizer = tokenizer is None
             tokenizer = tokenizer or tetrad.load_tokenizer(path)
             self.eos_token_ids = _config_eos_ids(path)
-            model = tetrad.load_pretrained(path)
+            config = replace(config, dtype=resolve_dtype(config.dtype, path))
+            # Tensor-parallel ranks split the model on the host, then move their share.
+            model = tetrad.load_pretrained(path, device if config.tp == 1 else "cpu",
+                                           TORCH_DTYPES[config.dtype])
+            if folder_tokenizer:
+                check_tokenizer_fits(tokenizer, model.config.vocab_size)
+        self.config = config
         self.tokenizer = tokenizer
         if getattr(tokenizer, "eos_id", None) is not None:
             self.eos_token_ids = tuple(sorted({*self.eos_token_ids, tokenizer.eos_id}))
@@ -75,8 +87,6 @@ class LLM:
             self.runner, plan = self.tp.runner, self.tp.kv_plan
             self._execute = self.tp.execute
         else:
-            device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available()
-                                  else "cpu" if config.device == "auto" else config.device)
             self.runner, plan = load_runner(model, config, self.max_model_len, device)
             self._execute = self.runner.execute
         self.model = self.runner.model
@@ -168,10 +178,13 @@ class LLM:
             self.tracker.record_prompt(seq, position, scores)
         to_sample = self.scheduler.advance(batch)
         rows = sample_rows(layout, batch.samples)
-        logits = logits[torch.tensor([rows[row] for _, row in to_sample], dtype=torch.long,
-                                     device=logits.device)]
+        picked = [rows[row] for _, row in to_sample]
         seqs = [seq for seq, _ in to_sample]
-        tokens = self.sampler(logits[:, :self.num_sampleable], seqs) if seqs else []
+        if picked != list(range(len(logits))):  # forked samples share a row; prompt rows go
+            logits = logits[torch.tensor(picked, dtype=torch.long, device=logits.device)]
+        # The step's one device-to-host copy: the sampled ids.
+        tokens = (self.sampler(logits[:, :self.num_sampleable], seqs).token_ids.tolist()
+                  if seqs else [])
         logprobs = sampled_logprobs(logits, seqs, tokens)
         self.scheduler.append_tokens(list(zip(seqs, tokens)), self.eos_token_ids)
         return list(zip(seqs, tokens, logprobs))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -26,6 +27,36 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb
 # of a step and allocator fragmentation need the rest.
 DEVICE_MEMORY_FRACTION = 0.9
 DEFAULT_CPU_KV_MEMORY = 512 * 2**20
+
+
+def resolve_dtype(dtype: str, model: "str | Path | torch.nn.Module") -> str:
+    """The engine's dtype name: `dtype`, or with "auto" the checkpoint's (vLLM's --dtype auto),
+    a model object's parameters' for a model passed in."""
+    if dtype != "auto":
+        return dtype
+    if isinstance(model, torch.nn.Module):
+        stored, source = next(model.parameters()).dtype, "the model's parameters"
+    else:
+        from tetrad.models.hf import checkpoint_dtype
+
+        stored, source = checkpoint_dtype(model), str(model)
+    names = {value: name for name, value in TORCH_DTYPES.items()}
+    if stored not in names:
+        raise ConfigError(f"{source} stores {stored}, which the engine does not run: pass "
+                          f"--dtype {', '.join(TORCH_DTYPES)}")
+    return names[stored]
+
+
+def check_tokenizer_fits(tokenizer, vocab_size: int) -> None:
+    """Stop at load time when the tokenizer a model folder gave cannot be the model's: a folder
+    without tokenizer.json reads as byte-level (256 ids), and a 4,096-token model would then
+    speak bytes. A vocabulary rounded up past the tokenizer's is common (the engine samples only
+    the tokenizer's ids); one twice as large or more was trained with another tokenizer."""
+    tokens = getattr(tokenizer, "vocab_size", vocab_size)
+    if vocab_size >= 2 * tokens:
+        raise ConfigError(f"the model's vocabulary has {vocab_size} tokens but its tokenizer "
+                          f"only {tokens} (byte-level when the model folder has no "
+                          f"tokenizer.json): pass --tokenizer with the model's tokenizer.json")
 
 
 def parse_bytes(value: str | int) -> int:
@@ -92,23 +123,31 @@ class KVCache:
     def __init__(self, config: ModelConfig, plan: KVPlan, dtype: torch.dtype,
                  device: torch.device):
         kv_heads = -(-config.num_kv_heads // plan.tp)  # this rank's (tensor_parallel.kv_heads_of)
-        shape = (config.num_layers, 2, plan.num_blocks, plan.block_size, kv_heads,
+        # One block more than the plan's, which no sequence ever gets: padded table entries and
+        # the padding rows of a CUDA-graph batch read and write it.
+        self.pad_block = plan.num_blocks
+        shape = (config.num_layers, 2, plan.num_blocks + 1, plan.block_size, kv_heads,
                  config.head_dim)
         self.pool = torch.zeros(shape, dtype=dtype, device=device)
         # Pinned host memory makes the device <-> CPU swap copies asynchronous-capable and fast.
         self.cpu_pool = torch.zeros((*shape[:2], plan.num_cpu_blocks, *shape[3:]), dtype=dtype,
                                     pin_memory=device.type == "cuda")
         self.kv_heads, self.head_dim = kv_heads, config.head_dim
+        # Each layer's pools and their [slots, kv_heads, head_dim] views, made once: a step's
+        # layers then index no tensor to find them.
+        self.layers = [(self.pool[i, 0], self.pool[i, 1]) for i in range(config.num_layers)]
+        self.slot_views = [(k.view(-1, kv_heads, config.head_dim),
+                            v.view(-1, kv_heads, config.head_dim)) for k, v in self.layers]
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.pool[index, 0], self.pool[index, 1]
+        return self.layers[index]
 
     def write(self, index: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """slots: [tokens] flat slot ids (block * block_size + offset); k, v: [tokens, kv_heads,
         head_dim]."""
-        k_cache, v_cache = self.layer(index)
-        k_cache.view(-1, self.kv_heads, self.head_dim).index_copy_(0, slots, k)
-        v_cache.view(-1, self.kv_heads, self.head_dim).index_copy_(0, slots, v)
+        k_slots, v_slots = self.slot_views[index]
+        k_slots.index_copy_(0, slots, k)
+        v_slots.index_copy_(0, slots, v)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: (source block, destination block) in the device pool."""

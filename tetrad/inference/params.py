@@ -11,6 +11,9 @@ from tetrad.errors import ConfigError, TetradError
 
 
 MAX_LOGPROBS = 20  # top log-probabilities a request may ask for per token (OpenAI's limit)
+# Temperatures below this sample as greedy (vLLM's rule): dividing logits by 1e-300 overflows to
+# inf and the softmax to NaN.
+GREEDY_TEMPERATURE = 1e-5
 
 
 class RequestRejected(TetradError):
@@ -24,7 +27,8 @@ class RequestFailed(TetradError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Field names follow vLLM / the OpenAI API. temperature 0 means greedy."""
+    """Field names follow vLLM / the OpenAI API. temperature 0 (or below GREEDY_TEMPERATURE) means
+    greedy."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -77,7 +81,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def replace(self, **changes) -> "SamplingParams":
         return from_dict(SamplingParams, {**dataclasses.asdict(self), **changes})

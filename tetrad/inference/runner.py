@@ -12,6 +12,9 @@ every rank builds the same step from it.
 
 from __future__ import annotations
 
+import itertools
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -19,8 +22,11 @@ import torch
 from torch import nn
 
 from tetrad.errors import ConfigError
-from tetrad.inference.attention import sdpa_paged_attention, tiled_paged_attention
+from tetrad.inference.attention import (flex_attention, flex_paged_attention, paged_block_mask,
+                                        sdpa_paged_attention, tiled_paged_attention,
+                                        varlen_paged_attention, visible_keys)
 from tetrad.inference.config import ATTENTION_BACKENDS
+from tetrad.inference.cuda_graphs import DecodeGraphs
 from tetrad.inference.kv_cache import (TORCH_DTYPES, KVCache, KVPlan, parse_bytes,
                                        plan_kv_pool)
 from tetrad.inference.scheduler import ScheduledBatch
@@ -29,6 +35,7 @@ from tetrad.models.layers import causal_attention
 if TYPE_CHECKING:
     from tetrad.inference.config import EngineConfig, RankShare
 
+VARLEN_BLOCK_MULTIPLE = 256
 # With "auto", a call whose gathered K/V copy would exceed this many bytes goes to the tiled
 # kernel, which never builds it. On CPU (benchmarks/bench_serving.py --attention) SDPA is twice
 # as fast for prefill chunks over a cached context and on par for small decode batches; the tiled
@@ -116,28 +123,40 @@ class StepPlan:
 class StepContext:
     """What attention needs to know about one step, built once and used by every layer.
 
-    Sequences computing one token (decodes) are attended together in one batched call; a chunk of
-    several tokens with no cached context before it is plain causal attention over the chunk (the
-    training path's SDPA); any other chunk attends over its cached context through its table."""
+    In-place backends (flex, varlen) attend every sequence of the step in one call straight from
+    the pool. The gathering backends (sdpa, tiled: the CPU path) attend the single-token
+    sequences (decodes) together in one batched call; a chunk of several tokens with no cached
+    context before it is plain causal attention over the chunk (the training path's SDPA); any
+    other chunk attends over its cached context through its table."""
 
-    def __init__(self, kv_cache: KVCache, attention: str, device: torch.device):
-        self.kv_cache, self.attention, self.device = kv_cache, attention, device
+    def __init__(self, kv_cache: KVCache, backend: str, block_size: int,
+                 flex: Callable = flex_attention):
+        self.kv_cache, self.backend, self.block_size = kv_cache, backend, block_size
+        self.flex = flex  # flex_attention, or its compiled form
         self.slots: torch.Tensor | None = None  # [tokens] where each token's K/V is written
         self.logits_indices: torch.Tensor | None = None  # [samples] rows that get logits
-        self.decode_rows: torch.Tensor | None = None  # [decodes] their token rows
-        self.decode_tables: torch.Tensor | None = None  # [decodes, max_blocks]
-        self.decode_positions: torch.Tensor | None = None  # [decodes, 1]
-        # (first row, end row, table [1, blocks] and positions [1, chunk]; None when no context)
-        self.chunks: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]] = []
+        self.all_decodes = False  # every sequence computes one token: rows are sequences
+        self.tables: torch.Tensor | None = None  # [seqs, width], padded with the pad block
+        self.query_positions: torch.Tensor | None = None  # [seqs, max_q], padding repeats
+        self.query_rows: torch.Tensor | None = None  # [seqs, max_q] token row of each query
+        self.token_index: torch.Tensor | None = None  # [tokens] its place in [seqs * max_q]
+        self.block_mask = None  # flex: built once per step, shared by the layers
+        self.decode_mask: torch.Tensor | None = None  # sdpa, decode steps: likewise
+        self.varlen: tuple = ()  # varlen: (tables int32, cu_seq_q, cu_seq_k, lens, max_q, max_k)
+        self.decode_seqs: torch.Tensor | None = None  # gathering: [decodes] their seq indices
+        self.decode_rows: torch.Tensor | None = None  # gathering: [decodes] their token rows
+        # gathering: (first row, end row, seq index; None when no cached context)
+        self.chunks: list[tuple[int, int, int | None]] = []
+        self.num_table_blocks: list[int] = []  # gathering: [seqs] table entries in use
 
-    def paged(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def gathered(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 tables: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None
+                 ) -> torch.Tensor:
         # K and V of every table entry, as SDPA's contiguous copy would hold them.
-        gathered = 2 * tables.numel() * k_cache[0].numel() * k_cache.element_size()
-        if self.attention == "tiled" or (self.attention == "auto"
-                                         and gathered > GATHER_LIMIT_BYTES):
+        size = 2 * tables.numel() * math.prod(k_cache.shape[1:]) * k_cache.element_size()
+        if self.backend == "tiled" or (self.backend == "auto" and size > GATHER_LIMIT_BYTES):
             return tiled_paged_attention(q, k_cache, v_cache, tables, positions)
-        return sdpa_paged_attention(q, k_cache, v_cache, tables, positions)
+        return sdpa_paged_attention(q, k_cache, v_cache, tables, positions, mask)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                ) -> torch.Tensor:
@@ -145,69 +164,148 @@ class StepContext:
         q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))  # [tokens, heads, head_dim]
         self.kv_cache.write(layer, self.slots, k, v)
         k_cache, v_cache = self.kv_cache.layer(layer)
+        if self.backend == "varlen":
+            out = varlen_paged_attention(q, k_cache, v_cache, *self.varlen)
+        elif self.backend == "flex":
+            queries = q.unsqueeze(1) if self.all_decodes else q[self.query_rows]
+            out = flex_paged_attention(queries, k_cache, v_cache, self.block_mask, self.flex)
+            out = out[:, 0] if self.all_decodes else out.flatten(0, 1)[self.token_index]
+        elif self.all_decodes:
+            if self.decode_mask is None:  # made by the first layer, used by all
+                self.decode_mask = visible_keys(self.tables, self.query_positions,
+                                                self.block_size)
+            out = self.gathered(q.unsqueeze(1), k_cache, v_cache, self.tables,
+                                self.query_positions, self.decode_mask)[:, 0]
+        else:
+            out = self._gathered_mixed(q, k, v, k_cache, v_cache)
+        return out.transpose(0, 1).unsqueeze(0)
+
+    def _gathered_mixed(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
         out = torch.empty_like(q)
         if self.decode_rows is not None:
-            queries = q[self.decode_rows].unsqueeze(1)  # [decodes, 1, heads, head_dim]
-            out[self.decode_rows] = self.paged(queries, k_cache, v_cache, self.decode_tables,
-                                               self.decode_positions)[:, 0]
-        for start, end, table, positions in self.chunks:
-            if table is None:
+            seqs = self.decode_seqs
+            out[self.decode_rows] = self.gathered(
+                q[self.decode_rows].unsqueeze(1), k_cache, v_cache, self.tables[seqs],
+                self.query_positions[seqs, :1])[:, 0]
+        for start, end, seq in self.chunks:
+            if seq is None:
                 chunk = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
                 out[start:end] = causal_attention(*chunk)[0].transpose(0, 1)
             else:
-                out[start:end] = self.paged(q[None, start:end], k_cache, v_cache, table,
-                                            positions)[0]
-        return out.transpose(0, 1).unsqueeze(0)
+                blocks = self.num_table_blocks[seq]
+                out[start:end] = self.gathered(
+                    q[None, start:end], k_cache, v_cache, self.tables[seq:seq + 1, :blocks],
+                    self.query_positions[seq:seq + 1, :end - start])[0]
+        return out
+
+
+class HostBatch:
+    """Integer lists of a step, packed into one host tensor and sent to the device in one
+    non-blocking copy (pinned memory on a GPU); `send` returns device views, one per list."""
+
+    def __init__(self):
+        self.lists: list[list[int]] = []
+
+    def add(self, values: list[int]) -> int:
+        self.lists.append(values)
+        return len(self.lists) - 1
+
+    def send(self, device: torch.device) -> list[torch.Tensor]:
+        host = torch.tensor([v for values in self.lists for v in values], dtype=torch.long)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        return list(host.to(device, non_blocking=True).split([len(v) for v in self.lists]))
 
 
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_cache: KVCache, block_size: int,
-                 attention: str = "auto"):
+                 attention: str = "auto", compile: bool = False):
         if attention not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}, "
                               f"got {attention!r}")
         self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
-        self.attention = attention
         self.device = next(model.parameters()).device
+        self.backend = resolve_backend(attention, self.device, block_size)
+        # The forward, compiled on request (the model object stays the plain module).
+        self.forward = torch.compile(model, dynamic=True) if compile else model
+        # Eager FlexAttention is a dense reference over the whole pool; compiled it reads the
+        # pool in place, so a GPU always compiles it. Inductor's CPU kernel fails to build with
+        # dynamic shapes (torch 2.13): on a CPU it compiles once per step shape.
+        self.flex = flex_attention
+        if compile or self.device.type == "cuda":
+            self.flex = torch.compile(flex_attention,
+                                      dynamic=None if self.device.type == "cuda" else False)
+        self.graphs = None  # DecodeGraphs, when captured (cuda_graphs.py)
 
-    def _tensor(self, values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+    def new_context(self) -> StepContext:
+        return StepContext(self.kv_cache, self.backend, self.block_size, self.flex)
 
     def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, StepContext]:
         """(input ids [tokens], positions [tokens], the step's context) for the forward pass."""
-        size = self.block_size
-        positions, slots, logits_rows = [], [], []
-        decode_rows, decode_tables, decode_positions = [], [], []
-        context = StepContext(self.kv_cache, self.attention, self.device)
+        size, pad = self.block_size, self.kv_cache.pad_block
+        context = self.new_context()
+        num_seqs, max_q = len(plan.starts), max(plan.num_tokens)
+        width = max(map(len, plan.tables))
+        positions, slots, logits_rows, tables = [], [], [], []
+        query_rows, query_positions, token_index, decodes, decode_rows = [], [], [], [], []
         row = 0
-        for start, num_new, samples, table in zip(plan.starts, plan.num_tokens, plan.samples,
-                                                  plan.tables):
-            span = range(start, start + num_new)
+        for index, (start, num_new, samples, table) in enumerate(
+                zip(plan.starts, plan.num_tokens, plan.samples, plan.tables)):
+            span = list(range(start, start + num_new))
             positions += span
             slots += [table[p // size] * size + p % size for p in span]
+            tables += table + [pad] * (width - len(table))
             if samples == PROMPT_LOGITS:
                 logits_rows += range(row, row + num_new)
             elif samples:
                 logits_rows.append(row + num_new - 1)
-            if num_new == 1:
-                decode_rows.append(row)
-                decode_tables.append(table)
-                decode_positions.append([start])
-            elif start == 0:
-                context.chunks.append((row, row + num_new, None, None))
+            padding = max_q - num_new  # padded queries repeat the last one
+            query_rows += list(range(row, row + num_new)) + [row + num_new - 1] * padding
+            query_positions += span + [span[-1]] * padding
+            token_index += range(index * max_q, index * max_q + num_new)
+            if num_new > 1:
+                context.chunks.append((row, row + num_new, index if start else None))
             else:
-                context.chunks.append((row, row + num_new, self._tensor([table]),
-                                       self._tensor([list(span)])))
+                decodes.append(index)
+                decode_rows.append(row)
             row += num_new
-        if decode_rows:
-            width = max(len(table) for table in decode_tables)
-            context.decode_rows = self._tensor(decode_rows)
-            context.decode_tables = self._tensor([table + [0] * (width - len(table))
-                                                  for table in decode_tables])
-            context.decode_positions = self._tensor(decode_positions)
-        context.slots = self._tensor(slots)
-        context.logits_indices = self._tensor(logits_rows)
-        return self._tensor(plan.token_ids), self._tensor(positions), context
+        context.all_decodes = max_q == 1
+        context.num_table_blocks = list(map(len, plan.tables))
+        batch = HostBatch()
+        ids = [batch.add(values) for values in (plan.token_ids, positions, slots, logits_rows,
+                                                tables, query_positions)]
+        extra = {}
+        if self.backend == "flex" and not context.all_decodes:
+            extra.update(rows=batch.add(query_rows), index=batch.add(token_index))
+        if self.backend == "varlen":
+            lens = [start + num for start, num in zip(plan.starts, plan.num_tokens)]
+            extra.update(cu_q=batch.add([0, *itertools.accumulate(plan.num_tokens)]),
+                         cu_k=batch.add([0, *itertools.accumulate(lens)]),
+                         lens=batch.add(lens), max_k=max(lens))
+        if self.backend in ("auto", "sdpa", "tiled") and decodes and not context.all_decodes:
+            extra.update(decode_seqs=batch.add(decodes), decode_rows=batch.add(decode_rows))
+        sent = batch.send(self.device)
+        input_ids, positions_t, context.slots, context.logits_indices, tables_t, qpos_t = (
+            sent[i] for i in ids)
+        context.tables = tables_t.view(num_seqs, width)
+        context.query_positions = qpos_t.view(num_seqs, max_q)
+        if "rows" in extra:
+            context.query_rows = sent[extra["rows"]].view(num_seqs, max_q)
+            context.token_index = sent[extra["index"]]
+        if self.backend == "flex":
+            num_table_blocks = torch.div(context.query_positions[:, -1], size,
+                                         rounding_mode="floor") + 1
+            context.block_mask = paged_block_mask(context.tables, num_table_blocks,
+                                                  context.query_positions,
+                                                  self.kv_cache.pool.shape[2], size)
+        if self.backend == "varlen":
+            context.varlen = (context.tables.int(), sent[extra["cu_q"]].int(),
+                              sent[extra["cu_k"]].int(), sent[extra["lens"]].int(), max_q,
+                              extra["max_k"])
+        if "decode_seqs" in extra:
+            context.decode_seqs = sent[extra["decode_seqs"]]
+            context.decode_rows = sent[extra["decode_rows"]]
+        return input_ids, positions_t, context
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor:
@@ -217,8 +315,21 @@ class ModelRunner:
         self.kv_cache.swap_out(plan.swap_out)
         self.kv_cache.copy_blocks(plan.copies)
         self.kv_cache.swap_in(plan.swap_in)
+        if self.graphs is not None and self.graphs.fits(plan):
+            return self.graphs.run(plan)
         input_ids, positions, context = self.prepare(plan)
-        return self.model(input_ids.unsqueeze(0), positions, cache=context)[0]
+        return self.forward(input_ids.unsqueeze(0), positions, cache=context)[0]
+
+
+def resolve_backend(attention: str, device: torch.device, block_size: int) -> str:
+    """"auto" on a GPU: flash-attention's varlen kernel when the block size suits it (a multiple
+    of 256), FlexAttention otherwise; on a CPU the gathering kernels (sdpa or tiled by size)."""
+    if attention == "varlen" and (device.type != "cuda" or block_size % VARLEN_BLOCK_MULTIPLE):
+        raise ConfigError(f"--attention varlen needs a GPU and a --block-size that is a multiple "
+                          f"of {VARLEN_BLOCK_MULTIPLE} (flash-attention's paged K/V rule)")
+    if attention != "auto" or device.type != "cuda":
+        return attention
+    return "varlen" if block_size % VARLEN_BLOCK_MULTIPLE == 0 else "flex"
 
 
 def load_runner(model: nn.Module, config: "EngineConfig", max_model_len: int,
@@ -243,5 +354,11 @@ def load_runner(model: nn.Module, config: "EngineConfig", max_model_len: int,
     if ranks is not None:
         plan = ranks.agree(plan)
     runner = ModelRunner(model, KVCache(model.config, plan, dtype, device), plan.block_size,
-                         config.attention)
+                         config.attention, config.compile)
+    # Graphs fix the tables' width at the longest context: only in-place attention reads no
+    # more for it.
+    if (device.type == "cuda" and not config.enforce_eager and ranks is None
+            and runner.backend in ("flex", "varlen")):
+        runner.graphs = DecodeGraphs(runner, config.max_num_seqs, max_model_len)
+        runner.graphs.capture()
     return runner, plan

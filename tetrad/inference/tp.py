@@ -43,7 +43,7 @@ from torch import nn
 
 from tetrad.config import ParallelConfig
 from tetrad.errors import ConfigError, TetradError
-from tetrad.inference.kv_cache import KVPlan
+from tetrad.inference.kv_cache import TORCH_DTYPES, KVPlan
 from tetrad.inference.runner import StepPlan, load_runner
 from tetrad.models.hf import load_pretrained
 from tetrad.parallel.comm import Comm, CommCounter
@@ -299,7 +299,7 @@ class TensorParallelWorker:
         self.ranks = TensorParallelRanks()
         config, max_model_len = self.ranks.share(None)
         if not isinstance(model, nn.Module):
-            model = load_pretrained(model)
+            model = load_pretrained(model, dtype=TORCH_DTYPES[config.dtype])
         self.runner, self.kv_plan = load_runner(model, config, max_model_len, self.ranks.device,
                                                 self.ranks)
 

@@ -15,15 +15,18 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from tetrad.config import ModelConfig, from_dict
 from tetrad.errors import ConfigError
 from tetrad.hf_config import (hf_from_model_config, hf_model_type, model_config_from_hf,
                               read_hf_config, resolve_checkpoint)
+from tetrad.models.layers import RotaryEmbedding
 from tetrad.models.transformer import Transformer
 from tetrad.sharded_tensors import ShardedReader, save_tensors
 
@@ -126,7 +129,7 @@ class HFWeights:
     model.safetensors.index.json), read one at a time so that peak memory stays near one copy of
     the model."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, device: torch.device | str = "cpu"):
         index = folder / "model.safetensors.index.json"
         if index.is_file():
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -141,7 +144,7 @@ class HFWeights:
         for name in files:
             if not (folder / name).is_file():
                 raise ConfigError(f"shard {name} listed in {index} is missing")
-            handle = safe_open(str(folder / name), framework="pt")
+            handle = safe_open(str(folder / name), framework="pt", device=str(device))
             self._handles.update({key: handle for key in handle.keys()})
 
     def names(self) -> set[str]:
@@ -150,6 +153,9 @@ class HFWeights:
     def get(self, name: str) -> torch.Tensor:
         return self._handles[name].get_tensor(name)
 
+    def first(self) -> torch.Tensor:
+        return self.get(next(iter(self._handles)))
+
 
 def has_hf_weights(folder: str | Path) -> bool:
     folder = Path(folder)
@@ -157,15 +163,17 @@ def has_hf_weights(folder: str | Path) -> bool:
             or (folder / "model.safetensors.index.json").is_file())
 
 
-def load_hf_weights(model: Transformer, folder: str | Path) -> None:
-    """Copy the HF weights in `folder` into `model`, whose config must match their shapes."""
-    folder = Path(folder)
+def _hf_tensors(config: ModelConfig, folder: Path, device: torch.device | str = "cpu"
+                ) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """(tetrad name, tensor on `device` in the stored dtype, where it came from) for every
+    parameter of a model of `config`, one at a time, after checking that the folder's tensors
+    are exactly the ones the model needs."""
     hf = read_hf_config(folder)
     check_runtime_support(hf)
-    weights = HFWeights(folder)
+    weights = HFWeights(folder, device)
     names = weights.names()
     prefix = "transformer." if any(n.startswith("transformer.") for n in names) else ""
-    model_rules = rules(model.config, hf["model_type"], prefix)
+    model_rules = rules(config, hf["model_type"], prefix)
     missing = [name for rule in model_rules for name in rule.hf if name not in names]
     if missing:
         raise ConfigError(f"{folder} lacks {len(missing)} tensors the model needs (e.g. "
@@ -173,20 +181,25 @@ def load_hf_weights(model: Transformer, folder: str | Path) -> None:
                           f"(number of layers or experts, tied embeddings?)")
     used = {name for rule in model_rules for name in rule.hf}
     # Some exporters save lm_head next to the embedding it is tied to: a harmless duplicate.
-    if model.config.tie_embeddings:
+    if config.tie_embeddings:
         used.add("lm_head.weight")
     unused = sorted(name for name in names - used if not IGNORED.search(name))
     if unused:
         raise ConfigError(f"{folder} has {len(unused)} tensors the model does not use (e.g. "
                           f"{', '.join(unused[:3])}): the weights do not match the model config")
+    for rule in model_rules:
+        parts = [weights.get(name) for name in rule.hf]
+        tensor = torch.cat([p.t() if rule.transpose else p for p in parts])
+        yield rule.tetrad, tensor, f"{' + '.join(rule.hf)} in {folder}"
+
+
+def load_hf_weights(model: Transformer, folder: str | Path) -> None:
+    """Copy the HF weights in `folder` into `model`, whose config must match their shapes."""
     params = model.state_dict()
     with torch.no_grad():
-        for rule in model_rules:
-            parts = [weights.get(name) for name in rule.hf]
-            tensor = torch.cat([p.t() if rule.transpose else p for p in parts])
-            _check_shape(params[rule.tetrad], tensor, rule.tetrad,
-                         f"{' + '.join(rule.hf)} in {folder}")
-            params[rule.tetrad].copy_(tensor)
+        for name, tensor, source in _hf_tensors(model.config, Path(folder)):
+            _check_shape(params[name], tensor, name, source)
+            params[name].copy_(tensor)
 
 
 def _check_shape(param: torch.Tensor, tensor: torch.Tensor, name: str, source: str) -> None:
@@ -224,42 +237,94 @@ def save_hf(model: Transformer, folder: str | Path, eos_id: int | None = None) -
     save_tensors(tensors, folder / "model.safetensors", metadata={"format": "pt"})
 
 
-def load_checkpoint_weights(model: Transformer, folder: Path) -> None:
-    """Load a tetrad checkpoint's parameters (tetrad names, saved in pieces by any layout) into
-    `model`, one tensor at a time."""
+def _checkpoint_tensors(names: set[str], folder: Path) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """A tetrad checkpoint's parameters (tetrad names, saved in pieces by any layout), one at a
+    time, as _hf_tensors gives an HF folder's, after checking they are exactly `names`."""
     stored = ShardedReader(folder).tensors("model")
-    params = dict(model.named_parameters())
-    missing, unused = sorted(params.keys() - set(stored)), sorted(set(stored) - params.keys())
+    missing, unused = sorted(names - set(stored)), sorted(set(stored) - names)
     if missing or unused:
         raise ConfigError(f"checkpoint {folder} does not match its model.json: missing "
                           f"{missing[:3]}, unused {unused[:3]}")
-    with torch.no_grad():
-        for name, param in params.items():
-            value = stored[name]
-            _check_shape(param, value, name, str(folder))
-            param.copy_(value)
+    for name in stored:
+        yield name, stored[name], str(folder)
 
 
-def load_pretrained(path: str | Path) -> Transformer:
+def _parameter_names(config: ModelConfig) -> set[str]:
+    with torch.device("meta"):
+        return {name for name, _ in Transformer(config).named_parameters()}
+
+
+def _materialize(model: Transformer, tensors: Iterator[tuple[str, torch.Tensor, str]],
+                 device: torch.device, dtype: torch.dtype | None) -> None:
+    """Give a model built on the meta device its parameters, each read once and put straight on
+    `device` in `dtype` (None: as stored): no random init, no full-precision copy."""
+    params = dict(model.named_parameters())
+    loaded = set()
+    for name, tensor, source in tensors:
+        if name not in params:
+            raise ConfigError(f"{source} has a tensor {name} the model does not use: the "
+                              f"weights do not match the model config")
+        _check_shape(params[name], tensor, name, source)
+        module_name, _, leaf = name.rpartition(".")
+        value = tensor.to(device=device, dtype=dtype or tensor.dtype)
+        model.get_submodule(module_name).register_parameter(leaf, nn.Parameter(value))
+        loaded.add(name)
+    missing = sorted(params.keys() - loaded)
+    if missing:
+        raise ConfigError(f"the checkpoint lacks {len(missing)} parameters the model needs (e.g. "
+                          f"{', '.join(missing[:3])}): the weights do not match the model config")
+    if model.rotary is not None:  # the one buffer: rotary frequencies, computed, kept in fp32
+        with torch.device(device):
+            model.rotary = RotaryEmbedding(model.config.head_dim, model.config.rope_theta)
+
+
+def _dtype_from_name(name: str, source: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"{source} names dtype {name!r}, which is not a torch dtype")
+    return dtype
+
+
+def checkpoint_dtype(path: str | Path) -> torch.dtype:
+    """The dtype the weights are stored in: an HF config.json's `dtype` (`torch_dtype` in older
+    files), else the first stored tensor's, as vLLM's --dtype auto reads it."""
+    folder = resolve_checkpoint(path)
+    if (folder / "model.json").is_file():
+        reader = ShardedReader(folder)
+        return reader.whole("model", reader.names("model")[0]).dtype
+    hf = read_hf_config(folder)
+    name = hf.get("dtype") or hf.get("torch_dtype")
+    if name:
+        return _dtype_from_name(name, str(folder / "config.json"))
+    return HFWeights(folder).first().dtype
+
+
+def load_pretrained(path: str | Path, device: torch.device | str = "cpu",
+                    dtype: torch.dtype | None = None) -> Transformer:
     """A tetrad Transformer in eval mode from an HF folder (config.json + safetensors), a tetrad
     checkpoint step folder (model.json + its shards), or a checkpoint root whose `latest`
-    file names its newest step folder."""
+    file names its newest step folder. The model is built on the meta device and each weight
+    goes straight from the file to `device` in `dtype` (None: the stored dtype)."""
     folder = resolve_checkpoint(path)
     if not folder.is_dir():
         raise ConfigError(f"{path} is not a folder: pass an HF model folder or a tetrad "
                           f"checkpoint folder")
+    device = torch.device(device)
     if (folder / "model.json").is_file():
         try:
             values = json.loads((folder / "model.json").read_text())
         except json.JSONDecodeError as error:
             raise ConfigError(f"{folder / 'model.json'} is not valid JSON: {error}") from None
-        model = Transformer(from_dict(ModelConfig, values))
-        load_checkpoint_weights(model, folder)
+        config = from_dict(ModelConfig, values)
+        tensors = _checkpoint_tensors(_parameter_names(config), folder)
     elif (folder / "config.json").is_file():
-        hf = read_hf_config(folder)
-        model = Transformer(model_config_from_hf(hf, name=folder.resolve().name))
-        load_hf_weights(model, folder)
+        config = model_config_from_hf(read_hf_config(folder), name=folder.resolve().name)
+        # safetensors reads straight into device memory.
+        tensors = _hf_tensors(config, folder, device)
     else:
         raise ConfigError(f"{folder} has neither config.json (an HF model) nor model.json "
                           f"(a tetrad checkpoint)")
+    with torch.device("meta"):
+        model = Transformer(config)
+    _materialize(model, tensors, device, dtype)
     return model.eval()

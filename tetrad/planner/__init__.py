@@ -12,7 +12,7 @@ The small API the trainer and the CLI use:
 from __future__ import annotations
 
 from tetrad.config import ModelConfig, ParallelConfig
-from tetrad.hardware import Cluster, cluster as make_cluster
+from tetrad.hardware import GPU, Cluster, cluster as make_cluster
 from tetrad.planner import eager
 from tetrad.planner.comm import CommLedger
 from tetrad.planner.layout import TrainLayout
@@ -35,7 +35,7 @@ _NOMINAL_GPU = "h100-sxm"
 
 def predict_training(model_config: ModelConfig, parallel_config: ParallelConfig,
                      micro_batch: int, seq_len: int, num_microbatches: int | None = None,
-                     dtype: str = "fp32", gpu: str | None = None, gpus_per_node: int = 8,
+                     dtype: str = "fp32", gpu: str | GPU | None = None, gpus_per_node: int = 8,
                      precision: TrainingPrecision | None = None,
                      flash_attention: bool = True, runtime: str = "tetrad") -> dict:
     """What one training step of `parallel_config` should cost, per rank.
@@ -45,8 +45,10 @@ def predict_training(model_config: ModelConfig, parallel_config: ParallelConfig,
     leaves out; with offload "host_optimizer" and "host_grads", in CPU memory), "runtime" (whose
     tensors were counted), "idle_fraction" (the pipeline bubble's share of the step),
     "fullest_stage", "comm_bytes" and "comm_payload_bytes" (per step, per collective kind, of a
-    rank of the slowest stage; with the tetrad runtime, of the fullest), "step_time_s" and
-    "step_time_breakdown_s" (None without `gpu`), "model_flops_per_step",
+    rank of the slowest stage; with the tetrad runtime, of the fullest), "step_time_s"
+    ({"total", "compute", "communication_exposed", "bubble"}; None without `gpu`: a catalog name,
+    a profile file or a GPU, e.g. one `tetrad calibrate` measured), "hardware" (its name),
+    "model_flops_per_step",
     "hardware_flops_per_step", "num_parameters"}, and with the tetrad runtime and a pipeline
     "stages": each pipeline rank's {"bytes", "comm_bytes", "comm_payload_bytes"}. `precision`
     overrides the recipe `dtype` implies (e.g. fp32 master params under autocast). `runtime`
@@ -63,7 +65,7 @@ def predict_training(model_config: ModelConfig, parallel_config: ParallelConfig,
 
 
 def predict_run(resolved: ResolvedLayout, micro_batch: int, num_microbatches: int | None = None,
-                dtype: str = "fp32", gpu: str | None = None, gpus_per_node: int = 8,
+                dtype: str = "fp32", gpu: str | GPU | None = None, gpus_per_node: int = 8,
                 precision: TrainingPrecision | None = None, flash_attention: bool = True,
                 runtime: str = "tetrad") -> dict:
     """predict_training's answer for a layout already checked against its model (a run's, made
@@ -74,17 +76,21 @@ def predict_run(resolved: ResolvedLayout, micro_batch: int, num_microbatches: in
                              recipe=precision, runtime=runtime)
     # Bytes do not depend on the topology, so without a GPU all ranks share one nominal node.
     per_node = min(gpus_per_node, layout.world_size) if gpu else layout.world_size
-    world = make_cluster(gpu or _NOMINAL_GPU, layout.world_size, per_node)
+    if isinstance(gpu, GPU):
+        world = Cluster(gpu, layout.world_size, per_node)
+    else:
+        world = make_cluster(gpu or _NOMINAL_GPU, layout.world_size, per_node)
     estimate = evaluate_training(model_config, world, layout, workload)
+    step = estimate.step
     predicted = {
         **_rank_bytes(estimate.memory, layout, estimate.comm),
         "runtime": runtime,
         "fullest_stage": estimate.fullest_stage,
         # The pipeline bubble's share of the step; the schedule decides it, so a nominal GPU's
         # kernel times serve when there is no GPU (without a pipeline it is 0).
-        "idle_fraction": estimate.step.bubble / estimate.step.total,
-        "step_time_s": estimate.step.total if gpu else None,
-        "step_time_breakdown_s": estimate.step.as_dict() if gpu else None,
+        "idle_fraction": step.bubble / step.total,
+        "step_time_s": step.as_dict() if gpu else None,
+        "hardware": world.gpu.name if gpu else None,
         "model_flops_per_step": estimate.model_flops_per_step,
         "hardware_flops_per_step": estimate.hardware_flops_per_step,
         "num_parameters": count_parameters(model_config),

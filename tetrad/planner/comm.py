@@ -113,15 +113,42 @@ def sent_bytes(kind: str, group_size: int, size_bytes: float) -> float:
 
 
 class CommLedger:
-    """Per-step bytes by collective kind for one rank: what it sends (ring algorithms) and the
-    payload it hands to the collective calls."""
+    """Per-step bytes by collective kind for one rank: what it sends (ring algorithms), the
+    payload it hands to the collective calls, and the calls themselves ((kind, group size,
+    payload bytes) -> how many), which a calibrated profile times one by one."""
 
     def __init__(self) -> None:
         self.sent = dict.fromkeys(COLLECTIVES, 0.0)
         self.payload = dict.fromkeys(COLLECTIVES, 0.0)
+        self.calls: dict[tuple[str, int, float], float] = {}
 
     def add(self, kind: str, group_size: int, size_bytes: float, count: float = 1.0) -> None:
         if group_size <= 1 and kind != "p2p":
             return
         self.sent[kind] += count * sent_bytes(kind, group_size, size_bytes)
         self.payload[kind] += count * size_bytes
+        key = (kind, group_size, size_bytes)
+        self.calls[key] = self.calls.get(key, 0.0) + count
+
+
+def call_time(cluster: Cluster, kind: str, group_size: int, size_bytes: float) -> float:
+    """One collective call: the profile's measured alpha-beta fit for its kind and group size,
+    else the topology formulas above for a group of neighbours."""
+    fit = cluster.gpu.efficiency.collective_fit(kind, group_size)
+    if fit is not None:
+        alpha, beta = fit
+        return alpha + beta * size_bytes
+    if kind == "p2p":
+        return p2p_time(cluster, False, size_bytes)
+    group = place_group(cluster, group_size, 1)
+    if kind == "all_reduce":
+        return all_reduce_time(cluster, group, size_bytes)
+    if kind == "all_to_all":
+        return all_to_all_time(cluster, group, size_bytes)
+    return all_gather_time(cluster, group, size_bytes)  # reduce-scatter, all-gather, broadcast
+
+
+def ledger_time(cluster: Cluster, ledger: CommLedger) -> float:
+    """Seconds the calls of `ledger` take one after another."""
+    return sum(count * call_time(cluster, kind, size, nbytes)
+               for (kind, size, nbytes), count in ledger.calls.items())

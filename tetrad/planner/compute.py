@@ -215,6 +215,7 @@ def optimizer_time(gpu: GPU, num_params: float, grad_bytes: float, param_bytes: 
     parameter cross PCIe."""
     moved = num_params * (grad_bytes + 2 * state_bytes + param_bytes)
     if not offload:
-        return bandwidth_time(gpu, moved, 1)
+        streaming = gpu.efficiency.optimizer_memory or gpu.efficiency.memory
+        return moved / (gpu.memory_bandwidth * streaming) + gpu.efficiency.kernel_overhead_s
     transfer = num_params * (grad_bytes + param_bytes) / gpu.pcie_bandwidth
     return moved / host_bandwidth + transfer

@@ -12,7 +12,8 @@ Communication per step (bytes each rank hands to a collective, S = tokens * hidd
        ZeRO-1), per microbatch with ZeRO-2 (reduce-scatter) and ZeRO-3 (two parameter all-gathers
        and a reduce-scatter): ZeRO-3's 1.5x volume of ZeRO paper section 7.
 The `tetrad` runtime profile replaces these bytes with its own runtime's, collective by
-collective (tetrad.planner.eager_comm); the times keep the formulas above.
+collective (tetrad.planner.eager_comm), and the step time with its own runtime's
+(tetrad.planner.eager_time: per-operator costs and each collective call timed).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tetrad.hardware import Cluster
 from tetrad.planner import comm, eager
 from tetrad.planner.comm import CommLedger
 from tetrad.planner.compute import KernelTimes, optimizer_time, stage_times
+from tetrad.planner.eager_time import eager_step_time
 from tetrad.planner.flops import attention_head_dims, training_flops_per_sequence
 from tetrad.planner.layout import TrainLayout, stage_layer_counts
 from tetrad.planner.memory import (ActivationOptions, MemoryBreakdown, representative_stages,
@@ -294,8 +296,7 @@ def evaluate_training(config: ModelConfig, cluster: Cluster, layout: TrainLayout
                                 kernels.backward + kernels.recompute, ledger)
     pp_exposed = _pipeline_p2p(config, cluster, layout, workload, stage, ledger)
     if count_bytes and workload.runtime == "tetrad":
-        # tetrad's runtime counted collective by collective, for the fullest rank; the times
-        # above keep Megatron's.
+        # tetrad's runtime counted collective by collective, for the fullest rank.
         ledger = eager.pipeline_ranks(config, layout, workload.seq_len, precision)[fullest].comm
     communication = m * microbatch_comm + dp_exposed + pp_exposed
     # The slowest stage's times for every stage (the simulator takes one duration per kind):
@@ -304,13 +305,17 @@ def evaluate_training(config: ModelConfig, cluster: Cluster, layout: TrainLayout
     ratio = pipeline_bubble_ratio(layout.schedule, layout.pp, m, layout.vpp, kernels.forward,
                                   kernels.backward + kernels.recompute, kernels.matmul_forward)
     bubble = ratio * m * (per_microbatch_kernels + microbatch_comm)
+    step = StepTime(compute, communication, bubble)
+    if workload.runtime == "tetrad":
+        step = eager_step_time(config, cluster, layout, workload.seq_len, precision,
+                               workload.flash_attention)
     model_flops, hardware_flops = training_flops_per_sequence(config, workload.seq_len,
                                                               layout.recompute)
     sequences = layout.global_batch
     return TrainingEstimate(
         layout=layout, memory=memory, fullest_stage=fullest,
         usable_memory=gpu.memory_bytes * USABLE_MEMORY_FRACTION,
-        step=StepTime(compute, communication, bubble),
+        step=step,
         tokens_per_step=sequences * workload.seq_len,
         model_flops_per_step=model_flops * sequences,
         hardware_flops_per_step=hardware_flops * sequences, num_gpus=layout.world_size,

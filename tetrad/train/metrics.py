@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +18,16 @@ def empty_comm_bytes() -> dict[str, int]:
 
 def rank_entry(rank: int, coords: dict[str, int], bytes_held: dict[str, int],
                activations_peak: int, comm_bytes: dict[str, int] | None,
-               idle_fraction: float = 0.0) -> dict[str, Any]:
+               idle_fraction: float = 0.0, step_times: list[float] | None = None
+               ) -> dict[str, Any]:
+    """One rank's measurements; `step_time_s` is the median of its step times after the
+    first (which pays for warm-up), or of the one step there is."""
+    timed = (step_times or [])[1:] or step_times
+    median = statistics.median(timed) if timed else None
     return {"rank": rank, "coords": coords,
             "bytes": {**bytes_held, "activations_peak": activations_peak},
             "comm_bytes": {**empty_comm_bytes(), **(comm_bytes or {})},
-            "idle_fraction": idle_fraction}
+            "idle_fraction": idle_fraction, "step_time_s": median}
 
 
 def build_report(config: dict[str, Any], steps: list[dict[str, Any]], ranks: list[dict[str, Any]],

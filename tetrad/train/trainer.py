@@ -17,7 +17,8 @@ from tqdm import tqdm
 
 from tetrad.config import ModelConfig, TrainConfig
 from tetrad.errors import ConfigError, TetradError
-from tetrad.hardware import GPU, gpu_from_device_name
+from tetrad.hardware import (GPU, default_profile_path, gpu_from_device_name, gpu_or_profile,
+                             load_profile)
 from tetrad.models.transformer import Transformer, count_parameters
 from tetrad.planner import predict_run
 from tetrad.planner.rules import ResolvedLayout, resolve_layout
@@ -56,6 +57,8 @@ def prepare(config: TrainConfig, model_config: ModelConfig | None = None
     if tokenizer.vocab_size > model_config.vocab_size:
         raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's "
                           f"vocab_size is {model_config.vocab_size}: raise vocab_size")
+    if config.hardware:
+        gpu_or_profile(config.hardware)  # a bad --hardware fails before any work
     resume_from = None
     if config.resume:
         resume_from = ckpt.find_checkpoint(config.checkpoint_dir)
@@ -78,6 +81,17 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def prediction_hardware(config: TrainConfig, gpu: GPU | None) -> GPU | None:
+    """What the predicted step time is for: --hardware (a profile or a catalog GPU), else this
+    machine's cached profile (tetrad calibrate) on CPU, else the catalog GPU this run is on."""
+    if config.hardware:
+        return gpu_or_profile(config.hardware)
+    if gpu is None:
+        cached = default_profile_path()
+        return load_profile(cached) if cached.is_file() else None
+    return gpu
+
+
 def predict(layout: ResolvedLayout, config: TrainConfig, gpu: GPU | None) -> dict[str, Any]:
     """The planner's prediction for this very run, which the report puts next to the
     measurement: the same resolved layout (pipeline cut included), the same cost model. A rank's
@@ -87,7 +101,7 @@ def predict(layout: ResolvedLayout, config: TrainConfig, gpu: GPU | None) -> dic
     micro_batch = config.batch_size // (config.parallel.dp * num_microbatches)
     try:
         return predict_run(layout, micro_batch, num_microbatches=num_microbatches,
-                           dtype=config.dtype, gpu=gpu.name if gpu else None,
+                           dtype=config.dtype, gpu=gpu,
                            precision=planned_precision(config))
     except ConfigError as error:  # a layout the cost model does not cover
         return {"error": str(error)}
@@ -125,7 +139,7 @@ def train(config: TrainConfig, make_strategy: Callable[..., Any] = build_strateg
     strategy = make_strategy(model, config, device)
     start_step = resume(strategy, resume_from, model_config) if resume_from is not None else 0
     gpu = device_gpu(device)
-    predicted = predict(layout, config, gpu)
+    predicted = predict(layout, config, prediction_hardware(config, gpu))
     peak_flops = gpu.peak(config.dtype) * strategy.world_size if gpu else None
     held: dict[str, int] = {}
     steps: list[dict[str, Any]] = []
@@ -163,7 +177,8 @@ def train(config: TrainConfig, make_strategy: Callable[..., Any] = build_strateg
         saved = save(strategy, config, model_config, tokenizer, config.steps)
     ranks = strategy.gather(rank_entry(
         strategy.rank, strategy.coords, held, strategy.activations_peak,
-        strategy.comm.totals_per_step() if strategy.comm else None, strategy.idle_fraction))
+        strategy.comm.totals_per_step() if strategy.comm else None, strategy.idle_fraction,
+        [record["time_s"] for record in steps]))
     whole = strategy.whole_model()  # collective: the model with every parameter whole
     report = build_report(
         config={**config.to_dict(), "model_config": model_config.to_dict()}, steps=steps,

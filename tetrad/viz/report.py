@@ -5,6 +5,7 @@ matplotlib is imported inside `draw_report` only."""
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +102,18 @@ def comparison(report: dict[str, Any], entry: dict[str, Any]) -> list[dict[str, 
     rows.append({"section": "idle", "field": "idle_fraction",
                  "predicted": predicted.get("idle_fraction"),
                  "measured": entry.get("idle_fraction"), "error": None})
+    step_time = predicted_step_time(report)
+    if step_time is not None or entry.get("step_time_s") is not None:
+        p, m = step_time, entry.get("step_time_s")
+        rows.append({"section": "time", "field": "step_time_s", "predicted": p, "measured": m,
+                     "error": relative_error(p, m)})
     return rows
+
+
+def predicted_step_time(report: dict[str, Any]) -> float | None:
+    """The predicted step time's total (a whole step: every rank spends it), or None."""
+    step_time = (report.get("predicted") or {}).get("step_time_s")
+    return step_time.get("total") if isinstance(step_time, dict) else None
 
 
 def _ranks_label(ranks: list[int]) -> str:
@@ -113,12 +125,16 @@ def _ranks_label(ranks: list[int]) -> str:
 def _number(value: float | None, section: str) -> str:
     if value is None:
         return "-"
+    if section == "time":
+        return f"{value:.4f} s"
     return f"{value:.3f}" if section == "idle" else f"{round(value):,}"
 
 
 def _error(error: float | None, row: dict[str, Any]) -> str:
     if row["section"] == "idle" or row["predicted"] is None or row["measured"] is None:
         return ""
+    if row["section"] == "time":
+        return f"{error:+.1%}"
     if round(row["predicted"]) == round(row["measured"]):
         return "exact"
     return "n/a" if error is None else f"{error:+.2%}"
@@ -153,14 +169,19 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             loss += f", validation {report['validation_loss']:.4f}"
         lines.append(loss)
         # The first step pays for warm-up (allocations, kernel selection): leave it out.
-        timed = steps[1:] or steps
-        measured = sum(s["time_s"] for s in timed) / len(timed)
-        step_time = f"step time: measured {measured:.4f} s (mean of {len(timed)})"
-        if predicted.get("step_time_s") is not None:
-            step_time += f", predicted {predicted['step_time_s']:.4f} s " \
-                         f"({relative_error(predicted['step_time_s'], measured):+.1%})"
+        timed = [s["time_s"] for s in (steps[1:] or steps)]
+        measured = statistics.median(timed)
+        step_time = f"step time: measured {measured:.4f} s (median of {len(timed)})"
+        total = predicted_step_time(report)
+        if total is not None:
+            parts = predicted["step_time_s"]
+            step_time += (f", predicted {total:.4f} s ({relative_error(total, measured):+.1%}) "
+                          f"on {predicted.get('hardware', '?')}: compute "
+                          f"{parts['compute']:.4f}, communication "
+                          f"{parts['communication_exposed']:.4f}, bubble {parts['bubble']:.4f}")
         else:
-            step_time += ", predicted - (the planner times GPUs only)"
+            step_time += (", predicted - (no hardware profile: run tetrad calibrate, or pass "
+                          "--hardware)")
         lines.append(step_time)
     if "error" in predicted:  # the planner refused the layout; the run went ahead
         lines.append(f"prediction: none (the planner: {predicted['error']})")
@@ -186,7 +207,7 @@ def format_report(report: dict[str, Any]) -> str:
                            for axis, index in shared_coords(report, ranks).items())
         out += ["", f"{_ranks_label(ranks)} ({coords})" if coords else _ranks_label(ranks)]
         table = [("", "predicted", "measured", "error")]
-        table += [(f"{row['section']} {row['field']}" if row["section"] != "idle"
+        table += [(f"{row['section']} {row['field']}" if row["section"] not in ("idle", "time")
                    else row["field"],
                    _number(row["predicted"], row["section"]),
                    _number(row["measured"], row["section"]), _error(row["error"], row))
@@ -197,7 +218,7 @@ def format_report(report: dict[str, Any]) -> str:
                 "  " + cell.rjust(width) for cell, width in zip(line[1:], widths[1:])))
     errors = [abs(row["error"]) for _, entry in rank_kinds(report)
               for row in comparison(report, entry)
-              if row["section"] != "idle" and row["error"] is not None]
+              if row["section"] in ("bytes", "comm") and row["error"] is not None]
     if errors:
         out += ["", f"largest |error| over bytes and comm: {max(errors):.2%}"]
     return "\n".join(out)
@@ -210,17 +231,47 @@ def _unit(largest: float) -> tuple[float, str]:
     return 1, "bytes"
 
 
+TIME_PARTS = (("compute", "#4c72b0"), ("communication_exposed", "#dd8452"),
+              ("bubble", "#8c8c8c"))
+
+
+def _draw_step_time(report: dict[str, Any], ax) -> None:
+    """The predicted step time (stacked: compute, exposed communication, bubble) beside each
+    rank kind's measured median."""
+    parts = (report.get("predicted") or {}).get("step_time_s")
+    labels, bottom = [], 0.0
+    if isinstance(parts, dict):
+        for part, color in TIME_PARTS:
+            ax.bar(0, parts[part] * 1e3, bottom=bottom, color=color, width=0.6,
+                   label=part.replace("_", " "))
+            bottom += parts[part] * 1e3
+        labels.append("predicted")
+    for ranks, entry in rank_kinds(report):
+        if entry.get("step_time_s") is not None:
+            ax.bar(len(labels), entry["step_time_s"] * 1e3, color="#55a868", width=0.6,
+                   label="measured (median)" if len(labels) == bool(parts) else None)
+            labels.append(f"{_ranks_label(ranks)}\nmeasured")
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_ylabel("ms per step")
+    hardware = (report.get("predicted") or {}).get("hardware")
+    ax.set_title("step time: predicted" + (f" ({hardware})" if hardware else " (no profile)")
+                 + " vs measured", fontsize=10)
+    if labels:
+        ax.legend(fontsize=8)
+
+
 def draw_report(report: dict[str, Any], path: str | Path) -> None:
     """Loss per step (and the validation loss) on the left; per rank kind, the predicted and
-    the measured memory as stacked bars side by side on the right (host memory hatched)."""
+    the measured memory as stacked bars side by side in the middle (host memory hatched); the
+    predicted step time and each rank kind's measured one on the right."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    fig, (loss_ax, memory_ax) = plt.subplots(1, 2, figsize=(12, 4.8),
-                                             gridspec_kw={"width_ratios": [1, 1.2]})
+    fig, (loss_ax, memory_ax, time_ax) = plt.subplots(
+        1, 3, figsize=(17, 4.8), gridspec_kw={"width_ratios": [1, 1.2, 0.9]})
     steps = report.get("steps", [])
     loss_ax.plot([s["step"] for s in steps], [s["loss"] for s in steps], color="#4c72b0",
                  marker="o" if len(steps) < 30 else None, markersize=3, label="training loss")
@@ -261,6 +312,7 @@ def draw_report(report: dict[str, Any], path: str | Path) -> None:
     memory_ax.set_ylim(0, max(bottoms) * 1.12)
     memory_ax.set_title("memory: predicted vs measured", fontsize=10)
     memory_ax.legend(fontsize=8, bbox_to_anchor=(1.01, 1.0), loc="upper left")
+    _draw_step_time(report, time_ax)
     name = report.get("config", {}).get("model_config", {}).get("name", "")
     fig.suptitle(f"run report: {name}, {_layout(report.get('config', {}))}", fontsize=11)
     fig.tight_layout()

@@ -1,0 +1,111 @@
+"""Predicted against measured step time of tetrad's trainer on this machine, layout by layout.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_time_prediction.py [--profile PROFILE.json]
+        [--steps 12] [--only NAME ...]
+
+First `tetrad calibrate` measures the machine (microbenchmarks only: matmuls, attention, streaming
+bandwidth, eager operators, the optimizer step, gloo collectives by group size), unless --profile
+gives a profile already measured. Then every layout below trains a small model for --steps steps
+on 1-8 gloo ranks (one thread each) and its run report's predicted step time (the planner on
+that profile) is set beside the measured median (the first step, warm-up, left out). No layout's
+time enters the profile: the prediction is out of sample. Prints a markdown table and the count
+of layouts within 15%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tetrad.config import ParallelConfig, TrainConfig
+from tetrad.hardware import save_profile
+
+MOE = {"model": "tiny-moe", "model_overrides": {"num_layers": 4, "hidden_size": 128,
+                                                 "ffn_hidden_size": 256,
+                                                 "moe_ffn_hidden_size": 128}}
+# name -> (TrainConfig fields beyond RUN, ParallelConfig fields); world = product of degrees.
+LAYOUTS: dict[str, tuple[dict, dict]] = {
+    "dp2": ({}, dict(dp=2)),
+    "dp2 zero1": ({}, dict(dp=2, zero=1)),
+    "dp2 zero2": ({}, dict(dp=2, zero=2)),
+    "dp2 zero3": ({}, dict(dp=2, zero=3)),
+    "tp2": ({}, dict(tp=2)),
+    "tp2 sp": ({}, dict(tp=2, sequence_parallel=True)),
+    "cp2": ({}, dict(cp=2)),
+    "dp2 ep2 moe": (MOE, dict(dp=2, ep=2)),
+    "pp2 gpipe": ({}, dict(pp=2, schedule="gpipe", microbatches=4)),
+    "pp2 1f1b": ({}, dict(pp=2, schedule="1f1b", microbatches=4)),
+    "pp2 interleaved": ({}, dict(pp=2, schedule="interleaved", vpp=2, microbatches=4)),
+    "pp2 zb": ({}, dict(pp=2, schedule="zb", microbatches=4)),
+    "dp4": ({}, dict(dp=4)),
+    "dp2 tp2 pp2 (3D)": ({}, dict(dp=2, tp=2, pp=2, microbatches=2)),
+    "dp2 tp2 pp2 ep2 moe (4D)": (MOE, dict(dp=2, tp=2, pp=2, ep=2, microbatches=2)),
+}
+RUN = dict(model="tiny", model_overrides={"num_layers": 4, "hidden_size": 128,
+                                          "ffn_hidden_size": 352},
+           batch_size=8, seq_len=64, warmup_steps=1, sample_tokens=0, log_every=1000)
+
+
+def layout_config(name: str, steps: int, profile: Path, report: Path) -> TrainConfig:
+    extra, parallel = LAYOUTS[name]
+    fields = {**RUN, **extra, "steps": steps, "hardware": str(profile), "report": str(report)}
+    config = ParallelConfig(**parallel)
+    world = config.dp * config.tp * config.pp * config.cp
+    return TrainConfig(**fields, nproc=world, parallel=config)
+
+
+def run_layout(config: TrainConfig) -> dict:
+    from tetrad.train.launch import launch_training
+
+    return launch_training(config).report
+
+
+def compare(report: dict) -> tuple[float, float, dict]:
+    """(predicted total, measured median of the slowest rank, predicted parts)."""
+    predicted = report["predicted"]["step_time_s"]
+    measured = max(entry["step_time_s"] for entry in report["ranks"])
+    return predicted["total"], measured, predicted
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--profile", type=Path, help="a profile from tetrad calibrate")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--only", nargs="*", choices=list(LAYOUTS), metavar="NAME")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    folder = Path(tempfile.mkdtemp(prefix="tetrad-time-"))
+    profile = args.profile
+    if profile is None:
+        from tetrad.calibrate import calibrate
+
+        profile = folder / "profile.json"
+        save_profile(calibrate("cpu"), profile)
+        print(f"calibrated in {time.perf_counter() - started:.0f} s: {profile}", file=sys.stderr)
+    rows, errors = [], []
+    for name in args.only or LAYOUTS:
+        config = layout_config(name, args.steps, profile, folder / "run.json")
+        predicted, measured, parts = compare(run_layout(config))
+        error = (predicted - measured) / measured
+        errors.append(abs(error))
+        rows.append(f"| {name} | {config.nproc} | {measured * 1e3:.1f} | {predicted * 1e3:.1f} | "
+                    f"{parts['compute'] * 1e3:.1f} | {parts['communication_exposed'] * 1e3:.1f} | "
+                    f"{parts['bubble'] * 1e3:.1f} | {error:+.1%} |")
+        print(rows[-1], file=sys.stderr)
+    print("| layout | ranks | measured ms | predicted ms | compute | communication | bubble "
+          "| error |")
+    print("|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    within = sum(error <= 0.15 for error in errors)
+    print(f"\n{within} of {len(errors)} layouts within 15%; mean |error| "
+          f"{statistics.fmean(errors):.1%}, largest {max(errors):.1%} "
+          f"({time.perf_counter() - started:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""The eager time model's operator counts are what PyTorch dispatches for tetrad's model code,
+counted again here with the calibration's own dispatch counter, for every block variant."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tetrad.calibrate.compute import OperatorCount
+from tetrad.config import ModelConfig
+from tetrad.models.transformer import Transformer
+from tetrad.planner.eager_time import block_operators, outer_operators
+from tetrad.planner.layout import TrainLayout
+from tetrad.presets import preset
+
+VARIANTS = {
+    "llama": {},
+    "layernorm": {"norm": "layernorm"},
+    "gelu": {"mlp": "gelu"},
+    "learned positions": {"position": "learned"},
+    "gpt2": {"norm": "layernorm", "bias": True, "position": "learned", "mlp": "gelu",
+             "tie_embeddings": True},
+}
+
+
+def dispatched(config: ModelConfig) -> tuple[int, int]:
+    model = Transformer(config)
+    tokens = torch.randint(0, config.vocab_size, (2, 17))
+    with OperatorCount() as forward:
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    with OperatorCount() as backward:
+        loss.backward()
+    return forward.count, backward.count
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_operator_counts_match_dispatch(name):
+    config = preset("tiny").replace(**VARIANTS[name])
+    block = block_operators(config, TrainLayout(), 0)
+    outer = outer_operators(config, first=True, last=True)
+    forward, backward = dispatched(config)
+    assert forward == config.num_layers * block.forward + outer.forward
+    assert backward == config.num_layers * block.backward + outer.backward
+
+
+def test_full_recomputation_runs_the_forward_again():
+    config = preset("tiny")
+    plain = block_operators(config, TrainLayout(), 0)
+    again = block_operators(config, TrainLayout(recompute="full"), 0)
+    assert again.backward == plain.backward + plain.forward

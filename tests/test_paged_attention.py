@@ -1,0 +1,170 @@
+"""Attention in place on the paged pool and decode steps from static buffers: FlexAttention over
+a paged block mask equals gathered attention on ragged batches and on chunks over cached context,
+and visits only each sequence's own blocks; the engine decodes greedily like full recompute with
+it, with decode steps padded to batch-size buckets (the CUDA-graph path, replayed eagerly on CPU),
+and with a compiled forward."""
+
+import warnings
+
+import pytest
+import torch
+from test_engine import GREEDY, PROMPTS, engine, naive_paged_attention, random_model, \
+    reference_greedy
+
+from tetrad.inference.attention import (flex_paged_attention, paged_block_mask,
+                                        varlen_paged_attention)
+from tetrad.inference.cuda_graphs import DecodeGraphs, bucket_for, graph_buckets
+from tetrad.inference.runner import StepPlan
+
+# Eager FlexAttention (the dense reference form) warns that it is not compiled.
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+def ragged_batch(seed=0):
+    """Three sequences with contexts of 23, 9 and 14 tokens whose last 5, 1 and 3 tokens are new
+    (a chunk over cached context, a decode, another chunk), queries padded to 5."""
+    torch.manual_seed(seed)
+    num_blocks, block_size, kv_heads, heads, head_dim = 20, 4, 2, 6, 8
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim)
+    context, new = torch.tensor([23, 9, 14]), torch.tensor([5, 1, 3])
+    used = -(-context // block_size)
+    order = torch.randperm(num_blocks).tolist()  # disjoint tables, padded with block 19
+    tables = torch.full((3, 6), 19)
+    for row, first in enumerate(torch.cumsum(used, 0) - used):
+        tables[row, :used[row]] = torch.tensor(order[first:first + used[row]])
+    offsets = torch.arange(5).clamp(max=new[:, None] - 1)  # padded queries repeat the last
+    positions = context[:, None] - new[:, None] + offsets
+    q = torch.randn(3, 5, heads, head_dim)
+    return q, k_cache, v_cache, tables, used, positions, new
+
+
+def test_flex_over_a_paged_block_mask_equals_gathered_attention_on_a_ragged_batch():
+    q, k_cache, v_cache, tables, used, positions, new = ragged_batch()
+    mask = paged_block_mask(tables, used, positions, k_cache.shape[0], k_cache.shape[1])
+    out = flex_paged_attention(q, k_cache, v_cache, mask)
+    expected = naive_paged_attention(q, k_cache, v_cache, tables, positions)
+    for row, count in enumerate(new.tolist()):
+        torch.testing.assert_close(out[row, :count], expected[row, :count])
+
+
+def test_the_block_mask_lists_exactly_each_sequences_blocks():
+    """What a compiled kernel reads: the blocks the mask lists, each sequence's table and no
+    other, so the bytes attention reads per step are the K/V bytes of the contexts' blocks."""
+    q, k_cache, v_cache, tables, used, positions, new = ragged_batch()
+    mask = paged_block_mask(tables, used, positions, k_cache.shape[0], k_cache.shape[1])
+    counts = mask.kv_num_blocks[:, 0, 0]
+    assert counts.tolist() == used.tolist()
+    for row, count in enumerate(counts.tolist()):
+        assert mask.kv_indices[row, 0, 0, :count].tolist() == tables[row, :count].tolist()
+    assert mask.full_kv_num_blocks is None  # the mask function bounds every visited block
+
+
+def test_engine_with_flex_attention_decodes_like_full_recompute():
+    model = random_model()
+    prompts, greedy = PROMPTS[:3], GREEDY.replace(max_tokens=6)
+    expected = [reference_greedy(model, prompt, 6) for prompt in prompts]
+    # A small pool: eager FlexAttention (the dense reference form) scores every pool slot.
+    llm = engine(model, attention="flex", max_num_batched_tokens=7, num_blocks=32)  # chunks
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == expected
+    # Again: the prompts' blocks now come from the prefix cache (chunks over cached context).
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == expected
+    assert llm.block_manager.num_prefix_hits > 0
+
+
+def test_batch_size_buckets():
+    assert graph_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert graph_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert graph_buckets(3) == [1, 2, 3]
+    buckets = graph_buckets(64)
+    assert [bucket_for(n, buckets) for n in (1, 3, 8, 9, 33, 64, 65)] == [1, 4, 8, 16, 48, 64,
+                                                                           None]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_decode_steps_padded_to_buckets_equal_eager_steps(attention):
+    model = random_model()
+    prompts = PROMPTS[:3]
+    expected = [reference_greedy(model, prompt, 5) for prompt in prompts]
+    llm = engine(model, attention=attention, max_num_seqs=5, num_blocks=32)
+    runner = llm.runner
+    runner.graphs = DecodeGraphs(runner, 5, llm.max_model_len)
+    runner.graphs.capture()  # no CUDA: records the forward over the static buffers
+    used = []
+    run = runner.graphs.run
+    runner.graphs.run = lambda plan: used.append(len(plan.starts)) or run(plan)
+    outputs = llm.generate(prompts, GREEDY.replace(max_tokens=5))
+    assert [o.token_ids for o in outputs] == expected
+    assert used and set(used) == {3}  # every decode step of 3 sequences, padded to bucket 4
+    # Padding rows wrote only the pad block: the engine's own blocks were all freed.
+    assert llm.block_manager.num_used_blocks == 0
+
+
+def test_a_decode_plan_fits_a_bucket_only_when_every_sequence_computes_one_token():
+    llm = engine(random_model(), max_num_seqs=4)
+    graphs = DecodeGraphs(llm.runner, 4, llm.max_model_len)
+    decode = StepPlan([1, 2], [5, 9], [1, 1], [1, 1], [[0, 1], [2, 3, 4]])
+    assert graphs.fits(decode)
+    assert not graphs.fits(StepPlan([1, 2, 3], [5, 0], [1, 2], [1, 1], [[0, 1], [2]]))
+    assert not graphs.fits(StepPlan([1] * 5, [0] * 5, [1] * 5, [1] * 5, [[0]] * 5))
+
+
+@pytest.mark.slow
+def test_a_compiled_forward_decodes_like_eager():
+    model = random_model()
+    expected = [reference_greedy(model, prompt, 4) for prompt in PROMPTS[:2]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        llm = engine(model, compile=True)
+        outputs = llm.generate(PROMPTS[:2], GREEDY.replace(max_tokens=4))
+    assert [o.token_ids for o in outputs] == expected
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash-attention varlen needs CUDA")
+def test_varlen_reads_the_pool_in_place_like_gathered_attention():
+    q, k_cache, v_cache, tables, used, positions, new = ragged_batch()
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    block = 256  # flash-attention's paged K/V wants blocks of a multiple of 256 tokens
+    k_big = torch.randn(20, block, *k_cache.shape[2:], device=device, dtype=dtype)
+    v_big = torch.randn_like(k_big)
+    context = positions[:, -1] + 1 + torch.tensor([300, 0, 600])
+    q_rows = torch.cat([q[row, :count] for row, count in enumerate(new.tolist())])
+    cu_q = torch.tensor([0, *torch.cumsum(new, 0).tolist()], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, *torch.cumsum(context, 0).tolist()], dtype=torch.int32,
+                        device=device)
+    out = varlen_paged_attention(q_rows.to(device, dtype), k_big, v_big,
+                                 tables.int().to(device), cu_q, cu_k,
+                                 context.int().to(device), int(new.max()), int(context.max()))
+    query_positions = context[:, None] - new[:, None] + torch.arange(5).clamp(
+        max=new[:, None] - 1)
+    expected = naive_paged_attention(q.double(), k_big.cpu().double(), v_big.cpu().double(),
+                                     tables, query_positions)
+    expected = torch.cat([expected[row, :count] for row, count in enumerate(new.tolist())])
+    torch.testing.assert_close(out.cpu().double(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_a_decode_step_reads_one_device_value_back_the_sampled_ids(monkeypatch):
+    """Host syncs, counted: ops that read a device value (item, nonzero, ...) and tolist calls,
+    in a decode step of greedy, sampled, seeded and penalized rows."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    reads = []
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] in ("_local_scalar_dense", "nonzero", "is_nonzero"):
+                reads.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist",
+                        lambda tensor: reads.append("tolist") or tolist(tensor))
+    llm = engine(random_model())
+    for params in (GREEDY, GREEDY.replace(temperature=0.8, top_p=0.9, top_k=5),
+                   GREEDY.replace(temperature=1.0, seed=3, repetition_penalty=1.2)):
+        llm.add_request(PROMPTS[0], params)
+    llm.step()  # prefill
+    reads.clear()
+    with Reads():
+        llm.step()
+    assert reads == ["tolist"]

@@ -1,0 +1,121 @@
+"""Alpha-beta fits of every collective by group size, and of point-to-point sends, measured on
+spawned ranks of this machine (gloo on CPU, NCCL with a GPU per rank).
+
+For each group size n (2, 4, ... up to the ranks started) the first n ranks form a group and time
+each collective at a few message sizes while the others wait; time = alpha + beta * bytes is fitted
+by least squares on the medians (bytes: the full tensor the call is handed, as the planner's
+ledger counts its payload). Rank 0 draws the progress bar.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast")
+MESSAGE_BYTES = (256, 64 * 1024, 1024 * 1024)  # latency-bound to bandwidth-bound
+REPS = 12
+
+
+def group_sizes(world_size: int) -> list[int]:
+    sizes, size = [], 2
+    while size <= world_size:
+        sizes.append(size)
+        size *= 2
+    if world_size >= 2 and world_size not in sizes:
+        sizes.append(world_size)
+    return sizes
+
+
+def fit_alpha_beta(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares of seconds = alpha + beta * bytes over (bytes, seconds), both kept >= 0."""
+    mean_x = statistics.fmean(x for x, _ in points)
+    mean_y = statistics.fmean(y for _, y in points)
+    spread = sum((x - mean_x) ** 2 for x, _ in points)
+    beta = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in points) / spread) if spread \
+        else 0.0
+    alpha = max(0.0, mean_y - beta * mean_x)
+    return alpha, beta
+
+
+def collective_call(kind: str, size: int, tensor: torch.Tensor, group) -> Callable[[], None]:
+    """One call of `kind` handed `tensor` whole (the input of reduce-scatter, the output of
+    all-gather), its other buffers made beforehand so only the call is timed."""
+    shard = torch.empty(tensor.numel() // size, device=tensor.device)
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(tensor, group=group)
+    if kind == "reduce_scatter":
+        return lambda: dist.reduce_scatter_single(shard, tensor, group=group)
+    if kind == "all_gather":
+        return lambda: dist.all_gather_single(tensor, shard, group=group)
+    if kind == "all_to_all":
+        received = torch.empty_like(tensor)
+        return lambda: dist.all_to_all_single(received, tensor, group=group)
+    return lambda: dist.broadcast(tensor, src=0, group=group)
+
+
+def _median_time(fn, device: torch.device, group) -> float:
+    times = []
+    for rep in range(REPS + 2):
+        dist.barrier(group=group)
+        started = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if rep >= 2:  # the first calls set up connections and buffers
+            times.append(time.perf_counter() - started)
+    # The slowest rank decides when a collective is over.
+    slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return float(slowest)
+
+
+def measure(rank: int, world_size: int, show_progress: bool) -> list[tuple[str, int, float, float]]:
+    """Every rank runs this (tetrad.train.launch.spawn); returns (kind, n, alpha, beta) fits."""
+    from tqdm import tqdm
+
+    from tetrad.train.launch import local_device
+
+    device = local_device(rank, world_size)  # what the spawned rank's backend was chosen for
+    sizes = group_sizes(world_size)
+    tasks = [(n, kind) for n in sizes for kind in KINDS] + [(2, "p2p")]
+    progress = tqdm(tasks, desc="calibrate collectives", disable=not (show_progress and rank == 0),
+                    dynamic_ncols=True, leave=False)
+    groups = {n: dist.new_group(list(range(n))) for n in sizes}
+    fits = []
+    for n, kind in progress:
+        progress.set_postfix_str(f"{kind} over {n}")
+        points = []
+        for nbytes in MESSAGE_BYTES:
+            if rank < n:
+                numel = max(n, nbytes // 4 // n * n)
+                tensor = torch.ones(numel, device=device)
+                if kind == "p2p":
+                    seconds = _p2p_time(rank, tensor, device, groups[2])
+                else:
+                    seconds = _median_time(collective_call(kind, n, tensor, groups[n]),
+                                           device, groups[n])
+                points.append((numel * 4.0, seconds))
+        dist.barrier()
+        if rank == 0:
+            fits.append((kind, n, *fit_alpha_beta(points)))
+    progress.close()
+    return fits
+
+
+def _p2p_time(rank: int, tensor: torch.Tensor, device: torch.device, group) -> float:
+    """One message from rank 0 to rank 1: half a round trip."""
+
+    def round_trip() -> None:
+        if rank == 0:
+            dist.send(tensor, 1)
+            dist.recv(tensor, 1)
+        else:
+            dist.recv(tensor, 0)
+            dist.send(tensor, 0)
+
+    return _median_time(round_trip, device, group) / 2

@@ -1,0 +1,161 @@
+"""Step time of tetrad's own eager runtime (the `tetrad` runtime profile), on any hardware profile:
+the work of each kernel as the shared time model prices it (tetrad.planner.compute: matmuls on the
+profile's efficiency curve, attention, streaming element-wise bytes, the optimizer), plus what
+eager PyTorch pays per operator, plus every collective call of the rank's ledger
+(tetrad.planner.eager_comm) at the profile's measured cost for its kind and group size, plus the
+pipeline bubble of the schedule the executor runs. A catalog GPU has no per-operator cost and no
+measured collectives: then the work and the topology formulas alone remain.
+
+Operators per block are those PyTorch 2.13 dispatches for tetrad's model code, counted with a
+dispatch mode (tests/test_eager_time.py counts them again): a dense block with RMSNorm, rotary
+and SwiGLU dispatches 60 in forward and autograd runs 107 in backward; LayerNorm, learned positions,
+GELU and biases change that by the amounts below. Tensor, sequence, context and expert
+parallelism add their collectives' own operators, and full recomputation runs the forward again
+inside the backward.
+
+On a CPU the operators' costs add to their work; on a GPU the host issues kernels while earlier
+ones run, so a stage takes the longer of the two.
+
+On a machine whose ranks share fewer cores than there are ranks (`concurrent_ranks`), the step
+also cannot end before the cores have done every rank's work: the step is the longer of the
+critical path and the total compute over the cores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from tetrad.config import ModelConfig
+from tetrad.hardware import Cluster, EfficiencyProfile
+from tetrad.planner import comm
+from tetrad.planner.compute import head_times, layer_times, optimizer_time
+from tetrad.planner.eager import pipeline_ranks
+from tetrad.planner.eager_params import rank_parameters, rank_stages, stage_blocks
+from tetrad.planner.layout import TrainLayout
+from tetrad.planner.precision import TrainingPrecision
+from tetrad.planner.timeline import StepTime, pipeline_bubble_ratio
+
+
+@dataclass(frozen=True)
+class Operators:
+    forward: float
+    backward: float
+
+
+def block_operators(config: ModelConfig, layout: TrainLayout, layer: int) -> Operators:
+    """ATen operators of one block's forward and backward on one rank (module doc)."""
+    rms, rope = config.norm == "rmsnorm", config.position == "rope"
+    gated = config.mlp == "swiglu"
+    forward = 32 + 12 * rms + 14 * rope + 2 * gated
+    backward = 54 + 32 * rms + 18 * rope + 3 * gated + 14 * config.bias
+    if config.is_moe_layer(layer):
+        experts = config.num_experts // layout.ep
+        forward += 21 + 15 * experts + 8 * bool(config.num_shared_experts)
+        backward += 17 + 30 * experts + 19 * bool(config.num_shared_experts)
+        if layout.ep > 1:
+            forward += 24
+            backward += 24
+    if layout.tp > 1:  # f and g around both projections' pairs, each a few operators
+        forward += 12 + 8 * layout.sequence_parallel
+        backward += 12 + 8 * layout.sequence_parallel
+    if layout.cp > 1:  # ring attention: a block of scores per ring step, merged into the output
+        forward += 30 * layout.cp
+        backward += 50 * layout.cp
+    if layout.recompute == "full":
+        backward += forward
+    return Operators(forward, backward)
+
+
+def outer_operators(config: ModelConfig, first: bool, last: bool) -> Operators:
+    """The embedding (first stage), the rotary tables (every stage) and the final norm, head
+    and loss (last stage)."""
+    rms = config.norm == "rmsnorm"
+    learned = config.position == "learned"
+    forward = (1 + learned) * first + 5 * (config.position == "rope") + (21 - 6 * (not rms)) * last
+    backward = (8 + 4 * learned) * first + (26 - 16 * (not rms) + config.bias) * last
+    return Operators(forward, backward)
+
+
+def issue(kernels: float, operators: float, profile: EfficiencyProfile) -> float:
+    """A CPU runs each operator's Python, dispatch and kernel one after another; a GPU runs its
+    kernels while the host issues the next ones, so the slower of the two sets the pace."""
+    return max(kernels, operators) if profile.concurrent_ranks == 0 else kernels + operators
+
+
+@dataclass(frozen=True)
+class RankTime:
+    forward: float  # one microbatch through the rank's stages
+    backward: float
+    weight_backward: float  # the part of backward zero bubble defers (the forward's matmuls)
+    optimizer: float
+    communication: float  # every call of the step, one after another
+
+
+def rank_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, seq_len: int,
+              precision: TrainingPrecision, flash: bool, pp_rank: int) -> RankTime:
+    gpu = cluster.gpu
+    profile = gpu.efficiency
+    weight_bytes = 1.0 if precision.compute_dtype == "fp8" else precision.param_bytes
+    act = precision.activation_bytes
+    args = (layout.micro_batch, seq_len, layout.tp, layout.cp, layout.ep,
+            layout.sequence_parallel, layout.recompute, flash, False, precision.compute_dtype,
+            act, weight_bytes)
+    forward = backward = matmul = 0.0
+    forward_ops = backward_ops = 0.0
+    last_stage = layout.pp * layout.vpp - 1
+    for stage in rank_stages(layout, pp_rank):
+        for layer in stage_blocks(config, layout, stage):
+            kernels = layer_times(config, gpu, layer, *args, portable_attention=True)
+            ops = block_operators(config, layout, layer)
+            forward += kernels.forward
+            backward += kernels.backward + kernels.recompute
+            matmul += kernels.matmul_forward
+            forward_ops += ops.forward
+            backward_ops += ops.backward
+        outer = outer_operators(config, stage == 0, stage == last_stage)
+        forward_ops += outer.forward
+        backward_ops += outer.backward
+        if stage == last_stage:
+            head = head_times(config, gpu, layout.micro_batch, seq_len, layout.tp, layout.cp,
+                              precision.compute_dtype, act, weight_bytes)
+            forward += head.forward
+            backward += head.backward
+            matmul += head.matmul_forward
+    forward = issue(forward, forward_ops * profile.op_forward_s, profile)
+    backward = issue(backward, backward_ops * profile.op_backward_s, profile)
+    params = rank_parameters(config, layout, pp_rank)
+    elements = sum(p.elements for p in params)
+    tensors = len(params)
+    if layout.zero >= 1:
+        elements /= layout.zero_group
+    optimizer = (optimizer_time(gpu, elements, precision.grad_bytes, precision.param_bytes,
+                                precision.optimizer_state_bytes,
+                                layout.offload, gpu.host_memory_bandwidth)
+                 + tensors * (profile.optimizer_tensor_s + 2 * profile.op_forward_s))
+    ledger = pipeline_ranks(config, layout, seq_len, precision)[pp_rank].comm
+    return RankTime(forward, backward, matmul, optimizer, comm.ledger_time(cluster, ledger))
+
+
+@lru_cache(maxsize=1024)
+def eager_step_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, seq_len: int,
+                    precision: TrainingPrecision, flash: bool = True) -> StepTime:
+    """One optimizer step of tetrad's runtime on `cluster` (module doc)."""
+    ranks = [rank_time(config, cluster, layout, seq_len, precision, flash, r)
+             for r in range(layout.pp)]
+    m = layout.num_microbatches
+    busy = [m * (r.forward + r.backward) + r.optimizer for r in ranks]
+    slowest = max(range(layout.pp), key=lambda r: busy[r] + ranks[r].communication)
+    forward = max(r.forward for r in ranks)
+    backward = max(r.backward for r in ranks)
+    weight = max(r.weight_backward for r in ranks)
+    ratio = pipeline_bubble_ratio(layout.schedule, layout.pp, layout.schedule_microbatches,
+                                  layout.vpp, forward, backward, min(weight, backward / 2))
+    bubble = ratio * m * (forward + backward)
+    compute, communication = busy[slowest], ranks[slowest].communication
+    cores = cluster.gpu.efficiency.concurrent_ranks
+    if cores and layout.world_size > cores:
+        # Every rank's compute must pass through the cores; waiting ranks leave them to others.
+        demand = sum(busy) * layout.world_size / layout.pp / cores
+        compute = max(compute, demand - communication - bubble)
+    return StepTime(compute, communication, bubble)
