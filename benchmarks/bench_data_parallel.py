@@ -28,7 +28,7 @@ from tetrad.parallel.launch import spawn
 from tetrad.parallel.mesh import build_mesh
 from tetrad.presets import resolve_model
 from tetrad.train.optim import build_optimizer, parameter_groups, set_learning_rate
-from tetrad.train.strategy import DataParallelStrategy, ZeroStrategy
+from tetrad.train.strategy import MeshStrategy
 
 ENGINES = ("tetrad DDP", "torch DDP", "tetrad ZeRO-3", "torch FSDP2")
 BASELINE = {"tetrad DDP": "torch DDP", "tetrad ZeRO-3": "torch FSDP2"}
@@ -60,8 +60,7 @@ class TorchNative:
 class Tetrad:
     def __init__(self, model: torch.nn.Module, config: TrainConfig, mesh, zero: int):
         config = dataclasses.replace(config, parallel=ParallelConfig(dp=mesh.dims.dp, zero=zero))
-        make = DataParallelStrategy if zero == 0 else ZeroStrategy
-        self.strategy = make(model, config, torch.device("cpu"), mesh, Comm(CommCounter()))
+        self.strategy = MeshStrategy(model, config, torch.device("cpu"), mesh, Comm(CommCounter()))
 
     def step(self, batch: torch.Tensor, lr: float) -> float:
         strategy = self.strategy

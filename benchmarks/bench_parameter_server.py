@@ -30,11 +30,12 @@ from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm, CommCounter
 from tetrad.parallel.launch import spawn
 from tetrad.parallel.mesh import Group, build_mesh
-from tetrad.parallel.ps import KeyLayout, ParameterServer, ParameterServerWorker, PSOptions
+from tetrad.parallel.ps import KeyLayout, ParameterServer, PSOptions
 from tetrad.planner.parameter_server import compare
 from tetrad.presets import resolve_model
 from tetrad.train.optim import build_optimizer, parameter_groups, set_learning_rate
-from tetrad.train.strategy import DataParallelStrategy
+from tetrad.train.ps_strategy import ParameterServerStrategy
+from tetrad.train.strategy import MeshStrategy
 
 LR = 1e-3
 MB = 1e6
@@ -113,7 +114,7 @@ def ring_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     config = TrainConfig(model=args.model, batch_size=args.batch, seq_len=args.seq,
                          parallel=ParallelConfig(dp=world_size, collectives=args.collectives))
     counter = CommCounter()
-    strategy = DataParallelStrategy(fresh_model(args), config, torch.device("cpu"), mesh,
+    strategy = MeshStrategy(fresh_model(args), config, torch.device("cpu"), mesh,
                                     Comm(counter, args.collectives))
     counter.reset()  # the initial broadcast is setup, not a step
     losses, times = run_steps(strategy, args)
@@ -136,7 +137,7 @@ def ps_rank(rank: int, world_size: int, args: argparse.Namespace, num_servers: i
         return {"role": "server", "sent": entry["parameter_server"]["sent_per_step"],
                 "received": entry["parameter_server"]["received_per_step"]}
     compute_s = compute_only(args, args.batch // roles.num_workers, rank)
-    strategy = ParameterServerWorker(fresh_model(args), config, torch.device("cpu"), world,
+    strategy = ParameterServerStrategy(fresh_model(args), config, torch.device("cpu"), world,
                                      comm, options)
     losses, times = run_steps(strategy, args)
     layout = KeyLayout.from_model(strategy.model, num_servers)

@@ -31,7 +31,7 @@ from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm
 from tetrad.parallel.launch import spawn
 from tetrad.parallel.mesh import build_mesh
-from tetrad.parallel.tensor_parallel import parallelize_tensor, qkv_rows, up_rows
+from tetrad.parallel.tensor_parallel import apply_tensor_parallel, qkv_rows, up_rows
 
 
 def parse_args() -> argparse.Namespace:
@@ -110,14 +110,15 @@ def bench_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     results = {}
     for sequence_parallel in (False, True):
         torch.manual_seed(0)
-        tetrad = parallelize_tensor(Transformer(config).to(device), mesh, Comm(),
-                                    sequence_parallel, args.seq)
+        tetrad = Transformer(config).to(device)
+        split = apply_tensor_parallel(tetrad, mesh, Comm(), sequence_parallel, args.seq)
         reference = dtensor_model(config, world_size, sequence_parallel, device)
 
         def tetrad_step() -> float:
-            loss = tetrad.loss(tetrad(inputs), targets)
+            loss = split.loss(tetrad(inputs), targets)
             loss.backward()
-            tetrad.finish_gradients()
+            # What the data-parallel engine does before reducing (here: the only bucket).
+            split.sum_partial_gradients({id(p): p.grad for p in tetrad.parameters()})
             return loss.item()
 
         def dtensor_step() -> float:

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from tetrad.config import ParallelConfig, TrainConfig
-from tetrad.hardware import save_profile
+from tetrad.hardware_profile import save_profile
 
 MOE = {"model": "tiny-moe", "model_overrides": {"num_layers": 4, "hidden_size": 128,
                                                  "ffn_hidden_size": 256,

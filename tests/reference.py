@@ -7,7 +7,12 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from tetrad.config import ParallelConfig
 from tetrad.models.transformer import Transformer
+from tetrad.parallel.comm import Comm
+from tetrad.parallel.engine import DataParallelOptions
+from tetrad.parallel.mesh import Mesh
+from tetrad.parallel.parallelize import ParallelModel, parallelize
 
 
 def token_batch(vocab_size: int, rows: int, seq_len: int, step: int) -> torch.Tensor:
@@ -51,3 +56,20 @@ def train_reference(model: Transformer, batch: Callable[[int], torch.Tensor], st
         optimizer.zero_grad()
     return {"losses": losses, "auxes": auxes, "norms": norms,
             "params": {name: p.detach().clone() for name, p in model.named_parameters()}}
+
+
+def spread(model: Transformer, mesh: Mesh, comm: Comm, parallel: ParallelConfig, seq_len: int
+           ) -> ParallelModel:
+    """`model` under `parallel` on this rank, by the path training takes (parallelize). The
+    strategy tests step their own AdamW over `.params`, as the reference does (no weight-decay
+    groups); the engine's optimizer stays unused."""
+    return parallelize(model, mesh, comm, parallel, seq_len, DataParallelOptions(
+        lambda params: [{"params": list(params.parameters())}], torch.optim.AdamW, (0.9, 0.999),
+        1e-8))
+
+
+def clip_grad_norm(parallel: ParallelModel, max_norm: float) -> float:
+    """After parallel.reduce_gradients: the global norm, and the gradients clipped by it."""
+    norm = parallel.grad_norm()
+    parallel.clip(norm, max_norm)
+    return norm

@@ -1,7 +1,8 @@
 """Expert parallelism against one process, on tetrad's `tiny-moe` (4 experts, top-2, 1 shared).
 
 One spawn per world size (2 and 4 ranks) carries every distributed check. Per layout: losses,
-load-balance losses, gradient norms and final parameters (gathered by full_state_dict) match
+load-balance losses, gradient norms and final parameters (assembled whole from every rank's
+pieces) match
 single-process training with the batch split into the data-parallel shards as microbatches
 (fp32, 1e-5 relative, 5 AdamW steps), and match training the same layout without EP; the
 all-to-all bytes counted by Comm equal the slots each rank sent to and received from other
@@ -12,14 +13,13 @@ cross only the expert-data-parallel group.
 import pytest
 import torch
 from dist import run_ranks
-from reference import objective, seeded_model, token_batch, train_reference
+from reference import clip_grad_norm, objective, seeded_model, spread, token_batch, train_reference
 
 from tetrad.config import ParallelConfig
 from tetrad.errors import ConfigError
 from tetrad.models.moe import MoE
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm, CommCounter
-from tetrad.parallel.context_parallel import apply_context_parallel
 from tetrad.parallel.expert_parallel import (SPLITS_TAG, TOKENS_TAG, ExpertParallelMoE,
                                              apply_expert_parallel, check_expert_parallel)
 from tetrad.parallel.mesh import build_mesh
@@ -77,43 +77,39 @@ def train(rank: int, world_size: int, case: tuple) -> dict:
     mesh = build_mesh(ParallelConfig(dp=dp, cp=cp, ep=ep), rank, world_size)
     counter = CommCounter()
     comm = Comm(counter)
-    model = build_model()
-    context = apply_context_parallel(model, mesh["cp"], comm) if cp > 1 else None
-    experts = (apply_expert_parallel(model, mesh, comm, capacity)
-               if ep > 1 or capacity is not None else None)
+    parallel = spread(build_model(), mesh, comm, ParallelConfig(dp=dp, cp=cp, ep=ep), SEQ)
+    model, experts = parallel.module, parallel.experts
+    for layer in (experts.layers.values() if experts else ()):
+        layer.capacity_factor = capacity
     routes = []  # [steps][layers] -> slots sent to each ep rank
     for block in model.layers:
         block.mlp.router.register_forward_hook(lambda _, __, out: routes[-1].append(out[1]))
-    replicated = experts.replicated_parameters() if experts else list(model.parameters())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    optimizer = torch.optim.AdamW(parallel.params.values(), lr=LR, weight_decay=WEIGHT_DECAY)
     losses, auxes, norms, token_bytes = [], [], [], []
+    grad_bytes = 0
     group = mesh["dp_cp"]
     for step in range(STEPS):
         routes.append([])
         rows = BATCH // dp
         window = batch(step)[mesh.coords["dp"] * rows:(mesh.coords["dp"] + 1) * rows]
-        if context is None:
-            inputs, targets, positions = window[:, :-1], window[:, 1:], None
-        else:
-            inputs, targets, positions = context.shard(window)
+        inputs, targets, positions = parallel.split(window)
         before = counter.totals((TOKENS_TAG,))["all_to_all"]
         loss, aux, total = objective(model, model(inputs, positions=positions), targets)
         total.backward()
         token_bytes.append(int(counter.totals((TOKENS_TAG,))["all_to_all"] - before))
-        for param in replicated:
-            comm.all_reduce(param.grad, group, "replicated_grads")
-            param.grad /= group.size
-        if experts is None:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
-        else:
+        # ParallelModel.reduce_gradients in its two parts, to count what the experts' part sends.
+        parallel.engine.reduce_gradients()
+        if experts is not None:
+            before = counter.totals(("grads",))["all_reduce"]
             experts.reduce_expert_gradients()
-            norms.append(experts.clip_grad_norm(MAX_NORM))
+            grad_bytes += int(counter.totals(("grads",))["all_reduce"] - before)
+        norms.append(clip_grad_norm(parallel, MAX_NORM))
         metrics = torch.stack([loss, aux]).detach()
         comm.all_reduce(metrics, group, "metrics")
         losses.append(metrics[0].item() / group.size)
         auxes.append(metrics[1].item() / group.size)
         optimizer.step()
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=False)  # in place: DDP's gradients are bucket views
     num_local = MOE.num_experts // ep
     sends = [[[sum(1 for e in kept_slots(layer, capacity) if e // num_local == owner)
                for owner in range(ep)] for layer in step_routes] for step_routes in routes]
@@ -121,9 +117,7 @@ def train(rank: int, world_size: int, case: tuple) -> dict:
             "sends": sends, "slots": [sum(len(kept_slots(layer, None)) for layer in r)
                                       for r in routes],
             "split_bytes": int(counter.totals((SPLITS_TAG,))["all_to_all"]),
-            "grad_bytes": int(counter.totals(("grads",))["all_reduce"]),
-            "params": ({k: v.clone() for k, v in experts.full_state_dict().items()} if experts
-                       else {n: p.detach().clone() for n, p in model.named_parameters()})}
+            "grad_bytes": grad_bytes, "params": parallel.whole_state()}
 
 
 def run_cases(rank: int, world_size: int, cases: list) -> list[dict]:

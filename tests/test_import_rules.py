@@ -11,16 +11,17 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "tetrad"
 
 # Modules that run without torch: the planner answers on a laptop in milliseconds.
-TORCH_FREE = ["config", "parallel_config", "errors", "hardware", "presets", "hf_config",
+TORCH_FREE = ["config", "parallel_config", "errors", "hardware", "hardware_profile", "presets", "hf_config",
               "tokenizer", "text_sources", "planner", "schedules", "modelfile", "store",
               "safetensors_subset"]
 
 # ARCHITECTURE.md's table: where a module lives -> the tetrad modules it may import. Every edge
 # the code has is here; an edge missing from the table fails the test.
 SHARED = ["config", "parallel_config", "errors", "presets", "hf_config"]
-BASE = ["errors", "hardware", "schedules", "sharded_tensors", "text_sources", "tokenizer"]
+BASE = ["errors", "hardware", "hardware_profile", "schedules", "sharded_tensors", "text_sources", "tokenizer"]
 ALLOWED = {
-    "errors": [], "hardware": ["errors"], "schedules": ["errors"], "text_sources": ["errors"],
+    "errors": [], "hardware": ["errors", "hardware_profile"],
+    "hardware_profile": ["errors", "hardware"], "schedules": ["errors"], "text_sources": ["errors"],
     "sharded_tensors": ["errors"], "tokenizer": ["errors", "hf_config"],
     "parallel_config": ["errors", "schedules"], "config": ["errors", "parallel_config"],
     "hf_config": ["config", "errors"], "presets": ["config", "errors", "hf_config"],
@@ -34,7 +35,7 @@ ALLOWED = {
     "inference": [*SHARED, "models", "parallel", "planner", ""],  # "": lazy `import tetrad`
     "viz": ["errors", "hardware", "schedules"],
     # Microbenchmarks: the activation meter every strategy runs, train.launch's spawned ranks.
-    "calibrate": ["errors", "hardware", "memory", "train"],
+    "calibrate": ["errors", "hardware", "hardware_profile", "memory", "train"],
     "cli": [*SHARED, *BASE, "calibrate", "inference", "modelfile", "models", "planner", "store",
             "train", "viz"],
 }

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from dist import run_ranks
-from reference import seeded_model, token_batch, train_reference
+from reference import clip_grad_norm, seeded_model, spread, token_batch, train_reference
 
 from tetrad.config import ModelConfig, ParallelConfig
 from tetrad.errors import ConfigError
@@ -89,17 +89,20 @@ def one_microbatch_bytes(executor: PipelineExecutor, stage_index: int, microbatc
 def train_pipeline(rank: int, mesh, case: tuple) -> dict:
     name, schedule, vpp, microbatches, stage_layers = case
     counter = CommCounter()
-    executor = PipelineExecutor.from_model(build_model(MODELS[name]), mesh, Comm(counter),
-                                           schedule, microbatches, vpp, stage_layers, SEQ)
-    optimizer = torch.optim.AdamW(executor.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    parallel = spread(build_model(MODELS[name]), mesh, Comm(counter), ParallelConfig(
+        pp=mesh.dims.pp, schedule=schedule, microbatches=microbatches, vpp=vpp,
+        stage_layers=stage_layers or ()), SEQ)
+    executor = parallel.pipeline
+    optimizer = torch.optim.AdamW(parallel.params.values(), lr=LR, weight_decay=WEIGHT_DECAY)
     stats, norms = [], []
     for step in range(STEPS):
         stats.append(executor.step(batch(step)))
-        norms.append(executor.clip_grad_norm(MAX_NORM))
+        parallel.reduce_gradients()
+        norms.append(clip_grad_norm(parallel, MAX_NORM))
         optimizer.step()
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=False)  # in place: DDP's gradients are bucket views
     return {"stats": stats, "norms": norms,
-            "params": {k: p.detach().clone() for k, p in executor.named_parameters().items()},
+            "params": {k: p.detach().clone() for k, p in parallel.params.items()},
             "p2p": int(counter.totals(("activations",))["p2p"]),
             "p2p_all_tags": int(counter.totals()["p2p"]),
             "tied_all_reduce": int(counter.totals(("grads",))["all_reduce"]),

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist import run_ranks
+from reference import clip_grad_norm, spread
 from torch import nn
 
 from tetrad.config import ModelConfig, ParallelConfig
@@ -26,7 +27,7 @@ from tetrad.models.layers import make_norm
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm, CommCounter
 from tetrad.parallel.mesh import Group, build_mesh
-from tetrad.parallel.tensor_parallel import (check_tensor_parallel, parallelize_tensor,
+from tetrad.parallel.tensor_parallel import (apply_tensor_parallel, check_tensor_parallel,
                                              qkv_rows, up_rows)
 from tetrad.presets import preset
 
@@ -101,21 +102,23 @@ def train_tetrad(mesh, case: tuple) -> dict:
     name, sequence_parallel, microbatches = case
     config = MODELS[name]
     counter = CommCounter()
-    model = parallelize_tensor(build_model(config), mesh, Comm(counter), sequence_parallel, SEQ)
+    parallel = spread(build_model(config), mesh, Comm(counter),
+                      ParallelConfig(tp=mesh.dims.tp, sequence_parallel=sequence_parallel), SEQ)
+    model = parallel.module
     meter = ActivationMeter(model)
 
     def loss_fn(logits, targets):
         assert logits.shape[-1] == config.vocab_size // mesh.dims.tp  # never the full vocab
-        return model.loss(logits, targets), model.aux_loss()
+        return parallel.loss(logits, targets), model.aux_loss()
 
     def finish():
-        model.finish_gradients()
+        parallel.reduce_gradients()  # the data-parallel engine sums tp's partial gradients
         counter.end_step()
 
-    result = train(config, microbatches, model, loss_fn, list(model.parameters()),
-                   lambda: model.clip_grad_norm(MAX_NORM), finish, meter)
+    result = train(config, microbatches, model, loss_fn, list(parallel.params.values()),
+                   lambda: clip_grad_norm(parallel, MAX_NORM), finish, meter)
     bytes_by_tag = {tag: counter.totals((tag,)) for tag in counter.tags()}
-    return {**result, "params": model.full_state_dict(), "activation_bytes": meter.peak_bytes,
+    return {**result, "params": parallel.whole_state(), "activation_bytes": meter.peak_bytes,
             "bytes": bytes_by_tag}
 
 
@@ -202,8 +205,9 @@ def expected_bytes(config: ModelConfig, tp: int, sequence_parallel: bool, microb
     all-gather forward (its input) and one backward (its output gradient).
     Loss: all-reduces of [tokens] (max logit) and [2, tokens] (sum of exps, target logit).
     Per step, "grads": kv rows replicated when kv heads < tp; under SP the replicated
-    parameters outside MoE layers (norms, row-parallel biases, learned positions)."""
-    h, fp32 = config.hidden_size, 4
+    parameters outside MoE layers (norms, row-parallel biases, learned positions); "grad_norm":
+    one float64 all-reduce of the squared norm (ParallelModel.grad_norm)."""
+    h, fp32, fp64 = config.hidden_size, 4, 8
     tokens = BATCH // microbatches * SEQ
     activation = tokens * h * fp32
     num_moe = sum(config.is_moe_layer(layer) for layer in range(config.num_layers))
@@ -228,7 +232,7 @@ def expected_bytes(config: ModelConfig, tp: int, sequence_parallel: bool, microb
     return {"activations": activations,
             "loss": {**zero, "all_reduce": runs * 3 * tokens * fp32 * ar},
             "grads": {**zero, "all_reduce": STEPS * grads * fp32 * ar},
-            "metrics": {**zero, "all_reduce": STEPS * fp32 * ar}}
+            "grad_norm": {**zero, "all_reduce": STEPS * fp64 * ar}}
 
 
 def norm_bytes(config: ModelConfig, rows: int, seq: int) -> int:
@@ -334,8 +338,8 @@ def test_layouts_that_cannot_split_say_what_to_change(config, tp, sequence_paral
     with pytest.raises(ConfigError, match=message):
         check_tensor_parallel(config, tp, sequence_parallel, seq_len=10)
     with pytest.raises(ConfigError, match=message):  # before any communication
-        parallelize_tensor(build_model(config), Group("tp", tuple(range(tp)), 0), Comm(),
-                           sequence_parallel, seq_len=10)
+        apply_tensor_parallel(build_model(config), Group("tp", tuple(range(tp)), 0), Comm(),
+                              sequence_parallel, seq_len=10)
 
 
 def test_experts_are_kept_whole_so_their_ffn_need_not_divide():
@@ -349,17 +353,18 @@ def test_experts_are_kept_whole_so_their_ffn_need_not_divide():
 def test_one_rank_is_the_single_process_model(sequence_parallel):
     """tp=1 runs without torch.distributed: same logits, loss and gradients as the model."""
     model = build_model(GPT2)
-    parallel = parallelize_tensor(build_model(GPT2), Group("tp", (0,), 0), Comm(),
-                                  sequence_parallel)
+    parallel = build_model(GPT2)
+    split = apply_tensor_parallel(parallel, Group("tp", (0,), 0), Comm(), sequence_parallel)
     tokens = batch(0, GPT2)
     logits = model(tokens[:, :-1])
     assert torch.equal(parallel(tokens[:, :-1]), logits)
     loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-    tp_loss = parallel.loss(parallel(tokens[:, :-1]), tokens[:, 1:])
+    tp_loss = split.loss(parallel(tokens[:, :-1]), tokens[:, 1:])
     assert tp_loss.item() == pytest.approx(loss.item(), rel=1e-6)
     loss.backward()
     tp_loss.backward()
-    parallel.finish_gradients()
+    # What the data-parallel engine does with each bucket before reducing it.
+    split.sum_partial_gradients({id(p): p.grad for p in parallel.parameters()})
     grads = {name: p.grad for name, p in parallel.named_parameters()}
     for name, param in model.named_parameters():
         assert relative_error(grads[name], param.grad) < 1e-5, name

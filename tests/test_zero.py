@@ -26,7 +26,7 @@ from tetrad.parallel.zero_optimizer import FlatShard, scatter_state
 from tetrad.presets import resolve_model
 from tetrad.sharded_tensors import LazyMapping
 from tetrad.train.optim import build_optimizer, parameter_groups, set_learning_rate
-from tetrad.train.strategy import DataParallelStrategy, LocalStrategy, ZeroStrategy
+from tetrad.train.strategy import LocalStrategy, MeshStrategy
 
 STEPS, BATCH, SEQ, LR = 5, 8, 16, 3e-3
 BUCKET_BYTES = 64 * 1024  # several buckets for the tiny model, so their order matters
@@ -86,8 +86,7 @@ def train_steps(strategy, grad_accum: int) -> tuple[list[float], dict[str, int]]
 
 def distributed_strategy(case: Case, mesh, counter: CommCounter, model=None):
     model = model or tiny_model()
-    make = DataParallelStrategy if case.zero == 0 else ZeroStrategy
-    return make(model, train_config(case, mesh.dims.dp), CPU, mesh,
+    return MeshStrategy(model, train_config(case, mesh.dims.dp), CPU, mesh,
                 Comm(counter, case.collectives), bucket_bytes=BUCKET_BYTES)
 
 
@@ -117,10 +116,10 @@ def check_mechanisms(mesh) -> dict:
     # embed.weight is registered first, so it sits in the last bucket and its gradient comes
     # last: when it is ready, every other bucket must already be on the wire.
     ddp.model.embed.weight.register_post_accumulate_grad_hook(
-        lambda p: launched.append(len(ddp.ddp.handles)))
+        lambda p: launched.append(len(ddp.engine.handles)))
     train_steps(ddp, 2)
     found["ddp_launched"] = launched[:2]
-    found["ddp_buckets"] = len(ddp.ddp.buckets)
+    found["ddp_buckets"] = len(ddp.engine.buckets)
 
     fsdp = distributed_strategy(Case(3), mesh, CommCounter())
     units = fsdp.engine.units  # embedding, layer 0, layer 1, head
@@ -223,7 +222,7 @@ def run_pipelined(zero: int, schedule: str, mesh) -> dict:
     parallel = ParallelConfig(dp=mesh.dims.dp, pp=mesh.dims.pp, zero=zero, schedule=schedule,
                               microbatches=MICROBATCHES)
     config = TrainConfig(model="tiny", batch_size=BATCH, seq_len=SEQ, lr=LR, parallel=parallel)
-    strategy = ZeroStrategy(tiny_model(), config, CPU, mesh, Comm(counter),
+    strategy = MeshStrategy(tiny_model(), config, CPU, mesh, Comm(counter),
                             bucket_bytes=BUCKET_BYTES)
     losses, held = [], {}
     for batch in token_batches():

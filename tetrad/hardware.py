@@ -19,11 +19,8 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import difflib
-import json
 import math
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from tetrad.errors import ConfigError
 
@@ -252,82 +249,6 @@ GPUS: dict[str, GPU] = {gpu.name: gpu for gpu in [
 ]}
 
 
-PROFILE_SCHEMA = 1
-
-
-def profile_to_dict(device: GPU) -> dict:
-    """A GPU (a catalog entry or a calibrated machine) as JSON-ready data: `tetrad calibrate`
-    writes this, `load_profile` reads it back."""
-    data = dataclasses.asdict(device)
-    data["aliases"] = list(device.aliases)
-    efficiency = data["efficiency"]
-    efficiency["matmul_curve"] = [list(point) for point in device.efficiency.matmul_curve]
-    efficiency["collectives"] = [list(fit) for fit in device.efficiency.collectives]
-    return {"schema": PROFILE_SCHEMA, **data}
-
-
-def profile_from_dict(data: dict, source: str = "profile") -> GPU:
-    """The inverse of profile_to_dict; every problem is one ConfigError naming `source`."""
-    if not isinstance(data, dict) or data.get("schema") != PROFILE_SCHEMA:
-        raise ConfigError(f"{source} is not a schema-{PROFILE_SCHEMA} hardware profile "
-                          f"(write one with tetrad calibrate --out {source})")
-    try:
-        efficiency = dict(data["efficiency"])
-        efficiency["matmul_curve"] = tuple((float(size), float(value))
-                                           for size, value in efficiency.get("matmul_curve", ()))
-        efficiency["collectives"] = tuple((str(kind), int(size), float(alpha), float(beta))
-                                          for kind, size, alpha, beta
-                                          in efficiency.get("collectives", ()))
-        fields = {key: value for key, value in data.items() if key != "schema"}
-        fields.update(efficiency=EfficiencyProfile(**efficiency),
-                      peak_flops={str(k): float(v) for k, v in data["peak_flops"].items()},
-                      aliases=tuple(data.get("aliases", ())))
-        device = GPU(**fields)
-    except (KeyError, TypeError, ValueError) as error:
-        raise ConfigError(f"{source} is not a valid hardware profile ({type(error).__name__}: "
-                          f"{error})") from None
-    if not device.peak_flops or min(device.peak_flops.values()) <= 0 \
-            or device.memory_bandwidth <= 0:
-        raise ConfigError(f"{source}: a hardware profile needs positive peak_flops and "
-                          f"memory_bandwidth")
-    return device
-
-
-def load_profile(path: str | Path) -> GPU:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"hardware profile {path} does not exist (write one with tetrad "
-                          f"calibrate --out {path})")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ConfigError(f"{path} is not a hardware profile (invalid JSON: {error})") from None
-    return profile_from_dict(data, str(path))
-
-
-def save_profile(device: GPU, path: str | Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(profile_to_dict(device), indent=2) + "\n")
-
-
-def default_profile_path() -> Path:
-    """This machine's cached profile: what `tetrad calibrate` writes without --out and what
-    `tetrad train` reads when no --hardware is given."""
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "tetrad" / "hardware.json"
-
-
-def is_profile_path(name: str) -> bool:
-    """`--gpu` and `--hardware` take a catalog name or a profile file; a name ending in .json
-    or naming a file is a file."""
-    return name.endswith(".json") or Path(name).is_file()
-
-
-def gpu_or_profile(name: str) -> GPU:
-    return load_profile(name) if is_profile_path(name) else gpu(name)
-
-
 def _lookup_table() -> dict[str, GPU]:
     table = {}
     for gpu in GPUS.values():
@@ -428,6 +349,8 @@ def cluster(gpu_name: str, num_gpus: int, gpus_per_node: int | None = None,
     if key in CLUSTER_PRESETS:
         gpu_name, preset_per_node = CLUSTER_PRESETS[key]
         gpus_per_node = gpus_per_node if gpus_per_node is not None else preset_per_node
+    from tetrad.hardware_profile import gpu_or_profile  # profiles build on this catalog
+
     return Cluster(gpu_or_profile(gpu_name), num_gpus,
                    gpus_per_node if gpus_per_node is not None else 8,
                    nic_bandwidth=(nic_gbps or 0.0) * 1e9 / 8)

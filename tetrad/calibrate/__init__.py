@@ -5,6 +5,6 @@ The measuring needs torch; the profile it writes and the planner that reads it d
 """
 
 from tetrad.calibrate.profile import calibrate
-from tetrad.hardware import default_profile_path
+from tetrad.hardware_profile import default_profile_path
 
 __all__ = ["calibrate", "default_profile_path"]

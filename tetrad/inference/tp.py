@@ -49,8 +49,7 @@ from tetrad.models.hf import load_pretrained
 from tetrad.parallel.comm import Comm, CommCounter
 from tetrad.parallel.launch import COLLECTIVE_TIMEOUT_S, WorkerProcesses, init_worker
 from tetrad.parallel.mesh import Group, build_mesh
-from tetrad.parallel.tensor_parallel import (TensorParallelTransformer, check_tensor_parallel,
-                                             parallelize_tensor)
+from tetrad.parallel.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 
 if TYPE_CHECKING:
     from tetrad.inference.config import EngineConfig
@@ -114,9 +113,10 @@ class TensorParallelRanks:
         """Rank 0's `value` on every rank (the others pass None)."""
         return self.comm.all_gather_object(value, self.control, SETUP_TAG)[0]
 
-    def shard(self, model: nn.Module) -> TensorParallelTransformer:
+    def shard(self, model: nn.Module) -> nn.Module:
         """This rank's share of the whole `model`, whose layers are replaced in place."""
-        return parallelize_tensor(model, self.mesh, self.comm)
+        apply_tensor_parallel(model, self.mesh, self.comm)
+        return model
 
     def agree(self, plan: KVPlan) -> KVPlan:
         """Every rank's pool gets the blocks the tightest rank can hold (on GPUs each rank sized

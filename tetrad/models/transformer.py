@@ -42,6 +42,16 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+class Embedding(nn.Embedding):
+    """The token embedding; with tied embeddings also the output head (`unembed`), so that a
+    layout swapping in its own embedding (tensor parallelism's vocabulary split) brings its own
+    head with it."""
+
+    def unembed(self, x: torch.Tensor) -> torch.Tensor:
+        """Hidden states [..., hidden] -> logits [..., vocab], by the embedding matrix."""
+        return x @ self.weight.t()
+
+
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -49,7 +59,7 @@ class Transformer(nn.Module):
             raise ConfigError("multi-head latent attention (MLA) is modelled by the planner only; "
                               "the runtime trains mha/gqa models")
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed = Embedding(config.vocab_size, config.hidden_size)
         self.pos_embed = (nn.Embedding(config.max_seq_len, config.hidden_size)
                           if config.position == "learned" else None)
         self.rotary = (RotaryEmbedding(config.head_dim, config.rope_theta)
@@ -83,7 +93,7 @@ class Transformer(nn.Module):
 
     def output(self, x: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
-            return x @ self.embed.weight.t()
+            return self.embed.unembed(x)
         return self.lm_head(x)
 
     def aux_loss(self) -> torch.Tensor | None:

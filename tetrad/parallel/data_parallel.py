@@ -7,21 +7,25 @@ accumulates straight into the buffer that gets all-reduced (torch DDP's gradient
 A post-accumulate-grad hook counts the parameters of a bucket whose gradient is final; when the
 last one arrives the bucket's all-reduce starts asynchronously while backward goes on with the
 earlier layers. Only the last microbatch of a step communicates: the others just accumulate
-locally (DDP's no_sync).
+locally (DDP's no_sync). The optimizer is torch's AdamW over the whole parameters
+(engine.WholeAdamW); with fp16 the loss is scaled, and a step whose global gradient norm is
+inf/nan is skipped on every rank.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import math
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
 from torch.autograd import Variable
 
 from tetrad.parallel.comm import Comm, Handle
+from tetrad.parallel.engine import (DEFAULT_BUCKET_BYTES, Counted, DataParallelOptions,
+                                    LossScaler, ParameterView, Placement, WholeAdamW)
 from tetrad.parallel.mesh import Group
-
-DEFAULT_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
+from tetrad.sharded_tensors import Piece
 
 
 def bucket_params(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
@@ -76,15 +80,17 @@ def broadcast_parameters(model: nn.Module, comm: Comm, group: Group) -> None:
 
 
 class DataParallel:
-    """Bucketed, overlapped gradient all-reduce for a replicated model (ZeRO-0). The optimizer
-    stays the caller's: after `finish()` every .grad holds the average over the group."""
+    """Bucketed, overlapped gradient all-reduce for replicated parameters (ZeRO-0), and their
+    whole AdamW: after `finish()` every .grad holds the average over the group."""
 
-    def __init__(self, model: nn.Module, group: Group, comm: Comm,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    def __init__(self, named: dict[str, nn.Parameter], group: Group, comm: Comm,
+                 options: DataParallelOptions):
         self.group, self.comm = group, comm
-        broadcast_parameters(model, comm, group)
-        params = [p for p in model.parameters() if p.requires_grad]
-        self.buckets = bucket_params(params, bucket_bytes)
+        broadcast_parameters(ParameterView(named), comm, group)
+        self.adamw = WholeAdamW(named, options, group)
+        self.scaler = LossScaler() if options.compute_dtype == torch.float16 else None
+        params = [p for p in named.values() if p.requires_grad]
+        self.buckets = bucket_params(params, options.bucket_bytes)
         self.grads: list[torch.Tensor] = []
         self.handles: list[Handle] = []
         self.order = LaunchInOrder([len(b) for b in self.buckets], self._launch)
@@ -139,5 +145,44 @@ class DataParallel:
         for grad in self.grads:
             grad.zero_()
 
-    def grad_bytes(self) -> int:
-        return sum(grad.numel() * grad.element_size() for grad in self.grads)
+    # The engine interface (tetrad.parallel.engine.DataParallelEngine).
+
+    def backward(self, loss: torch.Tensor, is_last_microbatch: bool) -> None:
+        self.prepare_backward(is_last_microbatch)
+        (loss * self.scaler.scale if self.scaler else loss).backward()
+
+    def reduce_gradients(self) -> None:
+        self.finish()
+        if self.scaler:
+            self.adamw.unscale(self.scaler.scale)
+
+    def grad_square(self, counted: Counted) -> torch.Tensor:
+        """Every replica holds the same averaged gradients: nothing to send."""
+        return self.adamw.grad_square(counted, self.grads[0].device)
+
+    def clip(self, coefficient: float) -> None:
+        self.adamw.clip(coefficient)
+
+    def step(self, lr: float, grad_norm: float) -> bool:
+        applied = math.isfinite(grad_norm)  # a global norm: every rank decides alike
+        if self.scaler:
+            self.scaler.update(found_inf=not applied)
+        if applied:
+            self.adamw.step(lr)
+        self.zero_grad()
+        return applied
+
+    def pieces(self, kinds: tuple[str, ...], placement: Placement) -> list[Piece]:
+        return self.adamw.pieces(kinds, placement)
+
+    def load(self, params: Mapping[str, torch.Tensor], moments: dict | None,
+             scaler: dict | None) -> None:
+        self.adamw.load(params, moments)
+        if self.scaler and scaler:
+            self.scaler.load_state_dict(scaler)
+
+    def optimizer_step(self) -> int:
+        return self.adamw.optimizer_step()
+
+    def bytes_held(self) -> dict[str, int]:
+        return self.adamw.bytes_held()

@@ -31,11 +31,10 @@ of all of them passed through it), so it is not averaged over the ep group; it i
 the edp group (the expert's replicas) and divided by dp*cp, the mean the trainer takes of every
 replicated gradient: both then equal the single-process gradient of the mean loss.
 
-The trainer's side (docs/context_expert_parallel.md): build the full model with the same seed on
-every rank (loading a checkpoint into it first), call `apply_expert_parallel`, feed each rank its
-own data-parallel rows, average `replicated_parameters()` gradients over dp*cp as usual, call
-`reduce_expert_gradients()` after backward, clip with `clip_grad_norm`, save with
-`full_state_dict()`.
+The trainer's side (docs/context_expert_parallel.md): tetrad.parallel.parallelize applies it to
+the full model built with the same seed on every rank, feeds each rank its own data-parallel rows,
+averages the other gradients over dp*cp as usual and calls `reduce_expert_gradients()` after
+backward; ParallelModel takes the global norm and cuts the checkpoint pieces.
 """
 
 from __future__ import annotations
@@ -50,7 +49,6 @@ from torch import nn
 from tetrad.models.moe import MoE
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm
-from tetrad.parallel.grad_norm import grad_square, scale_to_max_norm_
 from tetrad.parallel.mesh import Group, Mesh
 from tetrad.planner.rules import check_expert_parallel
 
@@ -161,16 +159,10 @@ class ExpertParallel:
             if block.is_moe and index in kept:
                 block.mlp = ExpertParallelMoE(block.mlp, mesh["ep"], comm, capacity_factor)
                 self.layers[index] = block.mlp
-        expert_ids = {id(p) for p in self.expert_parameters()}
-        self._replicated = [p for p in model.parameters() if id(p) not in expert_ids]
 
     def expert_parameters(self) -> list[nn.Parameter]:
         """This rank's experts' parameters: reduced over edp by reduce_expert_gradients."""
         return [p for layer in self.layers.values() for p in layer.experts.parameters()]
-
-    def replicated_parameters(self) -> list[nn.Parameter]:
-        """Everything else: averaged over dp*cp by the data-parallel strategy, as without EP."""
-        return self._replicated
 
     def reduce_expert_gradients(self) -> None:
         """After the last backward of a step: sum each expert gradient over its edp replicas,
@@ -181,34 +173,6 @@ class ExpertParallel:
                 param.grad = torch.zeros_like(param)
             self.comm.all_reduce(param.grad, self.mesh["edp"], "grads")
             param.grad /= size
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """The whole model's gradient norm (replicated weights once, every expert once, over the
-        ep group), as torch.nn.utils.clip_grad_norm_ on one device; scales the gradients down to
-        max_norm when larger (0: no clipping). Call after the gradients are reduced."""
-        device = self.model.embed.weight.device
-        experts = grad_square(self.expert_parameters(), device)
-        self.comm.all_reduce(experts, self.mesh["ep"], "metrics")
-        total = (grad_square(self._replicated, device) + experts).sqrt()
-        return scale_to_max_norm_(self.model.parameters(), total, max_norm)
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The single-process model's state dict, every expert gathered from its owner
-        (collective over the ep group): for checkpoints and for using the model on one rank."""
-        state = self.model.state_dict()
-        group = self.mesh["ep"]
-        for index, layer in self.layers.items():
-            for local, (name, expert) in enumerate(layer.experts.items()):
-                for key, value in expert.state_dict().items():
-                    gathered = value.new_empty(group.size * value.numel())
-                    self.comm.all_gather(gathered, value.reshape(-1), group, "checkpoint")
-                    gathered = gathered.view(group.size, *value.shape)  # [owner, ...]
-                    del state[f"layers.{index}.mlp.experts.{name}.{key}"]
-                    for owner in range(group.size):
-                        expert_index = owner * layer.num_local + local
-                        state[f"layers.{index}.mlp.experts.{expert_index}.{key}"] = (
-                            gathered[owner])
-        return state
 
 
 def apply_expert_parallel(model: Transformer, mesh: Mesh, comm: Comm,

@@ -31,8 +31,9 @@ experts, weights TP replaced by their shards) is released: memory is what the la
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Iterator, Mapping
+from typing import Callable, ContextManager, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -42,46 +43,21 @@ from tetrad.config import ModelConfig, ParallelConfig
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm
 from tetrad.parallel.context_parallel import ContextParallel, apply_context_parallel
-from tetrad.parallel.data_parallel import DEFAULT_BUCKET_BYTES, DataParallel
+from tetrad.parallel.data_parallel import DataParallel
+from tetrad.parallel.engine import (DataParallelEngine, DataParallelOptions, ParameterView,
+                                    WholeAdamW)
 from tetrad.parallel.expert_parallel import ExpertParallel, apply_expert_parallel
 from tetrad.parallel.fsdp import FullyShardedDataParallel, transformer_units
 from tetrad.parallel.mesh import Mesh
 from tetrad.parallel.pipeline import PipelineExecutor, partition
 from tetrad.parallel.pipeline.executor import whole_sequences
 from tetrad.parallel.recompute import apply_recompute
-from tetrad.parallel.tensor_parallel import TensorParallelTransformer, parallelize_tensor
-from tetrad.parallel.zero import Pipelined, ZeroDataParallel
-from tetrad.sharded_tensors import CHECKPOINT_KINDS, LazyMapping, Piece
-
-NORM_TAG = "grad_norm"
+from tetrad.parallel.tensor_parallel import TensorParallelSplit, apply_tensor_parallel
+from tetrad.parallel.zero import NORM_TAG, Pipelined, ZeroDataParallel
+from tetrad.sharded_tensors import CHECKPOINT_KINDS, LazyMapping, Piece, assemble
 
 
-@dataclass(frozen=True)
-class DataParallelOptions:
-    """What the data-parallel engine takes from the training recipe."""
 
-    group_parameters: Callable  # parameters -> AdamW's weight-decay groups
-    betas: tuple[float, float]
-    eps: float
-    compute_dtype: torch.dtype = torch.float32
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-
-
-class ParameterView:
-    """Named parameters that are not one module's (a rank's pipeline stages without its experts),
-    shaped as the data-parallel engines and the optimizer read a model."""
-
-    def __init__(self, named: dict[str, nn.Parameter]):
-        self.named = named
-
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        return iter(self.named.items())
-
-    def parameters(self) -> Iterator[nn.Parameter]:
-        return iter(self.named.values())
-
-    def buffers(self) -> Iterator[torch.Tensor]:
-        return iter(())
 
 
 def parallelize(model: Transformer, mesh: Mesh, comm: Comm, parallel: ParallelConfig,
@@ -102,20 +78,23 @@ def parallelize(model: Transformer, mesh: Mesh, comm: Comm, parallel: ParallelCo
     experts = (apply_expert_parallel(model, mesh, comm, layers=runs) if parallel.ep > 1
                else None)
     context = apply_context_parallel(model, mesh["cp"], comm) if parallel.cp > 1 else None
-    tensor = (parallelize_tensor(model, mesh, comm, parallel.sequence_parallel,
-                                 seq_len // parallel.cp) if parallel.tp > 1 else None)
-    module = tensor or model
-    apply_recompute(module, parallel.recompute)
+    tensor = (apply_tensor_parallel(model, mesh, comm, parallel.sequence_parallel,
+                                    seq_len // parallel.cp) if parallel.tp > 1 else None)
+    apply_recompute(model, parallel.recompute)
     pipeline = None
     if parallel.pp > 1:
         pipeline = PipelineExecutor.from_model(
-            module, mesh, comm, parallel.schedule, parallel.microbatches, parallel.vpp,
+            model, mesh, comm, parallel.schedule, parallel.microbatches, parallel.vpp,
             parallel.stage_layers or None, seq_len, autocast,
             context.shard if context else whole_sequences, cut)
-    params = pipeline.named_parameters() if pipeline else dict(module.named_parameters())
+    params = pipeline.named_parameters() if pipeline else dict(model.named_parameters())
     expert_ids = {id(p) for p in experts.expert_parameters()} if experts else set()
     replicated = {name: p for name, p in params.items() if id(p) not in expert_ids}
-    engine = _data_parallel(module, replicated, mesh, comm, parallel, options, pipeline)
+    engine = _data_parallel(model, replicated, mesh, comm, parallel, options, pipeline)
+    expert_names = {n for n, p in params.items() if id(p) in expert_ids}
+    # Experts are not sharded: each keeps a whole AdamW of its own, written by its first replica.
+    expert_optimizer = (WholeAdamW({n: params[n] for n in expert_names}, options, mesh["edp"])
+                        if expert_names else None)
     if tensor is not None:
         engine.before_reduce = tensor.sum_partial_gradients
     # Free what this rank does not hold (other stages, other ranks' experts, the whole weights TP
@@ -125,18 +104,18 @@ def parallelize(model: Transformer, mesh: Mesh, comm: Comm, parallel: ParallelCo
         for param in model.parameters():
             if id(param) not in held:
                 param.data = param.data.new_empty(0)
-    return ParallelModel(config, mesh, comm, parallel, pipeline.module if pipeline else module,
-                         params, {n for n, p in params.items() if id(p) in expert_ids}, engine,
-                         experts, context, tensor, pipeline)
+    return ParallelModel(config, mesh, comm, parallel, pipeline.module if pipeline else model,
+                         params, expert_names, engine, expert_optimizer, experts, context, tensor,
+                         pipeline)
 
 
-def _data_parallel(module: nn.Module, replicated: dict[str, nn.Parameter], mesh: Mesh,
+def _data_parallel(model: Transformer, replicated: dict[str, nn.Parameter], mesh: Mesh,
                    comm: Comm, parallel: ParallelConfig, options: DataParallelOptions,
                    pipeline: PipelineExecutor | None):
     view = ParameterView(replicated)
     group = mesh["dp_cp"]  # context-parallel ranks hold the same weights as data-parallel ones
     if parallel.zero == 0:
-        return DataParallel(view, group, comm, options.bucket_bytes)
+        return DataParallel(replicated, group, comm, options)
     sharded = dict(param_groups=options.group_parameters(view), betas=options.betas,
                    eps=options.eps, compute_dtype=options.compute_dtype,
                    offload=parallel.offload)
@@ -153,7 +132,7 @@ def _data_parallel(module: nn.Module, replicated: dict[str, nn.Parameter], mesh:
     else:
         ids = {id(p) for p in replicated.values()}  # ZeRO-3 units without the experts
         units = None if pipelined else [(modules, [p for p in params if id(p) in ids])
-                                        for modules, params in transformer_units(module)]
+                                        for modules, params in transformer_units(model)]
         engine = FullyShardedDataParallel(view, group, comm, units=units, pipelined=pipelined,
                                           **sharded)
     if pipelined is not None:
@@ -165,8 +144,9 @@ def _data_parallel(module: nn.Module, replicated: dict[str, nn.Parameter], mesh:
 @dataclass
 class ParallelModel:
     """One rank's share of a model under a layout, and what a training strategy needs of it: how
-    a microbatch is cut and scored, the gradient reduction, the global gradient norm, and this
-    rank's pieces of the single-process tensors (checkpoints, the whole model on one rank)."""
+    a microbatch is cut and scored, backward, the gradient reduction, the global gradient norm,
+    clipping and the optimizer step, and this rank's pieces of the single-process tensors
+    (checkpoints, the whole model on one rank)."""
 
     config: ModelConfig
     mesh: Mesh
@@ -175,10 +155,11 @@ class ParallelModel:
     module: nn.Module  # runs forward without a pipeline; with one, the rank's stages
     params: dict[str, nn.Parameter]  # what this rank holds, by the single-process names
     expert_names: set[str]  # of `params`: reduced over edp, not by the engine
-    engine: DataParallel | ZeroDataParallel | FullyShardedDataParallel
+    engine: DataParallelEngine  # the replicated parameters' reduction and optimizer
+    expert_optimizer: WholeAdamW | None = None
     experts: ExpertParallel | None = None
     context: ContextParallel | None = None
-    tensor: TensorParallelTransformer | None = None
+    tensor: TensorParallelSplit | None = None
     pipeline: PipelineExecutor | None = None
 
     def __post_init__(self) -> None:
@@ -186,7 +167,7 @@ class ParallelModel:
         # The last pipeline rank's copy of a tied embedding is the first rank's parameter again.
         self.duplicate = {id(tied)} if tied is not None and \
             self.pipeline.embedding_group.index != 0 else set()
-        self._segments = None  # ZeRO: what of each flat shard this rank counts in the norm
+        self.scaler = self.engine.scaler  # fp16 loss scaling (None otherwise)
 
     def split(self, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A microbatch window [batch, seq + 1] -> inputs, targets and their positions."""
@@ -200,50 +181,53 @@ class ParallelModel:
             return self.tensor.loss(logits, targets)
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
+    def backward(self, loss: torch.Tensor, is_last_microbatch: bool) -> None:
+        self.engine.backward(loss, is_last_microbatch)
+
     def reduce_gradients(self) -> None:
         """After the step's last backward: replicated gradients averaged over dp x cp by the
-        engine (ZeRO: into this rank's shards), expert gradients over their replicas."""
-        if isinstance(self.engine, DataParallel):
-            self.engine.finish()
-        else:
-            self.engine.reduce_gradients()
+        engine (ZeRO: into this rank's shards), expert gradients over their replicas; all of
+        them unscaled (fp16)."""
+        self.engine.reduce_gradients()
         if self.experts is not None:
             self.experts.reduce_expert_gradients()
+            if self.scaler:
+                self.expert_optimizer.unscale(self.scaler.scale)
 
     def grad_norm(self) -> float:
         """The whole model's gradient norm, as torch.nn.utils.clip_grad_norm_ computes it on one
         device: every element once, wherever it lives (tp shards, rows or copies replicated over
         tp, pipeline stages and the tied embedding's two copies, ep's experts, ZeRO's shards).
-        Call after reduce_gradients (and unscaling). Sums only over the groups whose ranks hold
-        different numbers, so plain data parallelism sends nothing."""
-        device = next(iter(self.params.values())).device
-        replicated, experts, shards = (torch.zeros((), dtype=torch.float64, device=device)
-                                       for _ in range(3))
-        in_engine = set() if isinstance(self.engine, DataParallel) else \
-            {id(p) for shard in self.engine.shards for p in shard.params}
-        for name, param in self.params.items():
-            if param.grad is None or id(param) in in_engine:
-                continue
-            part = self.counted(name, param, param.grad)
-            if part is not None:
-                square = part.double().square().sum()
-                if name in self.expert_names:
-                    experts += square
-                else:
-                    replicated += square
-        if in_engine:  # ZeRO: each dp x cp rank holds its own shard of the gradients
-            for shard, pieces in zip(self.engine.shards, self._shard_segments()):
-                for start, end, mask in pieces:
-                    grad = shard.main_grad[start:end]
-                    shards += (grad if mask is None else grad[mask]).double().square().sum()
-            self.comm.all_reduce(shards, self.mesh["dp_cp"], NORM_TAG)
-        if self.expert_names:  # equal over edp once reduced, different over ep
+        Call after reduce_gradients. Sums only over the groups whose ranks hold different
+        numbers, so plain data parallelism sends nothing."""
+        total = self.engine.grad_square(self.counted)
+        if self.expert_optimizer is not None:  # equal over edp once reduced, different over ep
+            experts = self.expert_optimizer.grad_square(self.counted, total.device)
             self.comm.all_reduce(experts, self.mesh["ep"], NORM_TAG)
-        total = replicated + experts + shards
+            total = total + experts
         for axis in ("tp", "pp"):
             if getattr(self.mesh.dims, axis) > 1:  # a mesh may leave out groups of one rank
                 self.comm.all_reduce(total, self.mesh[axis], NORM_TAG)
         return total.sqrt().item()
+
+    def clip(self, grad_norm: float, max_norm: float) -> None:
+        """Scale every gradient as torch.nn.utils.clip_grad_norm_ does on one device."""
+        if max_norm <= 0 or not math.isfinite(grad_norm):
+            return
+        coefficient = min(max_norm / (grad_norm + 1e-6), 1.0)
+        self.engine.clip(coefficient)
+        if self.expert_optimizer is not None:
+            self.expert_optimizer.clip(coefficient)
+
+    def step(self, lr: float, grad_norm: float) -> bool:
+        """The optimizer step of every parameter this rank holds; False when an fp16 overflow (a
+        non-finite global norm, alike on every rank) skipped it."""
+        applied = self.engine.step(lr, grad_norm)
+        if self.expert_optimizer is not None:
+            if applied:
+                self.expert_optimizer.step(lr)
+            self.expert_optimizer.optimizer.zero_grad(set_to_none=True)
+        return applied
 
     def counted(self, name: str, param: nn.Parameter, tensor: torch.Tensor
                 ) -> torch.Tensor | None:
@@ -253,68 +237,58 @@ class ParallelModel:
             return None
         return tensor if self.tensor is None else self.tensor.counted_part(name, tensor)
 
-    def _shard_segments(self) -> list[list[tuple[int, int, torch.Tensor | None]]]:
-        """Per ZeRO shard: (start, end, element mask or None) of the pieces of its flat gradient
-        this rank counts. Positions, not values, go through `counted`, so the same rule applies."""
-        if self._segments is None:
-            self._segments = []
-            for shard in self.engine.shards:
-                lo, hi = shard.shard_range
-                pieces = []
-                for name, param, offset in zip(shard.names, shard.params, shard.offsets):
-                    start, end = max(lo, offset), min(hi, offset + param.numel())
-                    positions = torch.arange(param.numel(), device=param.device)
-                    part = self.counted(name, param, positions.view(param.shape))
-                    if start >= end or part is None:
-                        continue
-                    mask = torch.zeros(param.numel(), dtype=torch.bool, device=param.device)
-                    mask[part.flatten()] = True
-                    mask = mask[start - offset:end - offset]
-                    if mask.any():
-                        pieces.append((start - lo, end - lo, None if mask.all() else mask))
-                self._segments.append(pieces)
-        return self._segments
+    def placement(self, name: str, param: nn.Parameter) -> tuple | None:
+        """(global shape, split dim, this rank's rows) of what this rank writes of `param` in a
+        checkpoint, as far as tp and the pipeline go: its tp shard of a split tensor, an unsplit
+        one on the first tp rank, the tied embedding on its first pipeline rank (None: a peer
+        writes it). The replicas over dp x cp (edp for experts) are the optimizers' to skip."""
+        if id(param) in self.duplicate:
+            return None
+        split = self._tp_split(name)
+        if split is None and self.mesh.dims.coords(self.mesh.rank)["tp"]:
+            return None
+        return split or (tuple(param.shape), None, None)
 
-    def pieces(self, kind: str, tensors: dict[str, torch.Tensor]) -> list[Piece]:
-        """What this rank writes of `tensors` (named and shaped like parameters it holds whole
-        over dp x cp: the parameters and AdamW moments outside a ZeRO engine) in a checkpoint:
-        its tp shard of a split tensor, each tensor once over its replicas (dp x cp, an expert's
-        edp, tp for unsplit ones, the tied embedding's second pipeline copy)."""
-        coords = self.mesh.dims.coords(self.mesh.rank)
-        pieces = []
-        for name, param in self.params.items():
-            if name not in tensors or id(param) in self.duplicate:
-                continue
-            split = self._tp_split(name)
-            replicas = ("edp",) if name in self.expert_names else ("dp", "cp")
-            if any(coords[axis] for axis in replicas) or (split is None and coords["tp"]):
-                continue
-            pieces.append(Piece(kind, name, tensors[name],
-                                *(split or (tuple(tensors[name].shape),))))
-        return pieces
+    def checkpoint_pieces(self, kinds: tuple[str, ...] = CHECKPOINT_KINDS) -> list[Piece]:
+        """This rank's pieces of `kinds` (parameters, AdamW moments): what it alone writes in a
+        sharded checkpoint, each in the single-process tensors' coordinates."""
+        experts = (self.expert_optimizer.pieces(kinds, self.placement)
+                   if self.expert_optimizer is not None else [])
+        return self.engine.pieces(kinds, self.placement) + experts
 
-    def engine_pieces(self, kinds: tuple[str, ...] = CHECKPOINT_KINDS) -> list[Piece]:
-        """What this rank writes of a ZeRO engine's state: of `kinds`, the fp32 master parameters
-        ("model") and AdamW moments of its flat shards, each a flat range of a parameter (of its
-        tp shard)."""
-        first_tp = self.mesh.dims.coords(self.mesh.rank)["tp"] == 0
-        pieces = []
-        for shard in self.engine.shards:
-            lo, hi = shard.shard_range
-            for name, param, offset in zip(shard.names, shard.params, shard.offsets):
-                start, end = max(lo, offset), min(hi, offset + param.numel())
-                split = self._tp_split(name)
-                if start >= end or id(param) in self.duplicate or (split is None and not first_tp):
-                    continue
-                placement = split or (tuple(param.shape), None, None)
-                for kind in kinds:
-                    flat = getattr(shard, "master" if kind == "model" else kind)
-                    # A copy: slices of one buffer would carry the whole buffer when pickled,
-                    # and safetensors refuses tensors that share memory.
-                    part = flat[start - lo:end - lo].clone()
-                    pieces.append(Piece(kind, name, part, *placement,
-                                        flat=(start - offset, end - offset)))
-        return pieces
+    def optimizer_step(self) -> int:
+        return self.engine.optimizer_step()
+
+    def whole_state(self) -> dict[str, torch.Tensor]:
+        """Every parameter whole, by the single-process names: every rank's pieces exchanged and
+        assembled, on each rank (collective over the world, tag "checkpoint")."""
+        by_name: dict[str, list[Piece]] = {}
+        pieces = self.checkpoint_pieces(("model",))
+        for rank_pieces in self.comm.all_gather_object(pieces, self.mesh["world"], "checkpoint"):
+            for piece in rank_pieces:
+                by_name.setdefault(piece.name, []).append(piece)
+        return {name: assemble(parts) for name, parts in by_name.items()}
+
+    def load(self, whole: dict) -> None:
+        """A checkpoint's whole tensors (any layout's; tetrad.sharded_tensors) into this rank's
+        parameters and optimizer state, each cut when looked up."""
+        params = self.local_named(whole["model"], self.params)
+        optimizer = whole.get("optimizer")
+        moments = optimizer and {"step": optimizer["step"],
+                                 "exp_avg": self.local_named(optimizer["exp_avg"], self.params),
+                                 "exp_avg_sq": self.local_named(optimizer["exp_avg_sq"],
+                                                                self.params)}
+        self.engine.load(params, moments, loss_scaler_state(whole.get("scaler")))
+        if self.expert_optimizer is not None:
+            self.expert_optimizer.load(params, moments)
+
+    def bytes_held(self) -> dict[str, int]:
+        """Bytes of the tensors this rank holds, by kind (counted from the tensors)."""
+        held = self.engine.bytes_held()
+        if self.expert_optimizer is not None:
+            for kind, count in self.expert_optimizer.bytes_held().items():
+                held[kind] += count
+        return held
 
     def _tp_split(self, name: str) -> tuple[tuple[int, ...], int, torch.Tensor] | None:
         """(global shape, dim, this rank's rows) of a tensor split over tp; None if unsplit."""
@@ -330,3 +304,9 @@ class ParallelModel:
         if self.tensor is None:
             return LazyMapping(names, whole.__getitem__)
         return LazyMapping(names, lambda name: self.tensor.local_part(name, whole[name]))
+
+
+def loss_scaler_state(state: dict | None) -> dict | None:
+    """A loss scaler's state from any checkpoint (torch's GradScaler counts "_growth_tracker")."""
+    return state and {"scale": state["scale"],
+                      "clean_steps": state.get("clean_steps", state.get("_growth_tracker", 0))}

@@ -1,9 +1,10 @@
 """Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) and sequence parallelism (Korthikanti et
 al. 2022) for a tetrad Transformer. docs/tensor_parallel.md has the tables and the numbers.
 
-Every rank builds the full model with the same seed; `parallelize_tensor` then keeps this rank's
-slice of each matmul (sliced from the full weights, so the start equals the single-process model)
-and returns a module whose parameter names are the full model's. Over the tp ranks of a group:
+Every rank builds the full model with the same seed; `apply_tensor_parallel` then swaps, inside
+that Transformer, each matmul for this rank's slice of it (sliced from the full weights, so the
+start equals the single-process model). Transformer.forward runs unchanged and parameter names
+stay the full model's. Over the tp ranks of a group:
 
   attention  split by heads: qkv column-parallel, each of q, k, v sliced on its own; out
              row-parallel. With fewer kv heads than ranks, each kv head is replicated on the
@@ -30,15 +31,13 @@ Traffic per microbatch, each of one [b, s, h] activation: per dense layer 2 all-
 embedding and one backward at the head's input; per MoE layer only attention's. The loss adds two
 forward all-reduces over the tokens (the max logit; the sum of exponentials with the target
 logit). Under SP each all-reduce is a reduce-scatter/all-gather pair, and an MoE layer gathers its
-input forward and its output gradient backward. Once per step `finish_gradients` all-reduces the
-gradients each rank holds only part of: replicated kv rows, and under SP the replicated
-parameters applied to a sequence shard.
+input forward and its output gradient backward. Once per step `sum_partial_gradients` (called by
+the data-parallel engine just before it reduces a bucket) all-reduces the gradients each rank
+holds only part of: replicated kv rows, and under SP the replicated parameters applied to a
+sequence shard.
 """
 
 from __future__ import annotations
-
-from functools import partial
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +47,6 @@ from tetrad.config import ModelConfig
 from tetrad.errors import ConfigError
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm
-from tetrad.parallel.grad_norm import scale_to_max_norm_
 from tetrad.parallel.mesh import Group, Mesh
 from tetrad.parallel.tp_operators import TensorParallel, keep_moe_whole
 from tetrad.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
@@ -131,15 +129,27 @@ def even_split(size: int, tp: int) -> list[torch.Tensor]:
     return [torch.arange(r * per_rank, (r + 1) * per_rank) for r in range(tp)]
 
 
-def parallelize_tensor(model: Transformer, mesh_or_group: Mesh | Group, comm: Comm,
-                       sequence_parallel: bool = False, seq_len: int | None = None
-                       ) -> "TensorParallelTransformer":
-    """Split `model` (built with the same seed on every rank) over the tp group: its layers are
-    replaced in place by their parallel versions, and the returned module runs it (`model`'s own
-    forward no longer applies). `seq_len`, when given, is checked against SP up front."""
+def apply_tensor_parallel(model: Transformer, mesh_or_group: Mesh | Group, comm: Comm,
+                          sequence_parallel: bool = False, seq_len: int | None = None
+                          ) -> "TensorParallelSplit":
+    """Split `model` (built with the same seed on every rank) over the tp group: its modules are
+    swapped in place for their parallel versions, and `model` then computes this rank's
+    vocabulary slice of the logits. `seq_len`, when given, is checked against SP up front."""
     group = mesh_or_group["tp"] if isinstance(mesh_or_group, Mesh) else mesh_or_group
     check_tensor_parallel(model.config, group.size, sequence_parallel, seq_len)
-    return TensorParallelTransformer(model, TensorParallel(group, comm, sequence_parallel))
+    return TensorParallelSplit(model, TensorParallel(group, comm, sequence_parallel))
+
+
+class SequenceShardedPositions(nn.Module):
+    """Learned positions under SP: this rank's sequence shard of them, as the hidden states
+    between the layers are. The parameter is the model's own (`pos_embed.weight`)."""
+
+    def __init__(self, full: nn.Embedding, tp: TensorParallel):
+        super().__init__()
+        self.tp, self.weight = tp, full.weight
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return F.embedding(self.tp.sequence_shard(positions, 0), self.weight)
 
 
 def _shard_block(block: nn.Module, config: ModelConfig, tp: TensorParallel) -> None:
@@ -162,28 +172,29 @@ def _shard_block(block: nn.Module, config: ModelConfig, tp: TensorParallel) -> N
     mlp.ffn_hidden_size = ffn // size
 
 
-class TensorParallelTransformer(nn.Module):
-    """This rank's share of a Transformer under tensor (and sequence) parallelism. forward gives
-    this rank's vocabulary slice of the logits; `loss` turns it into the global mean
-    cross-entropy. Parameter names are the full model's; `full_state_dict` reassembles them."""
+class TensorParallelSplit:
+    """What tensor parallelism did to a Transformer, and what the layout needs of it: the
+    vocab-parallel loss, the sum of the gradients ranks hold only in part, what each rank counts
+    in a sum over the whole model, and how each split parameter is laid out over the ranks."""
 
     def __init__(self, model: Transformer, tp: TensorParallel):
-        super().__init__()
         config = model.config
         self.config, self.tp = config, tp
         for block in model.layers:
             _shard_block(block, config, tp)
         vocab = even_split(config.vocab_size, tp.size)
-        self.embed = VocabParallelEmbedding(model.embed, vocab, tp)
-        self.pos_embed, self.rotary, self.layers, self.norm = (model.pos_embed, model.rotary,
-                                                               model.layers, model.norm)
-        self.lm_head = (None if model.lm_head is None
-                        else ColumnParallelLinear(model.lm_head, vocab, tp))
+        model.embed = VocabParallelEmbedding(model.embed, vocab, tp)  # a tied head with it
+        if model.lm_head is not None:
+            model.lm_head = ColumnParallelLinear(model.lm_head, vocab, tp)
+        if tp.sequence_parallel:
+            if model.pos_embed is not None:
+                model.pos_embed = SequenceShardedPositions(model.pos_embed, tp)
+            model.register_forward_pre_hook(self._check_sequence, with_kwargs=True)
 
         # Gradient bookkeeping, by the full model's parameter names: how each split parameter is
         # laid out over the ranks (dim, rows of the full tensor per rank).
         self.shards: dict[str, tuple[int, list[torch.Tensor]]] = {}
-        for prefix, module in self.named_modules():
+        for prefix, module in model.named_modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear,
                                    VocabParallelEmbedding)):
                 self.shards[f"{prefix}.weight"] = (module.dim, module.indices)
@@ -191,8 +202,9 @@ class TensorParallelTransformer(nn.Module):
                     self.shards[f"{prefix}.bias"] = (0, module.indices)
         # Under SP every replicated parameter outside an MoE layer sees only a sequence shard
         # (whichever module holds the layer: expert parallelism swaps in its own).
-        whole_moe = {id(p) for block in self.layers if block.is_moe for p in block.mlp.parameters()}
-        self.partial_params = [p for name, p in self.named_parameters() if tp.sequence_parallel
+        whole_moe = {id(p) for block in model.layers if block.is_moe
+                     for p in block.mlp.parameters()}
+        self.partial_params = [p for name, p in model.named_parameters() if tp.sequence_parallel
                                and name not in self.shards and id(p) not in whole_moe]
         # Rows several ranks hold (replicated kv heads): (param, local rows, their slots in the
         # union of shared rows, the union's size). And what this rank counts in the gradient
@@ -200,7 +212,7 @@ class TensorParallelTransformer(nn.Module):
         # the split dim, None for all.
         self.shared_rows = []
         self.owned: dict[str, torch.Tensor | None] = {}
-        for name, param in self.named_parameters():
+        for name, param in model.named_parameters():
             if name in self.shards:
                 dim, indices = self.shards[name]
                 owned, shared = _overlaps(indices, tp.index, param.device)
@@ -209,65 +221,27 @@ class TensorParallelTransformer(nn.Module):
                     assert dim == 0, name  # only column-parallel rows are ever replicated
                     self.shared_rows.append((param, *shared))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                cache: Any = None) -> torch.Tensor:
-        """input_ids: [batch, seq] -> this rank's logits [batch, seq, vocab / tp]. The operations
-        are Transformer.forward's, in its order. `positions` and `cache` are Transformer.forward's
-        serving path (tetrad.inference): attention over the paged KV cache of this rank's kv
-        heads, logits only for cache.logits_indices."""
-        seq = input_ids.shape[-1]
-        if cache is None and seq > self.config.max_seq_len:
-            raise ConfigError(f"sequence of {seq} tokens is longer than max_seq_len "
-                              f"{self.config.max_seq_len}")
-        if self.tp.sequence_parallel and cache is not None:
+    def _check_sequence(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Before Transformer.forward under SP: a sequence the tp ranks can split, no serving."""
+        input_ids = args[0] if args else kwargs["input_ids"]
+        if (args[2] if len(args) > 2 else kwargs.get("cache")) is not None:
             raise ConfigError("sequence parallelism is for training: serve a model parallelized "
                               "with sequence_parallel=False")
-        if self.tp.sequence_parallel and seq % self.tp.size:
-            raise ConfigError(f"--sequence-parallel needs the sequence length ({seq}) to be a "
-                              f"multiple of tp ({self.tp.size})")
-        if positions is None:
-            positions = torch.arange(seq, device=input_ids.device)
-        x = self.embed(input_ids)  # [b, s, h], or [b, s/tp, h] under SP
-        if self.pos_embed is not None:
-            x = x + self.pos_embed(self.tp.sequence_shard(positions, 0)
-                                   if self.tp.sequence_parallel else positions)
-        rope = self.rotary(positions) if self.rotary is not None else None  # whole sequence
-        for index, layer in enumerate(self.layers):
-            x = layer(x, rope, None if cache is None else partial(cache.attend, index))
-        if cache is not None:
-            x = x[:, cache.logits_indices]  # only where a token is sampled: saves the vocab matmul
-        x = self.norm(x)
-        if self.lm_head is None:
-            return self.tp.enter(x) @ self.embed.weight.t()
-        return self.lm_head(x)
+        if input_ids.shape[-1] % self.tp.size:
+            raise ConfigError(f"--sequence-parallel needs the sequence length "
+                              f"({input_ids.shape[-1]}) to be a multiple of tp ({self.tp.size})")
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy over every token: F.cross_entropy(full logits, targets) without
         gathering the logits. logits: [batch, seq, vocab / tp]; targets: [batch, seq]."""
         return vocab_parallel_cross_entropy(logits, targets, self.tp)
 
-    def aux_loss(self) -> torch.Tensor | None:
-        """Sum of the MoE layers' load-balance losses from the last forward (equal on every tp
-        rank), or None (dense)."""
-        losses = [layer.aux_loss for layer in self.layers if layer.aux_loss is not None]
-        return torch.stack(losses).sum() if losses else None
-
-    def finish_gradients(self) -> None:
-        """After the last microbatch's backward: sum over the tp group the gradients each rank
-        holds only part of (replicated kv rows; under SP the replicated parameters, which saw
-        only this rank's tokens). One all-reduce, tag "grads"; none when nothing is partial.
-        Gradients are updated in place (they may be views into a data-parallel bucket), so run
-        it after the data-parallel reduction has finished: the two sums commute."""
-        for param in [*self.partial_params, *(shared[0] for shared in self.shared_rows)]:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-        self.sum_partial_gradients({id(p): p.grad for p in self.parameters()
-                                    if p.grad is not None})
-
     def sum_partial_gradients(self, grads: dict[int, torch.Tensor]) -> None:
-        """finish_gradients for some parameters only: `grads` maps id(parameter) to its gradient
-        (e.g. views into one data-parallel bucket, summed here before the bucket is reduced).
-        Every tp rank passes the same parameters; those not partial are left alone."""
+        """Sum over the tp group the gradients each rank holds only part of (replicated kv rows;
+        under SP the replicated parameters, which saw only this rank's tokens), among `grads`:
+        id(parameter) -> its gradient, e.g. the views into one data-parallel bucket, summed here
+        just before the bucket is reduced (the two sums commute). One all-reduce, tag "grads";
+        none when nothing is partial. Every tp rank passes the same parameters."""
         replicated = [grads[id(p)] for p in self.partial_params if id(p) in grads]
         shared = [(grads[id(p)], *rest) for p, *rest in self.shared_rows if id(p) in grads]
         if not (replicated or shared):
@@ -293,45 +267,6 @@ class TensorParallelTransformer(nn.Module):
         owned = self.owned[name]
         return tensor if owned is None else tensor.index_select(self.shards[name][0], owned)
 
-    def local_grad_square(self) -> torch.Tensor:
-        """Sum of squared gradients this rank owns: summed over the tp group it is the whole
-        model's squared gradient norm."""
-        total = torch.zeros((), device=self.embed.weight.device)
-        for name, param in self.named_parameters():
-            counted = None if param.grad is None else self.counted_part(name, param.grad)
-            if counted is not None:
-                total += counted.square().sum()
-        return total
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """The whole model's gradient norm (all-reduced over tp, tag "metrics"); gradients scaled
-        by max_norm / norm when larger (0: no clipping). Returns the norm before clipping, as
-        torch.nn.utils.clip_grad_norm_ on the single-process model."""
-        square = self.local_grad_square()
-        self.tp.comm.all_reduce(square, self.tp.group, "metrics")
-        return scale_to_max_norm_(self.parameters(), square.sqrt(), max_norm)
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter whole, by the full model's names, in its layout: what the single-process
-        model's named_parameters hold. Collective over the tp group (tag "checkpoint")."""
-        return {name: self.gather_whole(name, param.detach()).clone()
-                for name, param in self.named_parameters()}
-
-    def gather_whole(self, name: str, value: torch.Tensor) -> torch.Tensor:
-        """`value`, shaped like this rank's parameter `name` (the parameter, or an optimizer
-        moment of it), made whole in the single-process layout. Collective over the tp group for
-        a split parameter (tag "checkpoint"); a replicated one is returned as it is."""
-        if name not in self.shards:
-            return value
-        dim, indices = self.shards[name]
-        value = value.contiguous()
-        pieces = value.new_empty((self.tp.size, *value.shape))
-        self.tp.comm.all_gather(pieces.view(-1), value.view(-1), self.tp.group, "checkpoint")
-        whole = value.new_empty(self.whole_shape(name, value.shape))
-        for rank, rows in enumerate(indices):  # replicated rows are equal: any copy does
-            whole.index_copy_(dim, rows.to(value.device), pieces[rank])
-        return whole
-
     def whole_shape(self, name: str, local_shape) -> tuple[int, ...]:
         """The single-process shape of split parameter `name`, from this rank's shape of it."""
         dim, indices = self.shards[name]
@@ -340,8 +275,8 @@ class TensorParallelTransformer(nn.Module):
         return tuple(shape)
 
     def local_part(self, name: str, whole: torch.Tensor) -> torch.Tensor:
-        """This rank's piece of a tensor shaped like the single-process parameter `name`: the
-        inverse of gather_whole, without communication."""
+        """This rank's piece of a tensor shaped like the single-process parameter `name` (no
+        communication)."""
         if name not in self.shards:
             return whole
         dim, indices = self.shards[name]

@@ -42,6 +42,11 @@ class VocabParallelEmbedding(nn.Module):
         # Zeroing the borrowed row 0 also zeroes its gradient for tokens this rank does not own.
         return self.tp.leave(x.masked_fill(elsewhere.unsqueeze(-1), 0.0))
 
+    def unembed(self, x: torch.Tensor) -> torch.Tensor:
+        """The tied head: hidden states (entering through f, or all-gathered under SP) -> this
+        rank's vocabulary slice of the logits."""
+        return self.tp.enter(x) @ self.weight.t()
+
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy from vocabulary-split logits; see the module docstring."""

@@ -34,17 +34,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
 
 from tetrad.parallel.comm import Comm, Handle
-from tetrad.parallel.data_parallel import (DEFAULT_BUCKET_BYTES, LaunchInOrder, bucket_params,
-                                           broadcast_parameters)
+from tetrad.parallel.data_parallel import LaunchInOrder, bucket_params, broadcast_parameters
+from tetrad.parallel.engine import DEFAULT_BUCKET_BYTES, Counted, LossScaler, Placement
 from tetrad.parallel.mesh import Group
-from tetrad.parallel.zero_optimizer import (FlatShard, LossScaler, ShardedAdamW, clip_shards,
-                                            global_grad_norm, nbytes, scatter_state)
+from tetrad.parallel.zero_optimizer import (FlatShard, ShardedAdamW, counted_segments, nbytes,
+                                            scatter_state, shard_pieces)
+from tetrad.sharded_tensors import Piece
+
+NORM_TAG = "grad_norm"
 
 
 @dataclass(frozen=True)
@@ -65,9 +68,10 @@ class Pipelined:
 
 
 class ShardedEngine:
-    """The optimizer side of every ZeRO stage: loss scaling, fp32 gradients of the shard, global
-    norm and clipping, the sharded AdamW step, checkpoints, bytes held. A stage provides the
-    shards, how gradients reach them, and what happens to parameters after the step."""
+    """The optimizer side of every ZeRO stage (tetrad.parallel.engine.DataParallelEngine): loss
+    scaling, fp32 gradients of the shard, their part of the global norm and clipping, the sharded
+    AdamW step, checkpoints, bytes held. A stage provides the shards, how gradients reach them,
+    and what happens to parameters after the step."""
 
     def __init__(self, group: Group, comm: Comm, compute_dtype: torch.dtype, offload: bool,
                  betas: tuple[float, float], eps: float, pipelined: Pipelined | None = None):
@@ -78,7 +82,7 @@ class ShardedEngine:
         self.scaler = LossScaler() if compute_dtype == torch.float16 else None
         self.shards: list[FlatShard] = []
         self.optimizer: ShardedAdamW | None = None
-        self.grad_norm = 0.0
+        self._segments = None  # what of each flat shard this rank counts in the norm
         # Called with {id(param): grad} of a flat buffer just before it is reduce-scattered: tensor
         # parallelism sums there the gradients its ranks hold only part of (the sums commute).
         self.before_reduce: Callable[[dict[int, torch.Tensor]], None] | None = None
@@ -119,16 +123,8 @@ class ShardedEngine:
         (loss * self.scaler.scale if self.scaler else loss).backward()
         self._after_backward()
 
-    def finish_gradients(self) -> None:
-        """Averaged, unscaled fp32 gradients of this rank's shards, and their global norm."""
-        self.reduce_gradients()
-        self.grad_norm = global_grad_norm(self.shards, self.comm, self.group,
-                                          self._grad_shards()[0].device)
-
     def reduce_gradients(self) -> None:
-        """finish_gradients without the norm, for a caller whose norm spans more ranks than the
-        data-parallel group (tensor or pipeline shards): it sets grad_norm itself, which clipping
-        and the fp16 overflow check then use."""
+        """Averaged, unscaled fp32 gradients of this rank's shards."""
         self._finish_reduction()
         inv_scale = 1.0 / self.scaler.scale if self.scaler else None
         for shard, grad in zip(self.shards, self._grad_shards()):
@@ -149,16 +145,29 @@ class ShardedEngine:
             if len(shard.params) == 1 and shard.params[0] is tied:
                 self.comm.all_reduce(grad, self.pipelined.embedding_group, "grads")
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        if max_norm > 0 and math.isfinite(self.grad_norm):
-            clip_shards(self.shards, self.grad_norm, max_norm)
-        return self.grad_norm
+    def grad_square(self, counted: Counted) -> torch.Tensor:
+        """Each dp x cp rank holds its own shard of the gradients: the squares of what this rank
+        counts of them, summed over the group."""
+        device = self._grad_shards()[0].device
+        square = torch.zeros((), dtype=torch.float64, device=device)
+        if self._segments is None:
+            self._segments = counted_segments(self.shards, counted)
+        for shard, pieces in zip(self.shards, self._segments):
+            for start, end, mask in pieces:
+                grad = shard.main_grad[start:end]
+                square += (grad if mask is None else grad[mask]).double().square().sum()
+        self.comm.all_reduce(square, self.group, NORM_TAG)
+        return square
+
+    def clip(self, coefficient: float) -> None:
+        for shard in self.shards:
+            shard.main_grad.mul_(coefficient)
 
     @torch.no_grad()
-    def step(self, lr: float) -> bool:
+    def step(self, lr: float, grad_norm: float) -> bool:
         """Update the shards and republish the parameters. With fp16, a step whose gradients
-        overflowed is skipped (False) and the loss scale backs off."""
-        found_inf = not math.isfinite(self.grad_norm)
+        overflowed (a non-finite global norm) is skipped (False) and the loss scale backs off."""
+        found_inf = not math.isfinite(grad_norm)
         if self.scaler is not None:
             self.scaler.update(found_inf)
             if found_inf:
@@ -189,22 +198,28 @@ class ShardedEngine:
             held["optimizer"] = optimizer
         return held
 
+    def pieces(self, kinds: tuple[str, ...], placement: Placement) -> list[Piece]:
+        return shard_pieces(self.shards, kinds, placement)
+
+    def optimizer_step(self) -> int:
+        return self.optimizer.step_count
+
     @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
-        """Whole tensors by parameter name (a checkpoint of any layout; see
-        ParallelModel.engine_pieces for what a rank writes) into this rank's shards."""
-        optimizer = state.get("optimizer")
+    def load(self, params: Mapping[str, torch.Tensor], moments: dict | None,
+             scaler: dict | None) -> None:
+        """Whole tensors by parameter name (a checkpoint of any layout; see `pieces` for what a
+        rank writes) into this rank's shards, looking up only what its ranges hold."""
         for shard, param_shard in zip(self.shards, self._param_shards()):
-            scatter_state(shard, state["model"], shard.master)
+            scatter_state(shard, params, shard.master)
             if shard.master is not param_shard:
                 param_shard.copy_(shard.master)
-            if optimizer:
-                scatter_state(shard, optimizer["exp_avg"], shard.exp_avg)
-                scatter_state(shard, optimizer["exp_avg_sq"], shard.exp_avg_sq)
-        if optimizer:
-            self.optimizer.step_count = optimizer["step"]
-        if self.scaler and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
+            if moments:
+                scatter_state(shard, moments["exp_avg"], shard.exp_avg)
+                scatter_state(shard, moments["exp_avg_sq"], shard.exp_avg_sq)
+        if moments:
+            self.optimizer.step_count = moments["step"]
+        if self.scaler and scaler:
+            self.scaler.load_state_dict(scaler)
         self._publish_params()
 
 

@@ -1,6 +1,6 @@
 """The pieces every ZeRO stage shares: flat parameter buffers cut into N shards, AdamW on this
-rank's shard (fp32 master weights, optionally in host memory), dynamic loss scaling, the global
-gradient norm, and a checkpoint's whole tensors scattered to the shards.
+rank's shard (fp32 master weights, optionally in host memory), what a rank counts of them in the
+global gradient norm, and checkpoint pieces to and from the shards.
 
 A FlatShard is one flat buffer of parameters (a bucket for ZeRO-1/2, a unit for ZeRO-3), padded
 to a multiple of N elements so that every rank owns exactly numel/N of it: rank i owns
@@ -10,15 +10,15 @@ parameter segment, so the update is element for element torch's AdamW (single-te
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from tetrad.parallel.comm import Comm
+from tetrad.parallel.engine import Counted, Placement
 from tetrad.parallel.mesh import Group
+from tetrad.sharded_tensors import Piece
 
 
 def host_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -148,52 +148,6 @@ class ShardedAdamW:
             shard.main_grad = None
 
 
-class LossScaler:
-    """Dynamic loss scaling for fp16 (torch.amp.GradScaler's policy): multiply the loss by
-    `scale` so small gradients survive fp16; on inf/nan skip the step and halve the scale, after
-    `growth_interval` clean steps double it."""
-
-    def __init__(self, scale: float = 2.0 ** 16, growth_interval: int = 2000):
-        self.scale = scale
-        self.growth_interval = growth_interval
-        self.clean_steps = 0
-
-    def update(self, found_inf: bool) -> None:
-        if found_inf:
-            self.scale *= 0.5
-            self.clean_steps = 0
-        else:
-            self.clean_steps += 1
-            if self.clean_steps == self.growth_interval:
-                self.scale *= 2.0
-                self.clean_steps = 0
-
-    def state_dict(self) -> dict:
-        return {"scale": self.scale, "clean_steps": self.clean_steps}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.scale, self.clean_steps = state["scale"], state["clean_steps"]
-
-
-def global_grad_norm(shards: list[FlatShard], comm: Comm, group: Group,
-                     device: torch.device) -> float:
-    """L2 norm of the whole gradient from the shards: each rank squares its part, one scalar
-    all-reduce (on `device`, where the backend communicates) sums them. inf/nan (an fp16
-    overflow anywhere) propagates to every rank."""
-    local = torch.zeros((), dtype=torch.float64, device=device)
-    for shard in shards:
-        local += shard.main_grad.double().square().sum().to(device)
-    comm.all_reduce(local, group, "grad_norm")
-    return math.sqrt(local.item()) if math.isfinite(local.item()) else float("inf")
-
-
-def clip_shards(shards: list[FlatShard], total_norm: float, max_norm: float) -> None:
-    """torch.nn.utils.clip_grad_norm_'s rule (coefficient capped at 1, applied always)."""
-    coefficient = min(max_norm / (total_norm + 1e-6), 1.0)
-    for shard in shards:
-        shard.main_grad.mul_(coefficient)
-
-
 def scatter_state(shard: FlatShard, full: Mapping[str, torch.Tensor],
                   target: torch.Tensor) -> None:
     """This rank's piece of whole per-parameter tensors into `target` [shard_numel], looking up
@@ -205,3 +159,48 @@ def scatter_state(shard: FlatShard, full: Mapping[str, torch.Tensor],
         if start < end:
             piece = full[name].reshape(-1)[start - offset:end - offset]
             target[start - lo:end - lo].copy_(piece)
+
+
+def counted_segments(shards: list[FlatShard], counted: Counted
+                     ) -> list[list[tuple[int, int, torch.Tensor | None]]]:
+    """Per shard: (start, end, element mask or None) of the pieces of its flat gradient this rank
+    counts in the global norm. Positions, not values, go through `counted`, so the rule is the
+    one for whole gradients."""
+    segments = []
+    for shard in shards:
+        lo, hi = shard.shard_range
+        pieces = []
+        for name, param, offset in zip(shard.names, shard.params, shard.offsets):
+            start, end = max(lo, offset), min(hi, offset + param.numel())
+            positions = torch.arange(param.numel(), device=param.device)
+            part = counted(name, param, positions.view(param.shape))
+            if start >= end or part is None:
+                continue
+            mask = torch.zeros(param.numel(), dtype=torch.bool, device=param.device)
+            mask[part.flatten()] = True
+            mask = mask[start - offset:end - offset]
+            if mask.any():
+                pieces.append((start - lo, end - lo, None if mask.all() else mask))
+        segments.append(pieces)
+    return segments
+
+
+def shard_pieces(shards: list[FlatShard], kinds: tuple[str, ...], placement: Placement
+                 ) -> list[Piece]:
+    """Of `kinds`, the fp32 master parameters ("model") and AdamW moments of this rank's flat
+    shards, each a flat range of a parameter (of its tp shard)."""
+    pieces = []
+    for shard in shards:
+        lo, hi = shard.shard_range
+        for name, param, offset in zip(shard.names, shard.params, shard.offsets):
+            start, end = max(lo, offset), min(hi, offset + param.numel())
+            place = placement(name, param) if start < end else None
+            if place is None:
+                continue
+            for kind in kinds:
+                flat = getattr(shard, "master" if kind == "model" else kind)
+                # A copy: slices of one buffer would carry the whole buffer when pickled, and
+                # safetensors refuses tensors that share memory.
+                part = flat[start - lo:end - lo].clone()
+                pieces.append(Piece(kind, name, part, *place, flat=(start - offset, end - offset)))
+    return pieces

@@ -23,7 +23,7 @@ from tetrad.planner.layout import TrainLayout
 from tetrad.planner.precision import TrainingPrecision
 
 FP32 = 4
-BUCKET_BYTES = 25 * 2**20  # tetrad.parallel.data_parallel.DEFAULT_BUCKET_BYTES (torch DDP's)
+BUCKET_BYTES = 25 * 2**20  # tetrad.parallel.engine.DEFAULT_BUCKET_BYTES (torch DDP's)
 
 
 @dataclass(frozen=True)

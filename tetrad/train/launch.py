@@ -100,16 +100,17 @@ def ps_rank(rank: int, world_size: int, config: TrainConfig,
     the parameter-server strategy, servers serve until every worker said goodbye or died."""
     from tetrad.parallel.comm import Comm, CommCounter
     from tetrad.parallel.mesh import Group
-    from tetrad.parallel.ps import ParameterServer, ParameterServerWorker
+    from tetrad.parallel.ps import ParameterServer
     from tetrad.train import checkpoint as ckpt
     from tetrad.train.optim import build_optimizer, parameter_groups
+    from tetrad.train.ps_strategy import ParameterServerStrategy
     from tetrad.train.trainer import build_model, prepare, train
 
     options = ps_options(config)
     world = Group("world", tuple(range(world_size)), rank, dist.group.WORLD)
     comm = Comm(CommCounter())
     if not options.roles(world_size).is_server(rank):
-        result = train(config, partial(ParameterServerWorker, world=world, comm=comm,
+        result = train(config, partial(ParameterServerStrategy, world=world, comm=comm,
                                        options=options), show_progress=rank == 0, layout=layout)
         return result if rank == 0 else None
     model_config, _, resume_from = prepare(config, layout.model if layout else None)

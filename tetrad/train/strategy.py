@@ -1,30 +1,81 @@
 """The seam between the training loop and the way a model is spread over processes.
 
-The trainer only talks to a strategy: `forward_backward(batch)` runs one step's forward and
+The trainer only talks to a `Strategy`: `forward_backward(batch)` runs one step's forward and
 backward on this rank's share of the global batch and returns the global-batch loss, then the
 trainer calls `finish_gradients`, `clip_grad_norm` and `step`. `LocalStrategy` does all of it in
-one process and is the reference every parallel layout must reproduce. The two strategies over a
-process mesh differ only in who owns the optimizer: `DataParallelStrategy` keeps a whole AdamW on
-every rank (DDP), `ZeroStrategy` shards it over dp x cp (ZeRO 1-3). Both take any 4D layout: the
-model is spread by tetrad.parallel.parallelize, in its one fixed order, and with a pipeline the
-step's microbatches are the executor's.
+one process and is the reference every parallel layout must reproduce. `MeshStrategy` takes any 4D
+layout and any data-parallel engine (DDP, ZeRO 1-3): the model is spread by
+tetrad.parallel.parallelize, in its one fixed order, and with a pipeline the step's microbatches
+are the executor's. `ParameterServerStrategy` is a parameter-server worker
+(tetrad.train.ps_strategy). All of them run the one microbatch loop of tetrad.train.microbatches.
 """
 
 from __future__ import annotations
+
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from tetrad.config import TrainConfig
-from tetrad.parallel.comm import Comm
+from tetrad.parallel.comm import Comm, CommCounter
 from tetrad.parallel.mesh import Mesh
 from tetrad.parallel.recompute import apply_recompute
 from tetrad.planner.precision import TrainingPrecision, training_precision
+from tetrad.sharded_tensors import Piece
 from tetrad.train.local_strategy import LocalStrategy
-from tetrad.train.mesh_strategy import DataParallelStrategy, ZeroStrategy
+from tetrad.train.mesh_strategy import MeshStrategy
 
-__all__ = ["LocalStrategy", "DataParallelStrategy", "ZeroStrategy", "build_strategy",
-           "planned_precision"]
+__all__ = ["Strategy", "LocalStrategy", "MeshStrategy", "build_strategy", "planned_precision"]
+
+
+class Strategy(Protocol):
+    """Everything the trainer (tetrad.train.trainer) asks of a strategy."""
+
+    rank: int
+    world_size: int
+    coords: dict[str, int]  # this rank's place on the mesh, for the run report
+    comm: CommCounter | None  # the bytes it sent (None: no collectives)
+    summary: dict | None  # a run summary for the report (the parameter server's), after gather
+
+    @property
+    def activations_peak(self) -> int:
+        """Most bytes saved for backward at once in any step so far."""
+
+    @property
+    def idle_fraction(self) -> float:
+        """The pipeline's measured bubble (0 without one)."""
+
+    def forward_backward(self, batch: torch.Tensor) -> tuple[float, float | None]:
+        """One step's forward and backward on this rank's share of the global batch
+        [batch_size, seq_len + 1]: the global batch's mean loss (and MoE load-balance loss)."""
+
+    def finish_gradients(self) -> None:
+        """Gradients final (reduced, unscaled) and their global norm known."""
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip to max_norm (0: no clipping); the global norm before clipping."""
+
+    def step(self, lr: float) -> bool:
+        """Apply the update; False when fp16 loss scaling found inf/nan and skipped it."""
+
+    def bytes_held(self) -> dict[str, int]:
+        """Bytes of the tensors this rank holds, by kind. Called while gradients are live."""
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's `value`, in rank order (collective): the run report's per-rank entries."""
+
+    def whole_model(self) -> nn.Module:
+        """The model with every parameter whole on this rank (collective)."""
+
+    def checkpoint_state(self) -> tuple[list[Piece], dict]:
+        """This rank's pieces of the parameters and AdamW moments, and the shared state."""
+
+    def exchange(self, value: Any) -> list[Any]:
+        """Every rank's `value` (collective): how the ranks agree on a save."""
+
+    def load_state_dict(self, state: dict) -> None:
+        """From a checkpoint of any layout: whole tensors by name (tetrad.sharded_tensors)."""
 
 
 def planned_precision(config: TrainConfig) -> TrainingPrecision:
@@ -38,13 +89,11 @@ def planned_precision(config: TrainConfig) -> TrainingPrecision:
 
 
 def build_strategy(model: nn.Module, config: TrainConfig, device: torch.device,
-                   mesh: Mesh | None = None, collectives: Comm | None = None):
+                   mesh: Mesh | None = None, collectives: Comm | None = None) -> Strategy:
     """The strategy for config.parallel on this rank's mesh (none: single process)."""
     if mesh is None:
         # One process still honours --recompute: it changes what backward keeps, never the
         # numbers (multi-rank layouts apply it in parallelize's fixed order).
         apply_recompute(model, config.parallel.recompute)
         return LocalStrategy(model, config, device)
-    if config.parallel.zero == 0:
-        return DataParallelStrategy(model, config, device, mesh, collectives)
-    return ZeroStrategy(model, config, device, mesh, collectives)
+    return MeshStrategy(model, config, device, mesh, collectives)

@@ -17,8 +17,8 @@ from tqdm import tqdm
 
 from tetrad.config import ModelConfig, TrainConfig
 from tetrad.errors import ConfigError, TetradError
-from tetrad.hardware import (GPU, default_profile_path, gpu_from_device_name, gpu_or_profile,
-                             load_profile)
+from tetrad.hardware import GPU, gpu_from_device_name
+from tetrad.hardware_profile import default_profile_path, gpu_or_profile, load_profile
 from tetrad.models.transformer import Transformer, count_parameters
 from tetrad.planner import predict_run
 from tetrad.planner.rules import ResolvedLayout, resolve_layout
@@ -29,7 +29,7 @@ from tetrad.train.data import AnyTokenizer, Dataset
 from tetrad.train.metrics import build_report, rank_entry, write_json_atomic
 from tetrad.train.optim import learning_rate
 from tetrad.train.sample import sample_text
-from tetrad.train.strategy import build_strategy, planned_precision
+from tetrad.train.strategy import Strategy, build_strategy, planned_precision
 
 VALIDATION_BATCHES = 8
 
@@ -126,7 +126,7 @@ def check_finite(loss: float, grad_norm: float, step: int, model: torch.nn.Modul
                           f"gradient in {culprit}: lower --lr or use --dtype fp32")
 
 
-def train(config: TrainConfig, make_strategy: Callable[..., Any] = build_strategy,
+def train(config: TrainConfig, make_strategy: Callable[..., Strategy] = build_strategy,
           show_progress: bool = True, layout: ResolvedLayout | None = None) -> TrainResult:
     """Run `config`; `layout` is its resolve_run, when the launcher has made it already."""
     layout = layout or resolve_run(config)
@@ -186,8 +186,7 @@ def train(config: TrainConfig, make_strategy: Callable[..., Any] = build_strateg
         device={"type": device.type, "gpu": gpu.name if gpu else None},
         validation_loss=evaluate(whole, dataset, config, device) if is_main else None,
         # The parameter server's run summary (modes, staleness, dead workers); set by gather.
-        **({"parameter_server": strategy.summary}
-           if getattr(strategy, "summary", None) is not None else {}))
+        **({"parameter_server": strategy.summary} if strategy.summary is not None else {}))
     if config.report and is_main:
         write_json_atomic(config.report, report)
     sample = sample_text(whole, tokenizer, "\n", config.sample_tokens, config.seq_len,
@@ -209,7 +208,7 @@ def evaluate(model, dataset: Dataset, config: TrainConfig, device: torch.device)
     return sum(losses) / len(losses)
 
 
-def resume(strategy, folder: Path, model_config: ModelConfig) -> int:
+def resume(strategy: Strategy, folder: Path, model_config: ModelConfig) -> int:
     """Load a checkpoint of any layout into `strategy`; returns its step. The checkpoint's files
     are let go on return (pruning with --keep then frees their space)."""
     step, state = ckpt.load_checkpoint(folder, model_config)
@@ -220,8 +219,8 @@ def resume(strategy, folder: Path, model_config: ModelConfig) -> int:
     return step
 
 
-def save(strategy, config: TrainConfig, model_config: ModelConfig, tokenizer: AnyTokenizer,
-         step: int) -> Path | None:
+def save(strategy: Strategy, config: TrainConfig, model_config: ModelConfig,
+         tokenizer: AnyTokenizer, step: int) -> Path | None:
     """Every rank writes its pieces; rank 0 adds the shared state and every rank's RNG state."""
     pieces, shared = strategy.checkpoint_state()
     shared["rng"] = strategy.exchange(torch.get_rng_state())

@@ -39,7 +39,6 @@ from tetrad.errors import ConfigError
 from tetrad.memory import ActivationMeter
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm
-from tetrad.parallel.grad_norm import grad_square, scale_to_max_norm_
 from tetrad.parallel.mesh import Group, Mesh
 from tetrad.planner.partition import Partition, partition
 from tetrad.parallel.pipeline.stage import PipelineStage, build_stages, embedding_group
@@ -303,26 +302,7 @@ class PipelineExecutor:
 
     # What a training strategy needs around the step ------------------------------------------
 
-    def parameters(self) -> list[nn.Parameter]:
-        """This rank's parameters, each once (what its optimizer steps)."""
-        return list(self.module.parameters())
-
     def named_parameters(self) -> dict[str, nn.Parameter]:
         """By the full model's names: the ranks' dicts together are the single-process model's
         (the tied embedding appears on both of its ranks, equal)."""
         return {name: param for stage in self.module for name, param in stage.named_parameters()}
-
-    def owned_parameters(self) -> list[nn.Parameter]:
-        """Parameters counted once over the pipeline: the last rank's copy of a tied embedding
-        is left out, as it is the same parameter as the first rank's."""
-        if self.embedding_group is None or self.embedding_group.index == 0:
-            return self.parameters()
-        return [p for p in self.parameters() if p is not self.tied_weight]
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Norm of the whole model's gradient (over the pipeline group, the tied embedding once);
-        scale every gradient by max_norm / norm when larger (0 means no clipping). Returns the
-        norm before clipping, as torch.nn.utils.clip_grad_norm_ on the single-process model."""
-        square = grad_square(self.owned_parameters(), self.device)
-        self.comm.all_reduce(square, self.group, "metrics")
-        return scale_to_max_norm_(self.parameters(), square.sqrt(), max_norm)

@@ -5,10 +5,10 @@ initialization equals the single-process model's without shipping any weights. P
 stay those of the full model (`layers.5.attn.qkv.weight`), so a rank's state dict is a piece of
 the single-process one and a checkpoint is the union of the ranks' pieces.
 
-A stage of a tensor-parallel model (tetrad.parallel.tensor_parallel) holds its split layers and
-computes what TensorParallelTransformer.forward computes for them: under sequence parallelism the
-activations between stages are sequence shards [b, s/tp, h], and the last stage's logits are this
-rank's vocabulary slice, turned into the loss by the vocab-parallel cross-entropy.
+A stage of a tensor-parallel model (tetrad.parallel.tensor_parallel) holds its split layers, which
+compute what they compute inside the whole model: under sequence parallelism the activations
+between stages are sequence shards [b, s/tp, h], and the last stage's logits are this rank's
+vocabulary slice, turned into the loss by the vocab-parallel cross-entropy.
 
 Tied embeddings: the first stage embeds with the weight the last stage's head multiplies by. On
 two ranks each holds a copy, initialized equal; after the backward their gradients are summed over
@@ -26,9 +26,8 @@ from torch import nn
 from tetrad.config import ParallelConfig
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.mesh import Group
+from tetrad.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from tetrad.planner.partition import Partition
-from tetrad.parallel.tensor_parallel import TensorParallelTransformer
-from tetrad.parallel.vocab_parallel import vocab_parallel_cross_entropy
 
 
 class PipelineStage(nn.Module):
@@ -36,12 +35,12 @@ class PipelineStage(nn.Module):
     (token and learned positions), the last applies the final norm and the output head. Rotary
     tables carry no parameters and are recomputed on every stage."""
 
-    def __init__(self, model: Transformer | TensorParallelTransformer, index: int,
-                 num_stages: int, layers: range):
+    def __init__(self, model: Transformer, index: int, num_stages: int, layers: range):
         super().__init__()
         config = model.config
         self.config = config
-        self.tp = model.tp if isinstance(model, TensorParallelTransformer) else None
+        # Tensor parallelism swapped in the vocabulary-split embedding (and its operators).
+        self.tp = model.embed.tp if isinstance(model.embed, VocabParallelEmbedding) else None
         # Tokens per sequence on the wire between stages: 1/tp of them under sequence parallelism.
         self.sequence_shards = self.tp.size if self.tp and self.tp.sequence_parallel else 1
         self.index, self.num_stages = index, num_stages
@@ -66,9 +65,8 @@ class PipelineStage(nn.Module):
             positions = torch.arange(seq, device=x.device)
         if self.is_first:
             x = self.embed(x)
-            if self.pos_embed is not None:
-                x = x + self.pos_embed(positions if self.sequence_shards == 1
-                                       else self.tp.sequence_shard(positions, 0))
+            if self.pos_embed is not None:  # under SP, this rank's sequence shard of them
+                x = x + self.pos_embed(positions)
         rope = self.rotary(positions) if self.rotary is not None else None
         for layer in self.layers.values():
             x = layer(x, rope)
@@ -76,7 +74,7 @@ class PipelineStage(nn.Module):
             x = self.norm(x)
             if self.lm_head is not None:
                 return self.lm_head(x)
-            return (x if self.tp is None else self.tp.enter(x)) @ self.embed.weight.t()
+            return self.embed.unembed(x)
         return x
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -91,7 +89,7 @@ class PipelineStage(nn.Module):
         return torch.stack(losses).sum() if losses else None
 
 
-def build_stages(model: Transformer | TensorParallelTransformer, partition: Partition, pp: int,
+def build_stages(model: Transformer, partition: Partition, pp: int,
                  pp_index: int) -> dict[int, PipelineStage]:
     """The stages pipeline rank `pp_index` holds: s = pp_index, pp_index + pp, ... (Megatron's
     interleaved placement, as tetrad.schedules assumes), keyed by stage index."""

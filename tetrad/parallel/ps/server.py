@@ -24,7 +24,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -34,22 +34,9 @@ from tetrad.parallel.comm import Comm, CommCounter
 from tetrad.parallel.mesh import Group
 from tetrad.parallel.ps.clock import Scheduler
 from tetrad.parallel.ps.protocol import (FOREVER_S, LAST_KINDS, Kind, KeyLayout, Message,
-                                         PSOptions, allocate, empty_entry, nbytes,
-                                         payload_spec, per_step_by_tag, receive,
-                                         record_received, send)
-from tetrad.parallel.zero_optimizer import ShardedAdamW
-
-
-@dataclass
-class KeyRange:
-    """What ShardedAdamW steps: fp32 parameters of a key range (flat), their moments, the
-    gradient of the coming step, and (start, end, weight decay) segments."""
-
-    master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    decay_segments: list[tuple[int, int, float]] = field(default_factory=list)
-    main_grad: torch.Tensor | None = None
+                                         PSOptions, allocate, empty_entry, payload_spec,
+                                         per_step_by_tag, receive, record_received, send)
+from tetrad.parallel.ps.keys import OwnedKeys
 
 
 @dataclass
@@ -69,10 +56,8 @@ class ParameterServer:
         self.roles = options.roles(world.size)
         assert self.roles.is_server(self.rank), self.rank
         self.index = self.roles.server_index(self.rank)
-        self.layout = KeyLayout.from_model(model, options.num_servers)
-        self.ranges = self._own_ranges(model, param_groups)
-        self.grads = [torch.zeros_like(r.master) for r in self.ranges]
-        self.optimizer = ShardedAdamW(self.ranges, betas, eps)
+        self.keys = OwnedKeys(model, param_groups, KeyLayout.from_model(model, options.num_servers),
+                              self.index, betas, eps)
         self.received = CommCounter()
         self.workers = list(self.roles.workers)
         self.is_scheduler = self.rank == self.roles.scheduler
@@ -93,57 +78,13 @@ class ParameterServer:
         self.last_heard: dict[int, float] = {}
         self.result: dict = {}
 
-    # Building and checkpoints --------------------------------------------------------------
-
-    @property
-    def table_rows(self) -> int:
-        lo, hi = self.layout.row_range(self.index)
-        return hi - lo
-
-    @property
-    def table(self) -> torch.Tensor:
-        """The sparse rows this server owns, [rows, row_numel] (a view of the fp32 range)."""
-        return self.ranges[1].master.view(self.table_rows, -1)
-
-    @torch.no_grad()
-    def _own_ranges(self, model: nn.Module, param_groups: list[dict]) -> list[KeyRange]:
-        decay = {id(p): group["weight_decay"] for group in param_groups for p in group["params"]}
-        params = dict(model.named_parameters())
-        lo, hi = self.layout.dense_range(self.index)
-        dense = torch.empty(hi - lo)
-        table = torch.empty(self.table_rows * self.layout.row_numel)
-        self._scatter(params, [dense, table])
-        segments = [[(start, end, decay[id(params[name])])
-                     for name, start, end, _ in self.layout.dense_pieces(self.index)
-                     if decay[id(params[name])]], []]
-        if self.layout.sparse and decay[id(params[self.layout.sparse])] and table.numel():
-            segments[1].append((0, table.numel(), decay[id(params[self.layout.sparse])]))
-        return [KeyRange(t, torch.zeros_like(t), torch.zeros_like(t), s)
-                for t, s in zip((dense, table), segments)]
-
-    def _scatter(self, full: dict[str, torch.Tensor], targets: list[torch.Tensor]) -> None:
-        """This server's pieces of whole per-parameter tensors into (dense, table) targets."""
-        for name, start, end, offset in self.layout.dense_pieces(self.index):
-            targets[0][start:end] = full[name].reshape(-1)[offset:offset + end - start]
-        if self.layout.sparse:
-            row_lo, row_hi = self.layout.row_range(self.index)
-            targets[1].copy_(full[self.layout.sparse][row_lo:row_hi].reshape(-1))
-
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         """Resume from a checkpoint of any layout (whole tensors by name, as ZeRO's)."""
-        self._scatter(state["model"], [r.master for r in self.ranges])
-        optimizer = state.get("optimizer")
-        if optimizer:
-            self._scatter(optimizer["exp_avg"], [r.exp_avg for r in self.ranges])
-            self._scatter(optimizer["exp_avg_sq"], [r.exp_avg_sq for r in self.ranges])
-            self.optimizer.step_count = optimizer["step"]
+        self.keys.load_state_dict(state)
 
     def bytes_held(self) -> dict[str, int]:
-        return {"params": sum(nbytes(r.master) for r in self.ranges),
-                "grads": sum(nbytes(g) for g in self.grads),
-                "optimizer": sum(nbytes(r.exp_avg) + nbytes(r.exp_avg_sq) for r in self.ranges),
-                "activations_peak": 0}
+        return {**self.keys.bytes_held(), "activations_peak": 0}
 
     # The loop -------------------------------------------------------------------------------
 
@@ -180,7 +121,7 @@ class ParameterServer:
     def _listen(self, peer: int) -> None:
         def buffers_for(message: Message) -> list[torch.Tensor]:
             return allocate(payload_spec(message.kind, message.count,
-                                         self.grads[0].numel(), self.layout.row_numel, 0))
+                                         self.keys.grads[0].numel(), self.keys.layout.row_numel, 0))
         while True:
             try:
                 message = receive(self.comm, self.world, peer, buffers_for, FOREVER_S)
@@ -239,24 +180,14 @@ class ParameterServer:
     # Training messages ----------------------------------------------------------------------
 
     def _accumulate(self, message: Message) -> None:
-        dense, *rows = message.payload
-        self.grads[0].add_(dense)
-        if rows:
-            ids, values = rows
-            row_lo, _ = self.layout.row_range(self.index)
-            self.grads[1].view(self.table_rows, -1).index_add_(0, ids - row_lo, values)
+        self.keys.accumulate(*message.payload)
 
-    @torch.no_grad()
     def _apply(self, lr: float, scale: float) -> None:
-        for key_range, grad in zip(self.ranges, self.grads):
-            key_range.main_grad = grad.mul_(scale)
-        self.optimizer.step(lr)
-        for grad in self.grads:
-            grad.zero_()
+        self.keys.apply(lr, scale)
         self.updates += 1
 
     def _params(self) -> Message:
-        return Message(Kind.PARAMS, self.rank, payload=(self.ranges[0].master,))
+        return Message(Kind.PARAMS, self.rank, payload=(self.keys.ranges[0].master,))
 
     def _on_push(self, message: Message) -> None:
         worker = message.sender
@@ -268,7 +199,7 @@ class ParameterServer:
             self.pushed.add(worker)
             if len(self.pushed) == len(self.workers):
                 mean = 1.0 / len(self.workers)
-                square = sum(float(g.mul_(mean).double().square().sum()) for g in self.grads)
+                square = sum(float(g.mul_(mean).double().square().sum()) for g in self.keys.grads)
                 for w in self.workers:
                     self._reply(w, Message(Kind.NORM, self.rank, values=(square, 0.0)))
             return
@@ -301,8 +232,7 @@ class ParameterServer:
             self._reply(worker, self._params())
 
     def _on_pull_rows(self, message: Message) -> None:
-        row_lo, _ = self.layout.row_range(self.index)
-        rows = self.table.index_select(0, message.payload[0] - row_lo)
+        rows = self.keys.rows(message.payload[0])
         self._reply(message.sender, Message(Kind.ROWS, self.rank, count=message.count,
                                             payload=(rows,)))
 
@@ -314,23 +244,17 @@ class ParameterServer:
             for worker in self.workers:
                 self._reply(worker, Message(Kind.METRIC, self.rank, values=(mean, 0.0)))
 
-    def _tables(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Flat table tensors as [rows, row_numel]; none when this server owns no rows."""
-        if not self.table_rows:
-            return ()
-        return tuple(t.view(self.table_rows, -1) for t in tensors)
-
     def _on_save(self, message: Message) -> None:
-        dense, table = self.ranges
+        dense, table = self.keys.ranges
         self._reply(message.sender, Message(
-            Kind.STATE, self.rank, clock=self.optimizer.step_count,
+            Kind.STATE, self.rank, clock=self.keys.optimizer.step_count,
             payload=(dense.master, dense.exp_avg, dense.exp_avg_sq,
-                     *self._tables(table.master, table.exp_avg, table.exp_avg_sq))))
+                     *self.keys.tables(table.master, table.exp_avg, table.exp_avg_sq))))
 
     def _on_pull_all(self, message: Message) -> None:
+        dense, table = self.keys.ranges
         self._reply(message.sender, Message(
-            Kind.ALL_PARAMS, self.rank,
-            payload=(self.ranges[0].master, *self._tables(self.ranges[1].master))))
+            Kind.ALL_PARAMS, self.rank, payload=(dense.master, *self.keys.tables(table.master))))
 
     # Membership and the end of the run --------------------------------------------------------
 

@@ -1,0 +1,87 @@
+"""Hardware profiles as files: a catalog GPU or a machine measured by `tetrad calibrate`, in one
+JSON schema, so that one time model serves both (torch-free, like the catalog in hardware.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+from tetrad.errors import ConfigError
+from tetrad.hardware import GPU, EfficiencyProfile, gpu
+
+PROFILE_SCHEMA = 1
+
+
+def profile_to_dict(device: GPU) -> dict:
+    """A GPU (a catalog entry or a calibrated machine) as JSON-ready data: `tetrad calibrate`
+    writes this, `load_profile` reads it back."""
+    data = dataclasses.asdict(device)
+    data["aliases"] = list(device.aliases)
+    efficiency = data["efficiency"]
+    efficiency["matmul_curve"] = [list(point) for point in device.efficiency.matmul_curve]
+    efficiency["collectives"] = [list(fit) for fit in device.efficiency.collectives]
+    return {"schema": PROFILE_SCHEMA, **data}
+
+
+def profile_from_dict(data: dict, source: str = "profile") -> GPU:
+    """The inverse of profile_to_dict; every problem is one ConfigError naming `source`."""
+    if not isinstance(data, dict) or data.get("schema") != PROFILE_SCHEMA:
+        raise ConfigError(f"{source} is not a schema-{PROFILE_SCHEMA} hardware profile "
+                          f"(write one with tetrad calibrate --out {source})")
+    try:
+        efficiency = dict(data["efficiency"])
+        efficiency["matmul_curve"] = tuple((float(size), float(value))
+                                           for size, value in efficiency.get("matmul_curve", ()))
+        efficiency["collectives"] = tuple((str(kind), int(size), float(alpha), float(beta))
+                                          for kind, size, alpha, beta
+                                          in efficiency.get("collectives", ()))
+        fields = {key: value for key, value in data.items() if key != "schema"}
+        fields.update(efficiency=EfficiencyProfile(**efficiency),
+                      peak_flops={str(k): float(v) for k, v in data["peak_flops"].items()},
+                      aliases=tuple(data.get("aliases", ())))
+        device = GPU(**fields)
+    except (KeyError, TypeError, ValueError) as error:
+        raise ConfigError(f"{source} is not a valid hardware profile ({type(error).__name__}: "
+                          f"{error})") from None
+    if not device.peak_flops or min(device.peak_flops.values()) <= 0 \
+            or device.memory_bandwidth <= 0:
+        raise ConfigError(f"{source}: a hardware profile needs positive peak_flops and "
+                          f"memory_bandwidth")
+    return device
+
+
+def load_profile(path: str | Path) -> GPU:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"hardware profile {path} does not exist (write one with tetrad "
+                          f"calibrate --out {path})")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{path} is not a hardware profile (invalid JSON: {error})") from None
+    return profile_from_dict(data, str(path))
+
+
+def save_profile(device: GPU, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(profile_to_dict(device), indent=2) + "\n")
+
+
+def default_profile_path() -> Path:
+    """This machine's cached profile: what `tetrad calibrate` writes without --out and what
+    `tetrad train` reads when no --hardware is given."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "tetrad" / "hardware.json"
+
+
+def is_profile_path(name: str) -> bool:
+    """`--gpu` and `--hardware` take a catalog name or a profile file; a name ending in .json
+    or naming a file is a file."""
+    return name.endswith(".json") or Path(name).is_file()
+
+
+def gpu_or_profile(name: str) -> GPU:
+    return load_profile(name) if is_profile_path(name) else gpu(name)
