@@ -40,8 +40,8 @@ def engine_flags(args) -> dict:
 
 def run_generate(llm: LLM, prompts: list[list[int]], args) -> tuple[float, float]:
     """(generated tokens per second, CPU seconds per generated token) of LLM.generate, called on
-    a thread other than the main one, as the server steps its engine: on Linux the main thread
-    allocates from glibc's main heap, whose trimming made the same steps up to 3x slower here."""
+    a thread other than the main one, as the server steps its engine: on this machine the same
+    steps ran up to 3x slower on the main thread (2 torch threads; cause not pinned down)."""
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     outputs = []
     worker = threading.Thread(target=lambda: outputs.extend(llm.generate(prompts, params)))
