@@ -6,18 +6,14 @@ import http.client
 import io
 import json
 import socket
-import threading
 import time
 
 import pytest
-import torch
+from serving import post, running, save_tiny_model
 
 from tetrad.cli.main import main
 from tetrad.inference.engine import LLM
 from tetrad.inference.params import SamplingParams
-from tetrad.models.hf import save_hf
-from tetrad.models.transformer import Transformer
-from tetrad.presets import resolve_model
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -27,12 +23,7 @@ ENGINE = dict(block_size=4, num_blocks=96, log=None)
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-hf")
-    torch.manual_seed(0)
-    model = Transformer(resolve_model("tiny"))
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0, 0.15)
-    save_hf(model, folder)
+    save_tiny_model(folder)
     return folder
 
 
@@ -41,32 +32,13 @@ def server(model_dir):
     from tetrad.inference.server import build_app
 
     llm = LLM(model_dir, **ENGINE)
-    app = build_app(llm, "tiny")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    yield llm, sock.getsockname()[1]
-    server.should_exit = True
-    thread.join()
+    with running(build_app(llm, "tiny")) as port:
+        yield llm, port
 
 
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=f"http://127.0.0.1:{server[1]}/v1", api_key="unused")
-
-
-def post(port, path, body: bytes | dict, read_all=True):
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    connection.request("POST", path, data, {"Content-Type": "application/json"})
-    response = connection.getresponse()
-    if not read_all:
-        return connection, response
-    return response.status, json.loads(response.read() or b"null")
 
 
 def test_completions_chat_and_streaming_through_the_openai_client(model_dir, client):

@@ -1,9 +1,11 @@
 """`tetrad serve PATH --port P`: an OpenAI-compatible server (/v1/completions,
-/v1/chat/completions with streaming, /v1/models, /health, /metrics) over the serving engine."""
+/v1/chat/completions with streaming and log-probabilities, /v1/models, /tokenize, /detokenize,
+/health, /metrics) over the serving engine."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from tetrad.cli.generate import add_engine_arguments, build_engine
@@ -19,15 +21,39 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--served-model-name",
                         help="the model name clients send (default: the stored model's name "
                              "or the folder's)")
+    limits = parser.add_argument_group("access and limits")
+    limits.add_argument("--api-key", default=os.environ.get("TETRAD_API_KEY"),
+                        help="clients must send 'Authorization: Bearer KEY' to /v1/* and "
+                             "/tokenize (default: $TETRAD_API_KEY; none: open)")
+    for flag, kind, help_text in SERVER_FLAGS:
+        limits.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text)
+    limits.add_argument("--enable-docs", action="store_true", default=argparse.SUPPRESS,
+                        help="serve the API's /docs, /redoc and /openapi.json (off by default)")
     parser.set_defaults(run=run)
+
+
+SERVER_FLAGS: list[tuple[str, type, str]] = [
+    ("--max-request-bytes", int, "largest request body, in bytes (default 16 MiB; more: 413)"),
+    ("--max-sequences-per-request", int, "prompts x n of one request (default 256; more: 400)"),
+    ("--max-stop-strings", int, "stop strings per request (default 16; more: 400)"),
+    ("--max-waiting-requests", int, "requests queued and not started yet; more get a 503 with "
+                                    "Retry-After (default 1024)"),
+    ("--request-timeout", float, "seconds a request may run before it is stopped with a 408 "
+                                 "(default 600)"),
+]
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from tetrad.config import from_dict
+    from tetrad.inference.api import ServerConfig
     from tetrad.inference.chat import ChatFormatter, load_chat_template
     from tetrad.inference.server import build_app
 
+    options = {key: value for key, value in vars(args).items()
+               if key in ServerConfig.__dataclass_fields__}
+    config = from_dict(ServerConfig, options)
     llm = build_engine(args)
     name = args.served_model_name or (args.stored.name if args.stored
                                       else llm.path.resolve().name)
@@ -36,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(llm, name, ChatFormatter(load_chat_template(llm.path),
                                              stored.system if stored else None),
                     on_fatal=lambda: setattr(server, "should_exit", True),
-                    defaults=stored.sampling_defaults if stored else None)
+                    defaults=stored.sampling_defaults if stored else None, config=config)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level="warning"))
     print(f"serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr)

@@ -43,6 +43,7 @@ class ChatFormatter:
         """`system`: the system message of conversations that bring none (a stored model's
         Modelfile SYSTEM)."""
         self.template = None
+        self.source = template or None  # the template's text (/tokenizer_info shows it)
         self.system = system
         if template:
             from jinja2.sandbox import ImmutableSandboxedEnvironment

@@ -11,8 +11,8 @@ from __future__ import annotations
 import copy
 import itertools
 import json
-import queue
 import time
+import traceback
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -25,25 +25,17 @@ from tetrad.errors import ConfigError
 from tetrad.inference.block_manager import BlockManager
 from tetrad.inference.config import EngineConfig
 from tetrad.inference.kv_cache import TORCH_DTYPES, check_tokenizer_fits, resolve_dtype
-from tetrad.inference.metrics import EngineMetrics
-from tetrad.inference.output import CompletionOutput, Detokenizer, RequestOutput
-from tetrad.inference.params import SamplingParams
+from tetrad.inference.logprobs import (logits_layout, prompt_logprobs, sample_rows,
+                                       sampled_logprobs)
+from tetrad.inference.metrics import EngineMetrics, engine_stats, kv_utilization
+from tetrad.inference.output import RequestOutput, TokenLogprob
+from tetrad.inference.params import RequestFailed, SamplingParams
 from tetrad.inference.runner import StepPlan, load_runner
 from tetrad.inference.sampler import Sampler
 from tetrad.inference.scheduler import Scheduler, SchedulerConfig
 from tetrad.inference.sequence import Sequence
 from tetrad.inference.tp import TensorParallelDriver
-
-
-class _Request:
-    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int],
-                 params: SamplingParams, tokenizer):
-        self.params = params
-        self.output = RequestOutput(request_id, prompt, prompt_ids,
-                                    [CompletionOutput(i) for i in range(params.n)],
-                                    arrival_time=time.perf_counter())
-        self.detokenizers = [Detokenizer(tokenizer, params) for _ in range(params.n)]
-        self.num_finished = 0
+from tetrad.inference.tracker import RequestTracker
 
 
 class LLM:
@@ -108,11 +100,9 @@ class LLM:
                                                    self.max_model_len, config.preemption),
                                    self.block_manager)
         self.sampler = Sampler(config.seed)
-        self.requests: dict[str, _Request] = {}
-        self._incoming: queue.SimpleQueue = queue.SimpleQueue()  # _Requests from any thread
-        self._aborts: queue.SimpleQueue = queue.SimpleQueue()
-        self._ids = itertools.count()
         self.metrics = EngineMetrics()
+        self.tracker = RequestTracker(tokenizer, self.metrics)
+        self._ids = itertools.count()
         self.peak_blocks_used = 0
 
     # ---- requests (callable from any thread) ---------------------------------------------------
@@ -131,91 +121,73 @@ class LLM:
             raise ConfigError(f"prompt token ids must be in 0..{vocab - 1} (the model's vocab)")
         request_id = request_id or f"req-{next(self._ids)}"
         params = self.scheduler.validate(len(prompt_ids), params)
-        self._incoming.put(_Request(request_id, text, prompt_ids, params, self.tokenizer))
+        self.tracker.add(request_id, text, prompt_ids, params)
         return request_id
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks at the next step (a client that went away)."""
-        self._aborts.put(request_id)
+        self.tracker.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests) or not self._incoming.empty()
+        return self.tracker.has_unfinished()
+
+    def num_waiting(self) -> int:
+        """Requests not started yet (a cheap, possibly stale read from any thread)."""
+        return len(self.scheduler.waiting) + self.tracker.num_incoming()
 
     # ---- one step (the engine thread) ----------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; the outputs of the requests it advanced (each with this step's deltas)."""
-        touched: dict[str, _Request] = {}
-        self._take_new_and_aborted(touched)
+        """Run one step; the outputs of the requests it advanced (each with this step's deltas).
+        A step whose model call or sampling raises finishes the requests it ran with
+        finish_reason "error" (RequestOutput.error says why), and a request whose text cannot be
+        made (its detokenizer raises) finishes so alone; the others go on. Only an engine that
+        cannot step again (a tensor-parallel rank died) raises."""
+        touched = self.tracker.begin_step(self.scheduler)
         batch = self.scheduler.schedule()
         self.peak_blocks_used = max(self.peak_blocks_used, self.block_manager.num_used_blocks)
+        sampled = []
         if batch.seqs:
-            logits = self._execute(StepPlan.from_batch(batch, self.kv_plan.block_size))
-            to_sample = self.scheduler.advance(batch)
-            rows = [row for _, row in to_sample]
-            seqs = [seq for seq, _ in to_sample]
-            if rows != list(range(len(logits))):  # forked samples share their parent's row
-                logits = logits[torch.tensor(rows, device=logits.device)]
-            # The step's one device-to-host copy: the sampled ids.
-            tokens = (self.sampler(logits[:, :self.num_sampleable], seqs).token_ids.tolist()
-                      if seqs else [])
-            self.scheduler.append_tokens(list(zip(seqs, tokens)), self.eos_token_ids)
-            now = time.perf_counter()
-            for seq, token in zip(seqs, tokens):
-                self._record(seq, [token], now, touched)
-            self.metrics.record_step(len(tokens), now)
-        for request in touched.values():
-            if request.output.finished:
-                del self.requests[request.output.request_id]
-                self.metrics.record_finished(request.output)
-        return [request.output for request in touched.values()]
+            try:
+                sampled = self._run(batch)
+            except Exception as error:
+                if self.failure is not None:
+                    raise
+                traceback.print_exc()  # a bug, not a bad request: keep its trace
+                concerned = {seq.request_id for seq in [*batch.seqs, *batch.preempted]}
+                self.tracker.fail(self.scheduler, concerned, error, touched)
+        now = time.perf_counter()
+        for seq, token, logprobs in sampled:
+            try:
+                self.tracker.record(self.scheduler, seq, [token], logprobs, now, touched)
+            except Exception as error:
+                traceback.print_exc()
+                self.tracker.fail(self.scheduler, {seq.request_id}, error, touched)
+        if batch.seqs:
+            self.metrics.record_step(len(sampled), now)
+        return self.tracker.end_step(touched)
 
-    def _take_new_and_aborted(self, touched: dict[str, _Request]) -> None:
-        for request in iter_queue(self._incoming):
-            self.requests[request.output.request_id] = request
-            self.scheduler.add_request(request.output.request_id, request.output.prompt_token_ids,
-                                       request.params)
-        for request_id in iter_queue(self._aborts):
-            request = self.requests.get(request_id)
-            if request is None:
-                continue
-            now = time.perf_counter()
-            for seq in self.scheduler.abort(request_id):
-                self._record(seq, [], now, touched)
-            for completion in request.output.outputs:  # samples not forked yet
-                if completion.finish_reason is None:
-                    self._finish(request, completion, "abort", now)
-            touched[request_id] = request
-
-    def _record(self, seq: Sequence, tokens: list[int], now: float,
-                touched: dict[str, _Request]) -> None:
-        request = self.requests[seq.request_id]
-        output = request.output
-        completion = output.outputs[seq.index]
-        if output.request_id not in touched:
-            for each in output.outputs:
-                each.delta_text, each.delta_token_ids = "", []
-            touched[output.request_id] = request
-        if tokens and output.first_token_time is None:
-            output.first_token_time = now
-            output.num_cached_tokens = seq.num_cached_tokens
-        completion.token_ids += tokens
-        completion.delta_token_ids += tokens
-        delta, stopped = request.detokenizers[seq.index].add(tokens, final=seq.is_finished)
-        if stopped and not seq.is_finished:
-            self.scheduler.finish(seq, "stop")
-        completion.delta_text += delta
-        completion.text = request.detokenizers[seq.index].text
-        if seq.is_finished:
-            self._finish(request, completion, seq.finish_reason, now)
-
-    def _finish(self, request: _Request, completion: CompletionOutput, reason: str,
-                now: float) -> None:
-        completion.finish_reason = reason
-        request.num_finished += 1
-        if request.num_finished == len(request.output.outputs):
-            request.output.finished = True
-            request.output.finish_time = now
+    def _run(self, batch) -> list[tuple[Sequence, int, list[TokenLogprob]]]:
+        """The model step and sampling: (sequence, its new token, the token's log-probability
+        if it asked) for every sequence that sampled; the prompt scores it computed are
+        recorded."""
+        plan = StepPlan.from_batch(batch, self.kv_plan.block_size)
+        logits = self._execute(plan)
+        layout = logits_layout(plan)
+        for seq, position, scores in prompt_logprobs(logits, plan, layout, batch.seqs):
+            self.tracker.record_prompt(seq, position, scores)
+        to_sample = self.scheduler.advance(batch)
+        rows = sample_rows(layout, batch.samples)
+        picked = [rows[row] for _, row in to_sample]
+        seqs = [seq for seq, _ in to_sample]
+        if picked != list(range(len(logits))):  # forked samples share a row; prompt rows go
+            logits = logits[torch.tensor(picked, dtype=torch.long, device=logits.device)]
+        # The step's one device-to-host copy: the sampled ids.
+        tokens = (self.sampler(logits[:, :self.num_sampleable], seqs).token_ids.tolist()
+                  if seqs else [])
+        logprobs = sampled_logprobs(logits, seqs, tokens)
+        self.scheduler.append_tokens(list(zip(seqs, tokens)), self.eos_token_ids)
+        return list(zip(seqs, tokens, logprobs))
 
     # ---- tensor-parallel ranks -----------------------------------------------------------------
 
@@ -238,32 +210,14 @@ class LLM:
     # ---- state ---------------------------------------------------------------------------------
 
     def kv_utilization(self) -> float:
-        """Tokens stored / slots reserved in the blocks running sequences hold (shared blocks
-        count once): only the last block of each sequence has free slots."""
-        size, filled = self.block_manager.block_size, {}
-        for seq in self.scheduler.running:
-            for i, block_id in enumerate(seq.block_table):
-                stored = min(size, seq.num_computed_tokens - i * size)
-                filled[block_id] = max(filled.get(block_id, 0), stored)
-        return sum(filled.values()) / (len(filled) * size) if filled else 1.0
+        return kv_utilization(self.scheduler, self.block_manager)
 
     def stats(self) -> dict[str, float]:
-        manager, scheduler = self.block_manager, self.scheduler
-        return {"running": len(scheduler.running), "waiting": len(scheduler.waiting),
-                "swapped": len(scheduler.swapped), "preemptions": scheduler.num_preemptions,
-                "kv_blocks_used": manager.num_used_blocks, "kv_blocks_total": manager.num_blocks,
-                "kv_utilization": self.kv_utilization(),
-                "prefix_cache_hit_rate": (manager.num_prefix_hits
-                                          / max(1, manager.num_prefix_queries))}
+        return engine_stats(self.scheduler, self.block_manager)
 
     def metrics_text(self) -> str:
-        """Prometheus text for /metrics."""
-        stats = self.stats()
-        gauges = {f"tetrad_{name}": (f"{name.replace('_', ' ').capitalize()}.", stats[name])
-                  for name in stats if name != "preemptions"}
-        counters = {"tetrad_preemptions_total": ("Sequences preempted (recompute or swap).",
-                                                 stats["preemptions"])}
-        return self.metrics.render(gauges, counters)
+        """Prometheus text for /metrics (call it where steps run: the server's engine thread)."""
+        return self.metrics.prometheus(self.stats())
 
     # ---- convenience ---------------------------------------------------------------------------
 
@@ -278,7 +232,7 @@ class LLM:
         while len(done) < len(ids):
             for output in self.step():
                 if output.finished:
-                    done[output.request_id] = output
+                    done[output.request_id] = check_output(output)
         return [done[request_id] for request_id in ids]
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None
@@ -292,19 +246,17 @@ class LLM:
                 for output in self.step():
                     if output.request_id == request_id:
                         finished = output.finished
-                        yield output
+                        yield check_output(output)
         finally:
             if not finished:
                 self.abort(request_id)
                 self.step()
 
 
-def iter_queue(items: queue.SimpleQueue) -> Iterator:
-    while True:
-        try:
-            yield items.get_nowait()
-        except queue.Empty:
-            return
+def check_output(output: RequestOutput) -> RequestOutput:
+    if output.error is not None:
+        raise RequestFailed(f"request {output.request_id} failed: {output.error}")
+    return output
 
 
 def _config_eos_ids(folder: Path) -> tuple[int, ...]:

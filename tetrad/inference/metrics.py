@@ -84,6 +84,14 @@ class EngineMetrics:
         if num_tokens > 1:
             self.tpot.observe((output.finish_time - output.first_token_time) / (num_tokens - 1))
 
+    def prometheus(self, stats: dict[str, float]) -> str:
+        """Prometheus text for /metrics, with the engine's state (engine_stats) as gauges."""
+        gauges = {f"tetrad_{name}": (f"{name.replace('_', ' ').capitalize()}.", stats[name])
+                  for name in stats if name != "preemptions"}
+        counters = {"tetrad_preemptions_total": ("Sequences preempted (recompute or swap).",
+                                                 stats["preemptions"])}
+        return self.render(gauges, counters)
+
     def render(self, gauges: dict[str, tuple[str, float]],
                counters: dict[str, tuple[str, float]]) -> str:
         """Prometheus text format; gauges and counters: name -> (help, value) from the caller."""
@@ -103,3 +111,26 @@ class EngineMetrics:
         for histogram in (self.ttft, self.tpot, self.e2e):
             lines += histogram.render()
         return "\n".join(lines) + "\n"
+
+
+def kv_utilization(scheduler, block_manager) -> float:
+    """Tokens stored / slots reserved in the blocks running sequences hold (shared blocks count
+    once): only the last block of each sequence has free slots."""
+    size, filled = block_manager.block_size, {}
+    for seq in scheduler.running:
+        for i, block_id in enumerate(seq.block_table):
+            stored = min(size, seq.num_computed_tokens - i * size)
+            filled[block_id] = max(filled.get(block_id, 0), stored)
+    return sum(filled.values()) / (len(filled) * size) if filled else 1.0
+
+
+def engine_stats(scheduler, block_manager) -> dict[str, float]:
+    """Sequences by state, preemptions, KV blocks and the prefix-cache hit rate. Read it where
+    the steps run: the scheduler's lists change during a step."""
+    return {"running": len(scheduler.running), "waiting": len(scheduler.waiting),
+            "swapped": len(scheduler.swapped), "preemptions": scheduler.num_preemptions,
+            "kv_blocks_used": block_manager.num_used_blocks,
+            "kv_blocks_total": block_manager.num_blocks,
+            "kv_utilization": kv_utilization(scheduler, block_manager),
+            "prefix_cache_hit_rate": (block_manager.num_prefix_hits
+                                      / max(1, block_manager.num_prefix_queries))}

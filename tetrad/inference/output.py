@@ -3,11 +3,21 @@ and the incremental detokenizer that turns a growing list of ids into text delta
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from tetrad.inference.params import SamplingParams, apply_stop_strings
 
 REPLACEMENT_CHAR = "\ufffd"  # what decoding an incomplete UTF-8 sequence gives
+
+
+class TokenLogprob(NamedTuple):
+    """The log-probability of one token under the model's raw distribution (before temperature,
+    penalties and filters, as vLLM and OpenAI report it), with the most likely tokens there."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, log-probability), most likely first
 
 
 @dataclass
@@ -15,9 +25,11 @@ class CompletionOutput:
     index: int
     token_ids: list[int] = field(default_factory=list)  # generated ids
     text: str = ""  # visible text: stop strings cut, a possible stop-string prefix held back
-    finish_reason: str | None = None  # stop | length | abort
+    finish_reason: str | None = None  # stop | length | abort | error
     delta_text: str = ""  # what this step added to `text` (for streaming)
     delta_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # one per generated id, when params.logprobs is set
+    delta_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -31,6 +43,9 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    # With params.prompt_logprobs: one per prompt token, None for the first (nothing predicts it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    error: str | None = None  # why the request failed (its finish reasons are "error")
 
     @property
     def token_ids(self) -> list[int]:
@@ -39,6 +54,27 @@ class RequestOutput:
     @property
     def text(self) -> str:
         return self.outputs[0].text
+
+    def view(self) -> "RequestOutput":
+        """A copy to hand to another thread, made without copying any list: a finished output's
+        lists are never touched again, and an unfinished one's view carries only this step's
+        deltas (the engine starts new delta lists every step), not the growing token_ids and
+        text."""
+        if self.finished:
+            return replace(self, outputs=[replace(c) for c in self.outputs])
+        return replace(self, outputs=[CompletionOutput(
+            c.index, finish_reason=c.finish_reason, delta_text=c.delta_text,
+            delta_token_ids=c.delta_token_ids, delta_logprobs=c.delta_logprobs)
+            for c in self.outputs])
+
+    def then(self, later: "RequestOutput") -> "RequestOutput":
+        """One output for this view followed by a later one of the same request: the later
+        state with both steps' deltas (a slow consumer receives the steps it missed at once)."""
+        return replace(later, outputs=[replace(
+            new, delta_text=old.delta_text + new.delta_text,
+            delta_token_ids=old.delta_token_ids + new.delta_token_ids,
+            delta_logprobs=old.delta_logprobs + new.delta_logprobs)
+            for old, new in zip(self.outputs, later.outputs)])
 
 
 class Detokenizer:

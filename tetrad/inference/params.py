@@ -10,6 +10,7 @@ from tetrad.config import from_dict
 from tetrad.errors import ConfigError, TetradError
 
 
+MAX_LOGPROBS = 20  # top log-probabilities a request may ask for per token (OpenAI's limit)
 # Temperatures below this sample as greedy (vLLM's rule): dividing logits by 1e-300 overflows to
 # inf and the softmax to NaN.
 GREEDY_TEMPERATURE = 1e-5
@@ -18,6 +19,10 @@ GREEDY_TEMPERATURE = 1e-5
 class RequestRejected(TetradError):
     """A request that can never run (too long for the model or the KV pool). The server answers it
     with a 4xx; the message says what to change."""
+
+
+class RequestFailed(TetradError):
+    """A step that ran the request failed (the engine goes on with the others)."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,8 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1
     ignore_eos: bool = False
+    logprobs: int | None = None  # log-probabilities of each generated token and its top-k rivals
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
 
     def __post_init__(self) -> None:
         # Requests come from JSON: normalize a lone string and lists, reject wrong types early.
@@ -53,10 +60,13 @@ class SamplingParams:
             ("n", integer, lambda v: v >= 1, ">= 1"),
             ("max_tokens", integer, lambda v: v >= 1, ">= 1"),
             ("seed", integer, lambda v: True, ""),
+            ("logprobs", integer, lambda v: 0 <= v <= MAX_LOGPROBS, f"in 0..{MAX_LOGPROBS}"),
+            ("prompt_logprobs", integer, lambda v: 0 <= v <= MAX_LOGPROBS,
+             f"in 0..{MAX_LOGPROBS}"),
         ]
         for name, types, rule, says in checks:
             value = getattr(self, name)
-            if value is None and name in ("max_tokens", "seed"):
+            if value is None and name in ("max_tokens", "seed", "logprobs", "prompt_logprobs"):
                 continue
             if isinstance(value, bool) or not isinstance(value, types) or not rule(value):
                 kind = "an integer" if types is integer else "a number"

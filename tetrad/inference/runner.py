@@ -41,6 +41,9 @@ VARLEN_BLOCK_MULTIPLE = 256
 # as fast for prefill chunks over a cached context and on par for small decode batches; the tiled
 # kernel ties or wins for decode batches whose contexts add up to 100+ MB of K/V.
 GATHER_LIMIT_BYTES = 64 * 2**20
+# A StepPlan.samples value: logits for every token of the chunk, not only the last (prompt
+# log-probabilities, tetrad.inference.logprobs); 1 is the last token's row, 0 none.
+PROMPT_LOGITS = 2
 
 
 def _flat(pairs: list[tuple[int, int]]) -> list[int]:
@@ -60,7 +63,8 @@ class StepPlan:
     token_ids: list[int] = field(default_factory=list)  # [tokens], sequence after sequence
     starts: list[int] = field(default_factory=list)  # [seqs]
     num_tokens: list[int] = field(default_factory=list)  # [seqs]
-    samples: list[int] = field(default_factory=list)  # [seqs] 1: a logits row for its last token
+    # [seqs] 1: a logits row for its last token; PROMPT_LOGITS: a row for each of its tokens
+    samples: list[int] = field(default_factory=list)
     tables: list[list[int]] = field(default_factory=list)  # [seqs][ceil((start + num) / size)]
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination)
@@ -74,7 +78,9 @@ class StepPlan:
             plan.token_ids += seq.token_ids[start:start + num_new]
             plan.starts.append(start)
             plan.num_tokens.append(num_new)
-            plan.samples.append(int(samples))
+            wants_prompt = (seq.params.prompt_logprobs is not None
+                            and start < seq.num_prompt_tokens)
+            plan.samples.append(PROMPT_LOGITS if wants_prompt else int(samples))
             plan.tables.append(seq.block_table[:-(-(start + num_new) // block_size)])
         return plan
 
@@ -250,7 +256,9 @@ class ModelRunner:
             positions += span
             slots += [table[p // size] * size + p % size for p in span]
             tables += table + [pad] * (width - len(table))
-            if samples:
+            if samples == PROMPT_LOGITS:
+                logits_rows += range(row, row + num_new)
+            elif samples:
                 logits_rows.append(row + num_new - 1)
             padding = max_q - num_new  # padded queries repeat the last one
             query_rows += list(range(row, row + num_new)) + [row + num_new - 1] * padding

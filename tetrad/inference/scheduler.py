@@ -168,7 +168,8 @@ class Scheduler:
             seq = self.waiting[0]
             if self._num_seqs() + seq.num_pending_forks > self.config.max_num_seqs:
                 break
-            hits = manager.prefix_hits(seq)
+            # Prompt log-probabilities need every prompt position computed, cached or not.
+            hits = [] if seq.params.prompt_logprobs is not None else manager.prefix_hits(seq)
             num_new = min(len(seq) - len(hits) * manager.block_size, budget)
             if not manager.can_allocate(seq, hits, num_new, use_watermark=bool(self.running)):
                 break

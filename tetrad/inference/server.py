@@ -1,254 +1,50 @@
-"""An OpenAI-compatible HTTP server over the engine: /v1/completions, /v1/chat/completions (both
-streaming by server-sent events), /v1/models, /health and Prometheus /metrics.
+"""An OpenAI-compatible HTTP server over the engine: /v1/completions and /v1/chat/completions (both
+streaming by server-sent events, with log-probabilities and echo), /v1/models, vLLM's /tokenize,
+/detokenize and /tokenizer_info, /health and Prometheus /metrics.
 
-The engine steps on a thread of its own (AsyncEngine); the event loop only validates requests,
-queues them and relays their outputs, so a long step never stalls HTTP. A bad request gets a 400
-with OpenAI's error body and the server keeps serving; a client that disconnects has its request
-aborted, which frees its KV blocks at the next step. An engine that can no longer step (a
-tensor-parallel rank died) fails the requests in flight, answers 503 and calls `on_fatal`
-(`tetrad serve` stops the server there).
+The engine steps on a thread of its own (async_engine.py); the event loop only validates requests,
+queues them and relays their outputs, and tokenizing and chat templates run on worker threads, so a
+long step or a long prompt never stalls HTTP. Every error is OpenAI's error JSON: a bad request a
+400, a missing API key a 401, a too large body a 413, a full queue a 503 with Retry-After, a
+request over its time a 408; a client that disconnects has its request aborted, which frees its
+KV blocks at the next step. A step that fails fails the requests it ran (500) and no others; an
+engine that can no longer step (a tensor-parallel rank died) fails the requests in flight, answers
+503, turns /health to 503 and calls `on_fatal` (`tetrad serve` stops the server there).
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
-import json
-import threading
 import time
-import traceback
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager, suppress
+from collections.abc import Callable
+from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from fastapi.responses import PlainTextResponse
+from starlette.exceptions import HTTPException
 
 from tetrad.errors import TetradError
+from tetrad.inference.api import (ApiError, ChatRequest, CompletionRequest, DetokenizeRequest,
+                                  ServerConfig, TokenizeRequest, TokenText, chat_logprobs,
+                                  completion_logprobs, error_response)
+from tetrad.inference.async_engine import AsyncEngine, EngineStopped, RequestError
 from tetrad.inference.chat import ChatFormatter
 from tetrad.inference.engine import LLM
+from tetrad.inference.http import Guard, final_outputs, merged, sse
 from tetrad.inference.output import RequestOutput
-from tetrad.inference.params import SamplingParams
-
-
-class EngineStopped(TetradError):
-    """The engine can no longer step: requests get a 503."""
-
-
-class RequestStream:
-    """The outputs of one request, as the engine thread produces them. Stopping the iteration
-    early (a closed or cancelled consumer) aborts the request."""
-
-    def __init__(self, engine: "AsyncEngine", request_id: str, queue: asyncio.Queue):
-        self.engine, self.request_id, self.queue = engine, request_id, queue
-        self.finished = False
-
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        try:
-            while not self.finished:
-                output = await self.queue.get()
-                if isinstance(output, BaseException):
-                    raise output
-                self.finished = output.finished
-                yield output
-        finally:
-            if not self.finished:
-                self.engine.abort(self.request_id)
-
-
-class AsyncEngine:
-    def __init__(self, llm: LLM, on_fatal: Callable[[], None] | None = None):
-        self.llm, self.on_fatal = llm, on_fatal
-        self.failure: BaseException | None = None  # set when the engine can no longer step
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="tetrad-engine", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def shutdown(self) -> None:
-        self._stopping = True
-        self._wake.set()
-        self._thread.join()
-
-    def submit(self, prompt: str | list[int], params: SamplingParams) -> RequestStream:
-        """Queue a request; raises (TetradError) at once when it could never run."""
-        if self.failure is not None:
-            raise EngineStopped(f"the engine stopped: {self.failure}")
-        request_id = f"req-{uuid.uuid4().hex}"
-        queue: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            self._streams[request_id] = (asyncio.get_running_loop(), queue)
-        try:
-            self.llm.add_request(prompt, params, request_id)
-        except BaseException:
-            with self._lock:
-                del self._streams[request_id]
-            raise
-        self._wake.set()
-        return RequestStream(self, request_id, queue)
-
-    def abort(self, request_id: str) -> None:
-        with self._lock:
-            self._streams.pop(request_id, None)
-        self.llm.abort(request_id)
-        self._wake.set()
-
-    def _run(self) -> None:
-        while not self._stopping:
-            if not self.llm.has_unfinished():
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
-            try:
-                outputs = self.llm.step()
-            except Exception as error:  # a bug, not a bad request: fail the requests in flight
-                traceback.print_exc()
-                if self.llm.failure is not None:  # a tensor-parallel rank is gone: no more steps
-                    self.failure = error
-                self._fail_all(error)
-                if self.failure is None:
-                    continue
-                if self.on_fatal is not None:
-                    self.on_fatal()
-                return
-            for output in outputs:
-                with self._lock:
-                    entry = (self._streams.pop(output.request_id, None) if output.finished
-                             else self._streams.get(output.request_id))
-                if entry is not None:
-                    loop, queue = entry
-                    # The engine keeps updating its output object: hand over a snapshot.
-                    loop.call_soon_threadsafe(queue.put_nowait, copy.deepcopy(output))
-
-    def _fail_all(self, error: Exception) -> None:
-        with self._lock:
-            streams, self._streams = self._streams, {}
-        for request_id, (loop, queue) in streams.items():
-            self.llm.abort(request_id)
-            failure = RuntimeError(f"engine step failed: {error}")
-            loop.call_soon_threadsafe(queue.put_nowait, failure)
-
-
-class SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # clients send fields we do not use (user, ...)
-
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    repetition_penalty: float = 1.0
-    n: int = 1
-    stream: bool = False
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: bool | int | None = None
-
-    def sampling_params(self, extra_stop: tuple[str, ...] = (),
-                        defaults: dict | None = None) -> SamplingParams:
-        """The request's sampling; `defaults` (a stored model's Modelfile PARAMETERs, as
-        SamplingParams fields) stand in for the fields the request leaves out."""
-        unset = {key: value for key, value in (defaults or {}).items()
-                 if key not in self.model_fields_set}
-        if self.presence_penalty or self.frequency_penalty:
-            raise TetradError("presence_penalty and frequency_penalty are not supported: use "
-                              "repetition_penalty")
-        if self.logprobs:
-            raise TetradError("logprobs are not supported")
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        values = dict(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            repetition_penalty=self.repetition_penalty, max_tokens=self.max_tokens,
-            stop=tuple(stop), seed=self.seed, n=self.n, ignore_eos=self.ignore_eos)
-        values.update(unset)
-        return SamplingParams(**{**values, "stop": tuple(values["stop"]) + extra_stop})
-
-
-class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for completions
-
-
-class ChatRequest(SamplingFields):
-    messages: list[dict]
-    max_completion_tokens: int | None = None  # the newer name of max_tokens
-
-
-def error_response(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None,
-                                   "code": None}}, status_code=status)
-
-
-def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
-    async def events():
-        async for chunk in chunks:
-            yield f"data: {json.dumps(chunk)}\n\n"
-        yield "data: [DONE]\n\n"
-    return StreamingResponse(events(), media_type="text/event-stream")
-
-
-async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from several requests as they come; closing it aborts the rest."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, stream: RequestStream) -> None:
-        try:
-            async for output in stream:
-                await queue.put((index, output))
-        except Exception as error:
-            await queue.put((index, error))
-        await queue.put((index, None))
-
-    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, output = await queue.get()
-            if output is None:
-                remaining -= 1
-            elif isinstance(output, Exception):
-                raise output
-            else:
-                yield index, output
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-async def final_outputs(request: Request, streams: list[RequestStream]) -> list | None:
-    """The finished output of every stream, or None when the client went away first (its
-    requests are then aborted)."""
-    async def collect() -> list:
-        finals = [None] * len(streams)
-        async for index, output in merged(streams):
-            finals[index] = output
-        return finals
-
-    task = asyncio.create_task(collect())
-    while not task.done():
-        await asyncio.wait({task}, timeout=0.25)
-        if not task.done() and await request.is_disconnected():
-            task.cancel()
-            with suppress(asyncio.CancelledError):
-                await task
-            return None
-    return task.result()
 
 
 def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None,
-              on_fatal: Callable[[], None] | None = None,
-              defaults: dict | None = None) -> FastAPI:
+              on_fatal: Callable[[], None] | None = None, defaults: dict | None = None,
+              config: ServerConfig | None = None) -> FastAPI:
+    """`defaults`: sampling fields for requests that leave them out (a stored model's
+    Modelfile PARAMETERs); `config`: the API key and the limits."""
     engine = AsyncEngine(llm, on_fatal)
     chat = chat or ChatFormatter()
+    config = config or ServerConfig()
+    token_text = TokenText(llm.tokenizer)
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -256,8 +52,11 @@ def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None,
         yield
         engine.shutdown()
 
-    app = FastAPI(title="tetrad", lifespan=lifespan)
+    docs = {} if config.enable_docs else {"docs_url": None, "redoc_url": None,
+                                          "openapi_url": None}
+    app = FastAPI(title="tetrad", lifespan=lifespan, **docs)
     app.state.engine = engine
+    app.add_middleware(Guard, config=config)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request, error: RequestValidationError):
@@ -267,37 +66,66 @@ def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None,
 
     @app.exception_handler(TetradError)
     async def rejected(_request, error: TetradError):
+        if isinstance(error, ApiError):
+            return error_response(error.status, str(error), error.kind, error.headers)
         if isinstance(error, EngineStopped):
             return error_response(503, str(error), "server_error")
+        if isinstance(error, RequestError):
+            return error_response(500, str(error), "server_error")
         return error_response(400, str(error))
 
-    def submit_all(prompts: list, params: SamplingParams) -> list[RequestStream]:
+    @app.exception_handler(HTTPException)
+    async def http_error(_request, error: HTTPException):
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return error_response(error.status_code, str(error.detail), kind, error.headers)
+
+    @app.exception_handler(Exception)
+    async def crashed(_request, error: Exception):
+        return error_response(500, f"internal error: {type(error).__name__}: {error}",
+                              "server_error")
+
+    def check_model(name: str | None) -> None:
+        if name not in (None, model_name):
+            raise ApiError(404, f"model {name!r} is not served here: use {model_name!r}",
+                           "not_found_error")
+
+    def encode(prompts: list) -> list[list[int]]:
+        """Token ids of each prompt (a string, or ids already); runs on a worker thread."""
+        return [llm.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+
+    def submit_all(prompts: list[list[int]], params, stream: bool) -> list:
+        if len(prompts) * params.n > config.max_sequences_per_request:
+            raise ApiError(400, f"{len(prompts)} prompts x n = {params.n} asks for "
+                                f"{len(prompts) * params.n} sequences: at most "
+                                f"{config.max_sequences_per_request} per request (tetrad serve "
+                                f"--max-sequences-per-request)")
+        if engine.failure is None and llm.num_waiting() >= config.max_waiting_requests:
+            raise ApiError(503, f"the server is busy: {config.max_waiting_requests} requests "
+                                f"are waiting; retry later", "server_error", {"Retry-After": "1"})
         streams = []
         try:
             for prompt in prompts:
-                streams.append(engine.submit(prompt, params))
+                streams.append(engine.submit(prompt, params, every_step=stream))
         except BaseException:
             for stream in streams:
                 engine.abort(stream.request_id)
             raise
         return streams
 
-    def check_model(name: str | None) -> JSONResponse | None:
-        if name not in (None, model_name):
-            return error_response(404, f"model {name!r} is not served here: use {model_name!r}",
-                                  "not_found_error")
-        return None
+    async def finals_of(request: Request, streams: list) -> list[RequestOutput]:
+        finals = await final_outputs(request, streams, config.request_timeout)
+        if finals is None:
+            raise ApiError(499, "client closed the request")
+        return finals
 
-    def usage(finals: list[RequestOutput]) -> dict:
-        prompt = sum(len(f.prompt_token_ids) for f in finals)
-        completion = sum(len(c.token_ids) for f in finals for c in f.outputs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}
+    def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
 
     @app.get("/health")
     async def health():
-        if engine.failure is not None:
-            return error_response(503, f"the engine stopped: {engine.failure}", "server_error")
+        if (problem := engine.health()) is not None:
+            return error_response(503, problem, "server_error")
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -308,66 +136,138 @@ def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None,
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(llm.metrics_text(), media_type="text/plain; version=0.0.4")
+        text = await engine.call(llm.metrics_text)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        tokens = (await asyncio.to_thread(encode, [body.prompt]))[0]
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": llm.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        vocab = llm.model_config.vocab_size
+        if not all(0 <= token < vocab for token in body.tokens):
+            raise ApiError(400, f"tokens must be in 0..{vocab - 1} (the model's vocab)")
+        return {"prompt": await asyncio.to_thread(llm.tokenizer.decode, body.tokens)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        tokenizer = llm.tokenizer
+        return {"tokenizer_class": type(tokenizer).__name__,
+                "eos_token": getattr(tokenizer, "eos_token", None), "bos_token": None,
+                "pad_token": None, "chat_template": chat.source,
+                "model_max_length": llm.max_model_len}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        if (response := check_model(body.model)) is not None:
-            return response
+        check_model(body.model)
         prompt = body.prompt
         batch = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
         prompts = prompt if batch else [prompt]
-        params = body.sampling_params(defaults=defaults)
-        streams = submit_all(prompts, params)
+        # OpenAI's echo with max_tokens 0 scores the prompt alone: the engine samples one token
+        # (the prompt's last position gives logits anyway), which the answer leaves out.
+        prompt_only = body.echo and body.max_tokens == 0
+        scored = body.logprobs is not None
+        params = body.sampling_params(
+            config, defaults=defaults, logprobs=body.logprobs,
+            prompt_logprobs=body.logprobs if body.echo and scored else None,
+            **({"max_tokens": 1} if prompt_only else {}))
+        ids = await asyncio.to_thread(encode, prompts)
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        if body.echo or scored:  # the prompt's text: echoed, and where text offsets start
+            texts = [text if text is not None else await asyncio.to_thread(
+                llm.tokenizer.decode, prompt_ids) for text, prompt_ids in zip(texts, ids)]
+        streams = submit_all(ids, params, body.stream)
         common = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                   "created": int(time.time()), "model": model_name}
+
+        def choice(index: int, output: RequestOutput, completion, first: bool, offset: int
+                   ) -> tuple[dict, int]:
+            """One choice (a whole one, or a stream's next piece): the echoed prompt first,
+            then the completion's text, and their log-probabilities."""
+            text, token_ids, scores = "", [], []
+            if first and body.echo:
+                text, token_ids = texts[index], output.prompt_token_ids
+                scores = output.prompt_logprobs or []
+            if not prompt_only:
+                whole = output.finished and not body.stream
+                text += completion.text if whole else completion.delta_text
+                token_ids = token_ids + (completion.token_ids if whole
+                                         else completion.delta_token_ids)
+                scores = scores + ((completion.logprobs if whole
+                                    else completion.delta_logprobs) or [])
+            logprobs = None
+            if scored:
+                logprobs, offset = completion_logprobs(scores, token_ids, token_text, offset)
+            reason = "length" if prompt_only and completion.finish_reason else \
+                completion.finish_reason
+            return {"index": index * params.n + completion.index, "text": text,
+                    "logprobs": logprobs, "finish_reason": reason}, offset
+
+        def start_offset(index: int) -> int:
+            return 0 if body.echo or not scored else len(texts[index])
+
         if body.stream:
             async def chunks():
-                async for index, output in merged(streams):
-                    for c in output.outputs:
-                        if c.delta_text or c.finish_reason:
-                            yield {**common, "choices": [{
-                                "index": index * params.n + c.index, "text": c.delta_text,
-                                "logprobs": None, "finish_reason": c.finish_reason}]}
+                offsets: dict[tuple[int, int], int] = {}
+                async for index, output in merged(streams, config.request_timeout):
+                    for completion in output.outputs:
+                        key = (index, completion.index)
+                        first = key not in offsets
+                        piece, offsets[key] = choice(index, output, completion, first,
+                                                     offsets.get(key, start_offset(index)))
+                        if piece["text"] or piece["finish_reason"] or (
+                                scored and piece["logprobs"]["tokens"]):
+                            yield {**common, "choices": [piece]}
             return sse(chunks())
-        finals = await final_outputs(request, streams)
-        if finals is None:
-            return error_response(499, "client closed the request")
-        choices = [{"index": i * params.n + c.index, "text": c.text, "logprobs": None,
-                    "finish_reason": c.finish_reason}
-                   for i, final in enumerate(finals) for c in final.outputs]
-        return {**common, "choices": choices, "usage": usage(finals)}
+        finals = await finals_of(request, streams)
+        choices = [choice(i, final, completion, True, start_offset(i))[0]
+                   for i, final in enumerate(finals) for completion in final.outputs]
+        generated = 0 if prompt_only else sum(len(c.token_ids) for f in finals
+                                              for c in f.outputs)
+        return {**common, "choices": choices,
+                "usage": usage(sum(len(f.prompt_token_ids) for f in finals), generated)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        if (response := check_model(body.model)) is not None:
-            return response
+        check_model(body.model)
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
-        params = body.sampling_params(chat.stop, defaults)
-        streams = submit_all([chat.render(body.messages)], params)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true")
+        params = body.sampling_params(
+            config, chat.stop, defaults,
+            logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+        ids = await asyncio.to_thread(lambda: encode([chat.render(body.messages)]))
+        streams = submit_all(ids, params, body.stream)
         common = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
                   "model": model_name}
+
+        def logprobs_of(scores) -> dict | None:
+            return chat_logprobs(scores, token_text) if body.logprobs else None
+
         if body.stream:
             async def chunks():
                 for index in range(params.n):  # the role comes first, as OpenAI sends it
                     yield {**common, "object": "chat.completion.chunk", "choices": [{
                         "index": index, "delta": {"role": "assistant", "content": ""},
-                        "finish_reason": None}]}
-                async for _, output in merged(streams):
+                        "logprobs": None, "finish_reason": None}]}
+                async for _, output in merged(streams, config.request_timeout):
                     for c in output.outputs:
-                        if c.delta_text or c.finish_reason:
+                        if c.delta_text or c.finish_reason or (body.logprobs and c.delta_logprobs):
                             delta = {"content": c.delta_text} if c.delta_text else {}
                             yield {**common, "object": "chat.completion.chunk", "choices": [{
                                 "index": c.index, "delta": delta,
+                                "logprobs": logprobs_of(c.delta_logprobs),
                                 "finish_reason": c.finish_reason}]}
             return sse(chunks())
-        finals = await final_outputs(request, streams)
-        if finals is None:
-            return error_response(499, "client closed the request")
+        final = (await finals_of(request, streams))[0]
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "finish_reason": c.finish_reason} for c in finals[0].outputs]
+                    "logprobs": logprobs_of(c.logprobs), "finish_reason": c.finish_reason}
+                   for c in final.outputs]
         return {**common, "object": "chat.completion", "choices": choices,
-                "usage": usage(finals)}
+                "usage": usage(len(final.prompt_token_ids),
+                               sum(len(c.token_ids) for c in final.outputs))}
 
     return app

@@ -1,0 +1,186 @@
+"""What the HTTP server costs: the same requests through `tetrad serve` (a real server process,
+clients on this process's threads) and through `LLM.generate` in process, in one run.
+
+Long prompts (3,000 tokens by default) make the per-step work of the server visible: it used to
+deep-copy every request's whole output, prompt ids included, on every step. Runs alternate
+between the two sides and each side keeps its best, so a shared machine's noise favours neither.
+
+    .venv/bin/python benchmarks/bench_server_overhead.py                 # 16 x 3,000-token prompts
+    .venv/bin/python benchmarks/bench_server_overhead.py --prompt-len 200 --requests 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from tetrad.inference.engine import LLM
+from tetrad.inference.params import SamplingParams
+from tetrad.models.hf import save_hf
+from tetrad.models.transformer import Transformer
+from tetrad.presets import resolve_model
+
+
+def engine_flags(args) -> dict:
+    return {"max_num_seqs": args.requests, "max_num_batched_tokens": args.batched_tokens,
+            "block_size": 16, "kv_memory": args.kv_memory}
+
+
+def run_generate(llm: LLM, prompts: list[list[int]], args) -> tuple[float, float]:
+    """(generated tokens per second, CPU seconds per generated token) of LLM.generate, called on
+    a thread other than the main one, as the server steps its engine: on this machine the same
+    steps ran up to 3x slower on the main thread (2 torch threads; cause not pinned down)."""
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    outputs = []
+    worker = threading.Thread(target=lambda: outputs.extend(llm.generate(prompts, params)))
+    start, cpu = time.perf_counter(), time.process_time()
+    worker.start()
+    worker.join()
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+    tokens = sum(len(o.token_ids) for o in outputs)
+    return tokens / elapsed, cpu / tokens
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(folder: Path, port: int, args) -> subprocess.Popen:
+    flags = [f"--{key.replace('_', '-')}={value}" for key, value in engine_flags(args).items()]
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    # Started in the model's folder: `python -m` puts the working directory first on sys.path,
+    # and PYTHONPATH must choose the tetrad that serves (the benchmark compares two trees).
+    server = subprocess.Popen([sys.executable, "-m", "tetrad.cli.main", "serve", str(folder),
+                               "--port", str(port), *flags], env=env, cwd=folder,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            connection.request("GET", "/health")
+            if connection.getresponse().status == 200:
+                return server
+        except OSError:
+            time.sleep(0.2)
+    server.kill()
+    raise RuntimeError("tetrad serve did not start")
+
+
+def one_request(port: int, prompt: list[int], args, stream: bool, counts: list, index: int):
+    body = {"prompt": prompt, "max_tokens": args.output_len, "temperature": 0,
+            "ignore_eos": True, "stream": stream}
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    connection.request("POST", "/v1/completions", json.dumps(body),
+                       {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    if stream:  # ignore_eos: a stream that ends with "length" generated max_tokens
+        events = [json.loads(line[6:]) for line in response.read().decode().splitlines()
+                  if line.startswith("data: {")]
+        finished = events[-1]["choices"][0]["finish_reason"] == "length"
+        counts[index] = args.output_len if finished else 0
+    else:
+        counts[index] = json.loads(response.read())["usage"]["completion_tokens"]
+
+
+def run_server(server: subprocess.Popen, port: int, prompts: list[list[int]], args,
+               stream: bool) -> tuple[float, float]:
+    """(generated tokens per second, the server's CPU seconds per generated token) through
+    HTTP, all requests sent at once."""
+    counts = [0] * len(prompts)
+    threads = [threading.Thread(target=one_request, args=(port, prompt, args, stream, counts, i))
+               for i, prompt in enumerate(prompts)]
+    start, cpu = time.perf_counter(), process_cpu_s(server.pid)
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed, cpu = time.perf_counter() - start, process_cpu_s(server.pid) - cpu
+    expected = len(prompts) * args.output_len
+    if sum(counts) != expected:
+        raise RuntimeError(f"the server returned {sum(counts)} of {expected} tokens")
+    return expected / elapsed, cpu / expected
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="small", help="preset with random weights")
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=3000)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--batched-tokens", type=int, default=2048)
+    parser.add_argument("--kv-memory", default="1GiB")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads, both sides (default 1)")
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    config = resolve_model(args.model).replace(
+        max_seq_len=max(resolve_model(args.model).max_seq_len,
+                        args.prompt_len + args.output_len))
+    rng = random.Random(0)
+
+    def new_prompts() -> list[list[int]]:  # fresh ones each run: no prefix-cache hits
+        return [[rng.randrange(config.vocab_size) for _ in range(args.prompt_len)]
+                for _ in range(args.requests)]
+    with tempfile.TemporaryDirectory() as folder:
+        torch.manual_seed(0)
+        save_hf(Transformer(config), folder)
+        port = free_port()
+        server = start_server(Path(folder), port, args)
+        llm = LLM(folder, log=None, **engine_flags(args))
+        runs = {"generate": [], "serve_stream": [], "serve": []}
+        try:
+            warm_up = new_prompts()[:2]
+            run_server(server, port, warm_up, args, stream=True)
+            run_generate(llm, warm_up, args)
+            for _ in range(args.repeats):
+                runs["generate"].append(run_generate(llm, new_prompts(), args))
+                runs["serve_stream"].append(run_server(server, port, new_prompts(), args, True))
+                runs["serve"].append(run_server(server, port, new_prompts(), args, False))
+        finally:
+            server.terminate()
+            server.wait()
+    # Each side's best run: its fastest, and its fewest CPU seconds per token (the CPU measure
+    # holds on a loaded machine, where wall times swing from run to run).
+    speed = {name: max(run[0] for run in values) for name, values in runs.items()}
+    cpu = {name: min(run[1] for run in values) for name, values in runs.items()}
+    results = {"model": args.model, "requests": args.requests, "prompt_len": args.prompt_len,
+               "output_len": args.output_len, "threads": torch.get_num_threads(),
+               "tokens_per_s": speed, "cpu_s_per_token": cpu, "runs": runs}
+    import tetrad
+
+    print(f"{args.requests} requests x {args.prompt_len}-token prompts, {args.output_len} "
+          f"tokens each, {args.model}, {torch.get_num_threads()} threads, tetrad from "
+          f"{Path(tetrad.__file__).parent.parent}")
+    for name in runs:
+        print(f"  {name:13s} {speed[name]:8.1f} tokens/s ({speed[name] / speed['generate']:.3f}x "
+              f"generate)   {cpu[name] * 1e3:7.2f} CPU ms/token (generate / this = "
+              f"{cpu['generate'] / cpu[name]:.3f})")
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

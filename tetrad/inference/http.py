@@ -1,0 +1,163 @@
+"""HTTP plumbing of the server: the guard in front of every route (API key, body size), server-sent
+events, and waiting on several request streams with a deadline and a client that may leave."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from collections.abc import AsyncIterator
+
+from fastapi.responses import StreamingResponse
+from starlette.requests import Request
+
+from tetrad.errors import TetradError
+from tetrad.inference.api import ApiError, ServerConfig, error_json, error_response
+from tetrad.inference.async_engine import RequestError, RequestStream
+
+PROTECTED = ("/v1", "/tokenize", "/detokenize")  # what --api-key guards (vLLM guards /v1)
+
+
+class Guard:
+    """ASGI middleware: a request to a protected path must bring the API key ("Authorization:
+    Bearer KEY", else 401); a body larger than max_request_bytes gets a 413 before any route
+    reads it (the body is read here, up to the limit, and replayed to the app)."""
+
+    def __init__(self, app, config: ServerConfig):
+        self.app, self.config = app, config
+        self.expected = f"Bearer {config.api_key}".encode() if config.api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.expected is not None and scope["path"].startswith(PROTECTED) and not \
+                hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+            return await error_response(
+                401, "a valid API key is required: send 'Authorization: Bearer <key>'",
+                "authentication_error")(scope, receive, send)
+        limit = self.config.max_request_bytes
+        too_large = error_response(413, f"the request body exceeds {limit} bytes (tetrad serve "
+                                        f"--max-request-bytes)")
+        declared = headers.get(b"content-length", b"0")
+        if not declared.isdigit():
+            return await error_response(400, "Content-Length is not a number")(scope, receive,
+                                                                                send)
+        if int(declared) > limit:
+            return await too_large(scope, receive, send)
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > limit:
+                return await too_large(scope, receive, send)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+def error_body(error: TetradError) -> dict:
+    if isinstance(error, ApiError):
+        return error_json(str(error), error.kind)
+    return error_json(str(error), "server_error" if isinstance(error, RequestError)
+                      else "invalid_request_error")
+
+
+def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    """A stream of chunks; a failure after the stream began (the request failed in the engine, or
+    ran out of time) becomes a last {"error": ...} event before [DONE], as vLLM sends it."""
+    async def events():
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n"
+        except TetradError as error:
+            yield f"data: {json.dumps(error_body(error))}\n\n"
+        yield "data: [DONE]\n\n"
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+async def merged(streams: list[RequestStream], timeout_s: float
+                 ) -> AsyncIterator[tuple[int, object]]:
+    """(prompt index, output) from several requests as they come, until all finish or
+    `timeout_s` passes (ApiError 408); closing it aborts the requests still running."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    source = _numbered(streams[0]) if len(streams) == 1 else _interleaved(streams)
+    try:
+        while True:
+            try:  # not wait_for: on Python 3.11 it can swallow a cancellation
+                async with asyncio.timeout_at(deadline):
+                    item = await anext(source)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise ApiError(408, f"the request ran longer than {timeout_s:g} s and was "
+                                    f"stopped (tetrad serve --request-timeout)",
+                               "timeout_error") from None
+            yield item
+    finally:
+        await source.aclose()
+
+
+async def _numbered(stream: RequestStream) -> AsyncIterator[tuple[int, object]]:
+    async for output in stream:
+        yield 0, output
+
+
+async def _interleaved(streams: list[RequestStream]) -> AsyncIterator[tuple[int, object]]:
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                await queue.put((index, output))
+        except Exception as error:
+            await queue.put((index, error))
+        await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, output = await queue.get()
+            if output is None:
+                remaining -= 1
+            elif isinstance(output, Exception):
+                raise output
+            else:
+                yield index, output
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def final_outputs(request: Request, streams: list[RequestStream], timeout_s: float
+                        ) -> list | None:
+    """The finished output of every stream, or None when the client went away first (its
+    requests are then aborted)."""
+    async def collect() -> list:
+        finals = [None] * len(streams)
+        async for index, output in merged(streams, timeout_s):
+            finals[index] = output
+        return finals
+
+    task = asyncio.create_task(collect())
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.25)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            return None
+    return task.result()
