@@ -36,31 +36,43 @@ SAMPLING_FLAGS: list[tuple[str, type, str]] = [
 ]
 
 
+# Flags beyond the value flags above, with their argparse options.
+ENGINE_SWITCHES: list[tuple[str, dict]] = [
+    ("--enforce-eager", dict(action="store_true",
+                             help="no CUDA graphs for decode steps (they are captured on a GPU)")),
+    ("--compile", dict(action="store_true", help="torch.compile the forward (and FlexAttention)")),
+    ("--no-prefix-caching", dict(dest="enable_prefix_caching", action="store_false",
+                                 help="do not share KV blocks across requests")),
+]
+SAMPLING_SWITCHES: list[tuple[str, dict]] = [
+    ("--stop", dict(action="append", help="stop string (repeatable)")),
+    ("--ignore-eos", dict(action="store_true",
+                          help="keep generating past the end-of-text token")),
+]
+
+
+def _add_group(parser: argparse.ArgumentParser, title: str, values: list[tuple[str, type, str]],
+               switches: list[tuple[str, dict]]) -> None:
+    """Flags left out of the command line stay out of the namespace (SUPPRESS), so a stored
+    model's defaults and then the engine's fill them."""
+    group = parser.add_argument_group(title)
+    for flag, kind, help_text in values:
+        group.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text)
+    for flag, options in switches:
+        group.add_argument(flag, default=argparse.SUPPRESS, **options)
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", metavar="MODEL",
                         help="a stored model's name (tetrad list), an HF model folder (llama, "
                              "qwen2, gpt2, ...) or a tetrad checkpoint (step folder or root)")
     parser.add_argument("--tokenizer", help="'byte', a tokenizer.json or a folder (default: the "
                                             "model folder's)")
-    group = parser.add_argument_group("engine")
-    for flag, kind, help_text in ENGINE_FLAGS:
-        group.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text)
-    group.add_argument("--enforce-eager", action="store_true", default=argparse.SUPPRESS,
-                       help="no CUDA graphs for decode steps (they are captured on a GPU)")
-    group.add_argument("--compile", action="store_true", default=argparse.SUPPRESS,
-                       help="torch.compile the forward (and FlexAttention)")
-    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                       default=argparse.SUPPRESS, help="do not share KV blocks across requests")
+    _add_group(parser, "engine", ENGINE_FLAGS, ENGINE_SWITCHES)
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("sampling")
-    for flag, kind, help_text in SAMPLING_FLAGS:
-        group.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text)
-    group.add_argument("--stop", action="append", default=argparse.SUPPRESS,
-                       help="stop string (repeatable)")
-    group.add_argument("--ignore-eos", action="store_true", default=argparse.SUPPRESS,
-                       help="keep generating past the end-of-text token")
+    _add_group(parser, "sampling", SAMPLING_FLAGS, SAMPLING_SWITCHES)
 
 
 def build_engine(args: argparse.Namespace):
