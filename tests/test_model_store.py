@@ -198,7 +198,7 @@ def test_a_trained_model_is_stored_as_its_parameters_and_runs_by_name(
 
     captured = {}
     monkeypatch.setattr("tetrad.inference.server.build_app",
-                        lambda llm, name, chat, on_fatal, defaults: captured.update(
+                        lambda llm, name, chat, on_fatal, defaults, config: captured.update(
                             name=name, system=chat.system, defaults=defaults))
     monkeypatch.setattr("uvicorn.Server.run", lambda server: None)
     assert main(["serve", "brief", "--num-blocks", "16"]) == 0
