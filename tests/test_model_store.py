@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from tetrad.cli.main import main
 from tetrad.errors import ConfigError
 from tetrad.inference.chat import ChatFormatter
-from tetrad.inference.server import ChatRequest, CompletionRequest
+from tetrad.inference.api import ChatRequest, CompletionRequest, ServerConfig
 from tetrad.modelfile import ModelfileError, parse_modelfile
 from tetrad.models.hf import load_pretrained
 from tetrad.safetensors_subset import write_subset
@@ -239,12 +239,13 @@ def test_save_as_under_torchrun_needs_a_shared_checkpoint_dir(monkeypatch, capsy
 
 def test_the_server_takes_modelfile_defaults_for_the_fields_a_request_leaves_out():
     defaults = {"temperature": 0.0, "max_tokens": 5, "stop": ("User:",), "top_k": 3}
-    params = CompletionRequest(prompt="x", temperature=0.7).sampling_params(defaults=defaults)
+    params = CompletionRequest(prompt="x", temperature=0.7).sampling_params(ServerConfig(),
+                                                                     defaults=defaults)
     assert (params.temperature, params.max_tokens, params.stop, params.top_k) == (
         0.7, 5, ("User:",), 3)
     chat = ChatRequest(messages=[], stop=["END"], max_completion_tokens=9)
     chat.max_tokens = chat.max_completion_tokens
-    params = chat.sampling_params(("\nUser:",), defaults)
+    params = chat.sampling_params(ServerConfig(), ("\nUser:",), defaults)
     assert (params.temperature, params.max_tokens, params.stop) == (0.0, 9, ("END", "\nUser:"))
 
 
