@@ -61,6 +61,10 @@ def test_calibrated_profile_round_trips_and_times(calibrated, tmp_path):
         {(kind, 2) for kind in KINDS} | {("p2p", 2)}
     assert efficiency.op_forward_s > 0 and efficiency.op_backward_s > 0
     assert efficiency.optimizer_tensor_s > 0 and efficiency.concurrent_ranks >= 1
+    # The calibration model's whole step, alone and on both ranks at once.
+    assert efficiency.step_scale > 0
+    assert [ranks for ranks, _ in efficiency.concurrent_slowdown] == [2]
+    assert all(factor > 0 for _, factor in efficiency.concurrent_slowdown)
     sizes = [flops for flops, _ in efficiency.matmul_curve]
     assert sizes == sorted(sizes) and all(0 < e <= 1 for _, e in efficiency.matmul_curve)
 
@@ -78,6 +82,11 @@ def test_efficiency_curve_and_collective_fits_interpolate():
     assert alpha == pytest.approx(3e-4) and beta == pytest.approx(1.5e-9)
     assert profile.collective_fit("all_to_all", 2) is None
     assert dataclasses.replace(profile, matmul_curve=()).matmul_efficiency(1e4) == 0.5
+    assert profile.slowdown(4) == 1.0  # nothing measured: ranks do not slow each other
+    shared = dataclasses.replace(profile, concurrent_slowdown=((2, 1.2), (4, 2.6)))
+    assert shared.slowdown(1) == 1.0 and shared.slowdown(2) == 1.2
+    assert shared.slowdown(3) == pytest.approx(1.9)  # between the measured points
+    assert shared.slowdown(8) == pytest.approx(5.2)  # beyond them, ranks queue for the cores
 
 
 def test_calibrate_shows_progress_and_writes_the_profile(calibrated):

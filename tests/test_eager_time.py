@@ -48,3 +48,26 @@ def test_full_recomputation_runs_the_forward_again():
     plain = block_operators(config, TrainLayout(), 0)
     again = block_operators(config, TrainLayout(recompute="full"), 0)
     assert again.backward == plain.backward + plain.forward
+
+
+def test_measured_step_scale_and_concurrent_slowdown_scale_compute():
+    import dataclasses
+
+    from tetrad.hardware import GPUS, Cluster
+    from tetrad.planner.eager_time import eager_step_time
+    from tetrad.planner.precision import training_precision
+
+    base = GPUS["h100-sxm"]
+    config, layout = preset("tiny"), TrainLayout(dp=2, micro_batch=2)
+    precision = training_precision("fp32")
+
+    def step(**fields):
+        gpu = dataclasses.replace(base, efficiency=dataclasses.replace(base.efficiency,
+                                                                        **fields))
+        return eager_step_time(config, Cluster(gpu, 2, 2), layout, 64, precision)
+
+    plain = step()
+    assert step(step_scale=2.0).compute == pytest.approx(2 * plain.compute)
+    shared = step(concurrent_slowdown=((2, 1.5), (4, 3.0)), concurrent_ranks=2)
+    assert shared.compute == pytest.approx(1.5 * plain.compute)
+    assert shared.communication_exposed == plain.communication_exposed

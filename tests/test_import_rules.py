@@ -34,8 +34,10 @@ ALLOWED = {
     "train": [*SHARED, *BASE, "memory", "models", "parallel", "planner"],
     "inference": [*SHARED, "models", "parallel", "planner", ""],  # "": lazy `import tetrad`
     "viz": ["errors", "hardware", "schedules"],
-    # Microbenchmarks: the activation meter every strategy runs, train.launch's spawned ranks.
-    "calibrate": ["errors", "hardware", "hardware_profile", "memory", "train"],
+    # Microbenchmarks: the activation meter every strategy runs, train.launch's spawned ranks,
+    # and a calibration model's training step set against the planner's time model.
+    "calibrate": ["config", "errors", "hardware", "hardware_profile", "memory", "planner",
+                  "train"],
     "cli": [*SHARED, *BASE, "calibrate", "inference", "modelfile", "models", "planner", "store",
             "train", "viz"],
 }

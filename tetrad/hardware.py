@@ -56,6 +56,11 @@ class EfficiencyProfile:
         time = alpha + beta * the bytes the call is handed (the full tensor; p2p the message).
     concurrent_ranks: ranks that compute at full speed at once on the machine (its cores, one
         thread each); 0 means every rank has a device of its own.
+    step_scale: a whole eager training step of a calibration model measured against the sum of
+        the parts above (module calls and hooks, the autograd engine, element-wise kernels slower
+        than streaming, clipping): every rank's compute is scaled by it (0: 1).
+    concurrent_slowdown: (ranks, factor) points: how much longer that step takes when that many
+        ranks run it at once on the machine (shared cores, caches and memory), ascending.
     """
 
     matmul: float
@@ -75,6 +80,24 @@ class EfficiencyProfile:
     optimizer_memory: float = 0.0
     collectives: tuple[tuple[str, int, float, float], ...] = ()
     concurrent_ranks: int = 0
+    step_scale: float = 0.0
+    concurrent_slowdown: tuple[tuple[int, float], ...] = ()
+
+    def slowdown(self, ranks: int) -> float:
+        """Factor on a rank's compute when `ranks` compute at once: the measured points,
+        interpolated; beyond the last, its factor grows with the ranks (they queue for cores)."""
+        points = self.concurrent_slowdown
+        if not points or ranks <= 1:
+            return 1.0
+        sizes = [size for size, _ in points]
+        index = bisect.bisect_left(sizes, ranks)
+        if index == len(points):
+            size, factor = points[-1]
+            return factor * ranks / size
+        if sizes[index] == ranks or index == 0:
+            return max(1.0, points[index][1])
+        (low, low_factor), (high, high_factor) = points[index - 1], points[index]
+        return low_factor + (ranks - low) / (high - low) * (high_factor - low_factor)
 
     def matmul_efficiency(self, flops: float) -> float:
         """Fraction of peak a GEMM of `flops` reaches: the measured curve, else `matmul`."""

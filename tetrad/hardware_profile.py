@@ -22,6 +22,8 @@ def profile_to_dict(device: GPU) -> dict:
     efficiency = data["efficiency"]
     efficiency["matmul_curve"] = [list(point) for point in device.efficiency.matmul_curve]
     efficiency["collectives"] = [list(fit) for fit in device.efficiency.collectives]
+    efficiency["concurrent_slowdown"] = [list(point)
+                                         for point in device.efficiency.concurrent_slowdown]
     return {"schema": PROFILE_SCHEMA, **data}
 
 
@@ -37,6 +39,9 @@ def profile_from_dict(data: dict, source: str = "profile") -> GPU:
         efficiency["collectives"] = tuple((str(kind), int(size), float(alpha), float(beta))
                                           for kind, size, alpha, beta
                                           in efficiency.get("collectives", ()))
+        efficiency["concurrent_slowdown"] = tuple(
+            (int(ranks), float(factor))
+            for ranks, factor in efficiency.get("concurrent_slowdown", ()))
         fields = {key: value for key, value in data.items() if key != "schema"}
         fields.update(efficiency=EfficiencyProfile(**efficiency),
                       peak_flops={str(k): float(v) for k, v in data["peak_flops"].items()},

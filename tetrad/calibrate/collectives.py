@@ -74,8 +74,26 @@ def _median_time(fn, device: torch.device, group) -> float:
     return float(slowest)
 
 
-def measure(rank: int, world_size: int, show_progress: bool) -> list[tuple[str, int, float, float]]:
-    """Every rank runs this (tetrad.train.launch.spawn); returns (kind, n, alpha, beta) fits."""
+def concurrent_steps(rank: int, sizes: list[int]) -> list[tuple[int, float]]:
+    """(n, seconds) of the calibration model's training step (tetrad.calibrate.step) while the
+    first n ranks run it at once, each on its own, the others waiting: the slowest rank's
+    median, so the step of 1 rank alone is the reference."""
+    from tetrad.calibrate.step import step_seconds, training_step
+
+    step = training_step()
+    points = []
+    for n in [1, *sizes]:
+        dist.barrier()
+        seconds = torch.tensor([step_seconds(step) if rank < n else 0.0], dtype=torch.float64)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        points.append((n, float(seconds)))
+    return points
+
+
+def measure(rank: int, world_size: int, show_progress: bool
+            ) -> tuple[list[tuple[str, int, float, float]], list[tuple[int, float]]]:
+    """Every rank runs this (tetrad.train.launch.spawn); returns (kind, n, alpha, beta) fits
+    and the concurrent steps' (n, seconds)."""
     from tqdm import tqdm
 
     from tetrad.train.launch import local_device
@@ -104,7 +122,7 @@ def measure(rank: int, world_size: int, show_progress: bool) -> list[tuple[str, 
         if rank == 0:
             fits.append((kind, n, *fit_alpha_beta(points)))
     progress.close()
-    return fits
+    return fits, concurrent_steps(rank, sizes) if device.type == "cpu" else []
 
 
 def _p2p_time(rank: int, tensor: torch.Tensor, device: torch.device, group) -> float:

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from tetrad.calibrate import compute
 from tetrad.calibrate.collectives import measure
+from tetrad.calibrate.step import predicted_step_seconds, step_seconds, training_step
 from tetrad.errors import ConfigError
 from tetrad.hardware import GPU, EfficiencyProfile, gpu_from_device_name
 
@@ -63,12 +64,29 @@ def calibrate(device_type: str = "cpu", nproc: int = 0, show_progress: bool = Tr
         single = _single_device(timer, device_type, show_progress)
     finally:
         torch.set_num_threads(threads)
-    fits = _collectives(ranks, device_type, show_progress) if ranks > 1 else []
-    return _profile(device_type, single, fits)
+    fits, concurrent = _collectives(ranks, device_type, show_progress) if ranks > 1 else ([], [])
+    return _with_whole_step(_profile(device_type, single, fits), single.get("step"), concurrent)
+
+
+def _with_whole_step(device: GPU, measured_step: float | None,
+                     concurrent: list[tuple[int, float]]) -> GPU:
+    """The calibration model's measured step against the time model's sum of parts on the
+    profile measured so far (tetrad.calibrate.step), and how ranks at once slow it down."""
+    if measured_step is None:
+        return device
+    predicted = predicted_step_seconds(device)
+    alone = dict(concurrent).get(1)
+    efficiency = replace(
+        device.efficiency, step_scale=measured_step / predicted,
+        concurrent_slowdown=tuple((n, seconds / alone) for n, seconds in concurrent
+                                  if n > 1) if alone else ())
+    return replace(device, efficiency=efficiency)
 
 
 def _single_device(timer: compute.Timer, device_type: str, show_progress: bool) -> dict:
     steps = ["peaks", "matmul curve", "attention", "bandwidth", "operators", "optimizer"]
+    if device_type == "cpu":  # the calibration model trains on CPU only
+        steps.append("training step")
     progress = tqdm(steps, desc="calibrate compute", disable=not show_progress,
                     dynamic_ncols=True, leave=False)
     out: dict = {}
@@ -86,14 +104,16 @@ def _single_device(timer: compute.Timer, device_type: str, show_progress: bool) 
             out["bandwidth"] = compute.stream_bandwidth(timer)
         elif step == "operators":
             out["operators"] = compute.operator_costs(timer)
-        else:
+        elif step == "optimizer":
             out["optimizer"] = compute.optimizer_costs(timer, out["bandwidth"])
+        else:
+            out["step"] = step_seconds(training_step())
     progress.close()
     return out
 
 
 def _collectives(ranks: int, device_type: str, show_progress: bool
-                 ) -> list[tuple[str, int, float, float]]:
+                 ) -> tuple[list[tuple[str, int, float, float]], list[tuple[int, float]]]:
     """gloo on CPU, NCCL with a GPU per rank: spawned ranks pick their backend by the GPUs they
     see, so a CPU calibration hides them."""
     from tetrad.train.launch import spawn

@@ -16,9 +16,14 @@ inside the backward.
 On a CPU the operators' costs add to their work; on a GPU the host issues kernels while earlier
 ones run, so a stage takes the longer of the two.
 
-On a machine whose ranks share fewer cores than there are ranks (`concurrent_ranks`), the step
-also cannot end before the cores have done every rank's work: the step is the longer of the
-critical path and the total compute over the cores.
+A calibrated profile's `step_scale` (a whole training step of a calibration model measured
+against this sum of parts) scales every rank's compute: what the parts leave out (module calls
+and hooks, the autograd engine, slow element-wise kernels, clipping). Its `concurrent_slowdown`
+(that step run by several ranks at once) scales a rank's compute by how many share the cores,
+and the step cannot end before the cores have done every rank's work at the slowdown of all
+ranks at once. Without it, on a machine whose ranks share fewer cores than there are ranks
+(`concurrent_ranks`), the step is the longer of the critical path and the total compute over
+the cores.
 """
 
 from __future__ import annotations
@@ -134,7 +139,9 @@ def rank_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, seq_le
                                 layout.offload, gpu.host_memory_bandwidth)
                  + tensors * (profile.optimizer_tensor_s + 2 * profile.op_forward_s))
     ledger = pipeline_ranks(config, layout, seq_len, precision)[pp_rank].comm
-    return RankTime(forward, backward, matmul, optimizer, comm.ledger_time(cluster, ledger))
+    scale = profile.step_scale or 1.0
+    return RankTime(forward * scale, backward * scale, matmul * scale, optimizer * scale,
+                    comm.ledger_time(cluster, ledger))
 
 
 @lru_cache(maxsize=1024)
@@ -153,9 +160,16 @@ def eager_step_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, 
                                   layout.vpp, forward, backward, min(weight, backward / 2))
     bubble = ratio * m * (forward + backward)
     compute, communication = busy[slowest], ranks[slowest].communication
-    cores = cluster.gpu.efficiency.concurrent_ranks
-    if cores and layout.world_size > cores:
+    profile = cluster.gpu.efficiency
+    cores, world = profile.concurrent_ranks, layout.world_size
+    if profile.concurrent_slowdown:
+        # Measured: ranks sharing the cores slow each other (caches, memory, turbo), and beyond
+        # the cores they queue; waiting ranks (collectives, bubble) leave the cores to others.
+        compute *= profile.slowdown(min(world, cores or world))
+        demand = sum(busy) / layout.pp * profile.slowdown(world)
+        compute = max(compute, demand - communication - bubble)
+    elif cores and world > cores:
         # Every rank's compute must pass through the cores; waiting ranks leave them to others.
-        demand = sum(busy) * layout.world_size / layout.pp / cores
+        demand = sum(busy) * world / layout.pp / cores
         compute = max(compute, demand - communication - bubble)
     return StepTime(compute, communication, bubble)
