@@ -65,6 +65,8 @@ def test_calibrated_profile_round_trips_and_times(calibrated, tmp_path):
     assert efficiency.step_scale > 0
     assert [ranks for ranks, _ in efficiency.concurrent_slowdown] == [2]
     assert all(factor > 0 for _, factor in efficiency.concurrent_slowdown)
+    assert [ranks for ranks, _ in efficiency.sync_wait] == [2]
+    assert all(seconds >= 0 for _, seconds in efficiency.sync_wait)
     sizes = [flops for flops, _ in efficiency.matmul_curve]
     assert sizes == sorted(sizes) and all(0 < e <= 1 for _, e in efficiency.matmul_curve)
 
@@ -87,6 +89,10 @@ def test_efficiency_curve_and_collective_fits_interpolate():
     assert shared.slowdown(1) == 1.0 and shared.slowdown(2) == 1.2
     assert shared.slowdown(3) == pytest.approx(1.9)  # between the measured points
     assert shared.slowdown(8) == pytest.approx(5.2)  # beyond them, ranks queue for the cores
+    waits = dataclasses.replace(profile, sync_wait=((2, 1e-4), (4, 3e-4)))
+    assert waits.sync_wait_s(1) == 0.0 and profile.sync_wait_s(8) == 0.0
+    assert waits.sync_wait_s(3) == pytest.approx(2e-4) and waits.sync_wait_s(8) == \
+        pytest.approx(6e-4)
 
 
 def test_calibrate_shows_progress_and_writes_the_profile(calibrated):

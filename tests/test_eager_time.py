@@ -71,3 +71,7 @@ def test_measured_step_scale_and_concurrent_slowdown_scale_compute():
     shared = step(concurrent_slowdown=((2, 1.5), (4, 3.0)), concurrent_ranks=2)
     assert shared.compute == pytest.approx(1.5 * plain.compute)
     assert shared.communication_exposed == plain.communication_exposed
+    # A measured wait per collective call: the step's calls (gradient buckets) each pay it.
+    calls = (step(sync_wait=((2, 1e-3),)).communication_exposed
+             - plain.communication_exposed) / 1e-3
+    assert calls >= 1 and calls == pytest.approx(round(calls))

@@ -61,6 +61,9 @@ class EfficiencyProfile:
         than streaming, clipping): every rank's compute is scaled by it (0: 1).
     concurrent_slowdown: (ranks, factor) points: how much longer that step takes when that many
         ranks run it at once on the machine (shared cores, caches and memory), ascending.
+    sync_wait: (ranks, seconds) points: what one small collective between pairs of ranks costs
+        beyond their compute when that many ranks alternate compute and such calls (a blocked
+        peer waits for a core), ascending.
     """
 
     matmul: float
@@ -82,22 +85,17 @@ class EfficiencyProfile:
     concurrent_ranks: int = 0
     step_scale: float = 0.0
     concurrent_slowdown: tuple[tuple[int, float], ...] = ()
+    sync_wait: tuple[tuple[int, float], ...] = ()
 
     def slowdown(self, ranks: int) -> float:
         """Factor on a rank's compute when `ranks` compute at once: the measured points,
         interpolated; beyond the last, its factor grows with the ranks (they queue for cores)."""
-        points = self.concurrent_slowdown
-        if not points or ranks <= 1:
-            return 1.0
-        sizes = [size for size, _ in points]
-        index = bisect.bisect_left(sizes, ranks)
-        if index == len(points):
-            size, factor = points[-1]
-            return factor * ranks / size
-        if sizes[index] == ranks or index == 0:
-            return max(1.0, points[index][1])
-        (low, low_factor), (high, high_factor) = points[index - 1], points[index]
-        return low_factor + (ranks - low) / (high - low) * (high_factor - low_factor)
+        return max(1.0, by_ranks(self.concurrent_slowdown, ranks, 1.0))
+
+    def sync_wait_s(self, ranks: int) -> float:
+        """Seconds a collective call waits for its peers to get a core when `ranks` ranks
+        compute between their calls (0: none measured)."""
+        return max(0.0, by_ranks(self.sync_wait, ranks, 0.0))
 
     def matmul_efficiency(self, flops: float) -> float:
         """Fraction of peak a GEMM of `flops` reaches: the measured curve, else `matmul`."""
@@ -143,6 +141,22 @@ class EfficiencyProfile:
         steps = (group_size - 1) / max(1, nearest - 1)
         volume = ((group_size - 1) / group_size) / ((nearest - 1) / nearest)
         return alpha * steps, beta * volume
+
+
+def by_ranks(points: tuple[tuple[int, float], ...], ranks: int, alone: float) -> float:
+    """A measured (ranks, value) curve at `ranks`: interpolated between points, `alone` at one
+    rank or none measured, and beyond the last point growing with the ranks (they queue)."""
+    if not points or ranks <= 1:
+        return alone
+    sizes = [size for size, _ in points]
+    index = bisect.bisect_left(sizes, ranks)
+    if index == len(points):
+        size, value = points[-1]
+        return value * ranks / size
+    if sizes[index] == ranks or index == 0:
+        return points[index][1]
+    (low, low_value), (high, high_value) = points[index - 1], points[index]
+    return low_value + (ranks - low) / (high - low) * (high_value - low_value)
 
 
 # Calibrated profiles: benchmarks/planner_cross_validation.py fits the matmul and attention

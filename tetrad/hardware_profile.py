@@ -22,8 +22,8 @@ def profile_to_dict(device: GPU) -> dict:
     efficiency = data["efficiency"]
     efficiency["matmul_curve"] = [list(point) for point in device.efficiency.matmul_curve]
     efficiency["collectives"] = [list(fit) for fit in device.efficiency.collectives]
-    efficiency["concurrent_slowdown"] = [list(point)
-                                         for point in device.efficiency.concurrent_slowdown]
+    for curve in ("concurrent_slowdown", "sync_wait"):
+        efficiency[curve] = [list(point) for point in getattr(device.efficiency, curve)]
     return {"schema": PROFILE_SCHEMA, **data}
 
 
@@ -39,9 +39,9 @@ def profile_from_dict(data: dict, source: str = "profile") -> GPU:
         efficiency["collectives"] = tuple((str(kind), int(size), float(alpha), float(beta))
                                           for kind, size, alpha, beta
                                           in efficiency.get("collectives", ()))
-        efficiency["concurrent_slowdown"] = tuple(
-            (int(ranks), float(factor))
-            for ranks, factor in efficiency.get("concurrent_slowdown", ()))
+        for curve in ("concurrent_slowdown", "sync_wait"):
+            efficiency[curve] = tuple((int(ranks), float(value))
+                                      for ranks, value in efficiency.get(curve, ()))
         fields = {key: value for key, value in data.items() if key != "schema"}
         fields.update(efficiency=EfficiencyProfile(**efficiency),
                       peak_flops={str(k): float(v) for k, v in data["peak_flops"].items()},

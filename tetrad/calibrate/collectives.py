@@ -90,10 +90,43 @@ def concurrent_steps(rank: int, sizes: list[int]) -> list[tuple[int, float]]:
     return points
 
 
+SYNC_CALLS = 40
+
+
+def sync_waits(rank: int, world_size: int, sizes: list[int]) -> list[tuple[int, float]]:
+    """(n, seconds): with the first n ranks each alternating a little compute and a 256-byte
+    all-reduce with its neighbour (ranks 0-1, 2-3, ...), what a call costs beyond the compute
+    (the same loop without the calls, run by the same ranks at once): the slowest rank's."""
+    pairs = [dist.new_group([first, first + 1]) for first in range(0, world_size - 1, 2)]
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    message = torch.ones(64)
+
+    def loop(with_calls: bool) -> float:
+        started = time.perf_counter()
+        for _ in range(SYNC_CALLS):
+            for _ in range(8):
+                torch.mm(a, b)
+            if with_calls:
+                dist.all_reduce(message, group=pairs[rank // 2])
+        return time.perf_counter() - started
+
+    points = []
+    for n in sizes:
+        wait = 0.0
+        if rank < n:
+            loop(True)
+            wait = (loop(True) - loop(False)) / SYNC_CALLS
+        slowest = torch.tensor([wait], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        points.append((n, max(0.0, float(slowest))))
+    return points
+
+
 def measure(rank: int, world_size: int, show_progress: bool
-            ) -> tuple[list[tuple[str, int, float, float]], list[tuple[int, float]]]:
-    """Every rank runs this (tetrad.train.launch.spawn); returns (kind, n, alpha, beta) fits
-    and the concurrent steps' (n, seconds)."""
+            ) -> tuple[list[tuple[str, int, float, float]], list[tuple[int, float]],
+                       list[tuple[int, float]]]:
+    """Every rank runs this (tetrad.train.launch.spawn); returns (kind, n, alpha, beta) fits,
+    the concurrent steps' (n, seconds) and the collective calls' (n, wait seconds)."""
     from tqdm import tqdm
 
     from tetrad.train.launch import local_device
@@ -122,7 +155,10 @@ def measure(rank: int, world_size: int, show_progress: bool
         if rank == 0:
             fits.append((kind, n, *fit_alpha_beta(points)))
     progress.close()
-    return fits, concurrent_steps(rank, sizes) if device.type == "cpu" else []
+    if device.type != "cpu":
+        return fits, [], []
+    even = [n for n in sizes if n % 2 == 0]
+    return fits, concurrent_steps(rank, sizes), sync_waits(rank, world_size, even)
 
 
 def _p2p_time(rank: int, tensor: torch.Tensor, device: torch.device, group) -> float:

@@ -64,8 +64,14 @@ def calibrate(device_type: str = "cpu", nproc: int = 0, show_progress: bool = Tr
         single = _single_device(timer, device_type, show_progress)
     finally:
         torch.set_num_threads(threads)
-    fits, concurrent = _collectives(ranks, device_type, show_progress) if ranks > 1 else ([], [])
-    return _with_whole_step(_profile(device_type, single, fits), single.get("step"), concurrent)
+    fits, concurrent, waits = (_collectives(ranks, device_type, show_progress) if ranks > 1
+                               else ([], [], []))
+    device = _with_whole_step(_profile(device_type, single, fits), single.get("step"), concurrent)
+    # The loop's calls took their own latency too, which the all-reduce fit already counts.
+    pair = device.efficiency.collective_fit("all_reduce", 2)
+    own = pair[0] if pair else 0.0
+    waits = tuple((n, max(0.0, seconds - own)) for n, seconds in waits)
+    return replace(device, efficiency=replace(device.efficiency, sync_wait=waits))
 
 
 def _with_whole_step(device: GPU, measured_step: float | None,
@@ -113,7 +119,7 @@ def _single_device(timer: compute.Timer, device_type: str, show_progress: bool) 
 
 
 def _collectives(ranks: int, device_type: str, show_progress: bool
-                 ) -> tuple[list[tuple[str, int, float, float]], list[tuple[int, float]]]:
+                 ) -> tuple[list, list, list]:
     """gloo on CPU, NCCL with a GPU per rank: spawned ranks pick their backend by the GPUs they
     see, so a CPU calibration hides them."""
     from tetrad.train.launch import spawn

@@ -21,7 +21,8 @@ against this sum of parts) scales every rank's compute: what the parts leave out
 and hooks, the autograd engine, slow element-wise kernels, clipping). Its `concurrent_slowdown`
 (that step run by several ranks at once) scales a rank's compute by how many share the cores,
 and the step cannot end before the cores have done every rank's work at the slowdown of all
-ranks at once. Without it, on a machine whose ranks share fewer cores than there are ranks
+ranks at once. Its `sync_wait` adds to every collective call what a call costs beyond compute
+when that many ranks alternate compute and calls (a blocked peer waits for a core). Without it, on a machine whose ranks share fewer cores than there are ranks
 (`concurrent_ranks`), the step is the longer of the critical path and the total compute over
 the cores.
 """
@@ -140,8 +141,10 @@ def rank_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, seq_le
                  + tensors * (profile.optimizer_tensor_s + 2 * profile.op_forward_s))
     ledger = pipeline_ranks(config, layout, seq_len, precision)[pp_rank].comm
     scale = profile.step_scale or 1.0
+    # Each call also waits for its peers to be scheduled when the ranks share the cores.
+    waits = sum(ledger.calls.values()) * profile.sync_wait_s(layout.world_size)
     return RankTime(forward * scale, backward * scale, matmul * scale, optimizer * scale,
-                    comm.ledger_time(cluster, ledger))
+                    comm.ledger_time(cluster, ledger) + waits)
 
 
 @lru_cache(maxsize=1024)
@@ -167,7 +170,9 @@ def eager_step_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, 
         # the cores they queue; waiting ranks (collectives, bubble) leave the cores to others.
         compute *= profile.slowdown(min(world, cores or world))
         demand = sum(busy) / layout.pp * profile.slowdown(world)
-        compute = max(compute, demand - communication - bubble)
+        # Measured waits (sync_wait) come on top of compute: then a rank in a collective frees
+        # no core for the others, as that measurement found.
+        compute = max(compute, demand - bubble - (0.0 if profile.sync_wait else communication))
     elif cores and world > cores:
         # Every rank's compute must pass through the cores; waiting ranks leave them to others.
         demand = sum(busy) * world / layout.pp / cores
