@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from tetrad.planner.stacks import DEFAULT_STACK, STACKS
+
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
@@ -50,11 +52,11 @@ def add_parser(subparsers) -> None:
     train.add_argument("--tokens", type=float, default=0.0,
                        help="token budget: adds total FLOPs, days and GPU-hours")
     train.add_argument("--stack",
-                       choices=("megatron", "megatron-2021", "deepspeed", "torchtitan", "tetrad"),
+                       choices=tuple(STACKS),
                        help="training software: what it overlaps and stores (docs/planner.md, "
                             "'Training stacks'); the flags below override single choices "
-                            "(default: tetrad on a profile from tetrad calibrate, else "
-                            "torchtitan)")
+                            f"(default: tetrad on a profile from tetrad calibrate, else "
+                            f"{DEFAULT_STACK})")
     train.add_argument("--flash-attention", action=argparse.BooleanOptionalAction, default=None,
                        help="--no-flash-attention: the training code materializes the s x s "
                             "scores (Megatron before 2023): more memory and time")
@@ -122,7 +124,7 @@ def _train(args, config, world) -> int:
                     else default_global_batch(seq_len))
     # A profile of eager PyTorch on this machine times tetrad's own runtime by default.
     eager = world.gpu.efficiency.op_forward_s > 0
-    stack = args.stack or ("tetrad" if eager else "torchtitan")
+    stack = args.stack or ("tetrad" if eager else DEFAULT_STACK)
     workload = TrainWorkload(seq_len=seq_len, dtype=args.dtype, **stack_fields(
         stack, flash_attention=args.flash_attention, dropout=args.dropout,
         overlap_grad_reduce=args.overlap_grad_reduce,
