@@ -202,6 +202,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     grad_accum: int = 1
     dtype: str = "fp32"
+    compile: bool = False  # torch.compile each transformer block (tetrad.parallel.compile)
     report: str = ""
     hardware: str = ""  # profile or catalog GPU the report's predicted time is for ("": default)
     checkpoint_dir: str = ""

@@ -104,6 +104,12 @@ class Handle:
 DONE = Handle()
 
 
+def eager_collective(method):
+    """A collective runs outside any torch.compile graph (tetrad.parallel.compile): the block
+    around it is compiled in pieces, and the call, its byte count and its handle stay Python."""
+    return torch.compiler.disable(method, recursive=True)
+
+
 class Comm:
     """The collectives, bound to one rank's counter and the algorithm choice. Tensors are
     contiguous; reduce-scatter's input is N equal chunks (the caller pads) and its contents are
@@ -122,6 +128,7 @@ class Comm:
         return lambda tensor: self.counter.record(kind, tensor.numel() * tensor.element_size(),
                                                   tag)
 
+    @eager_collective
     def all_reduce(self, tensor: torch.Tensor, group: Group, tag: str, op: str = "sum",
                    async_op: bool = False) -> Handle:
         if group.size == 1:
@@ -133,6 +140,7 @@ class Comm:
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         return Handle(dist.all_reduce(tensor, reduce_op, group=group.handle, async_op=async_op))
 
+    @eager_collective
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group: Group, tag: str,
                        async_op: bool = False) -> Handle:
         """Sum `input` over the group; this rank gets chunk `group.index` in `output`. `output`
@@ -152,6 +160,7 @@ class Comm:
         return Handle(dist.reduce_scatter_single(output, input, group=group.handle,
                                                  async_op=async_op))
 
+    @eager_collective
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: Group, tag: str,
                    async_op: bool = False) -> Handle:
         """Concatenate every rank's `input` into `output`; `input` may be this rank's chunk of
@@ -171,6 +180,7 @@ class Comm:
         return Handle(dist.all_gather_single(output, input, group=group.handle,
                                              async_op=async_op))
 
+    @eager_collective
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, group: Group, tag: str,
                    output_splits: list[int] | None = None,
                    input_splits: list[int] | None = None) -> None:
@@ -183,6 +193,7 @@ class Comm:
         self.counter.record("all_to_all", (sum(rows) - rows[group.index]) * row_bytes, tag)
         dist.all_to_all_single(output, input, output_splits, input_splits, group=group.handle)
 
+    @eager_collective
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group, tag: str) -> None:
         """Copy group rank `src`'s tensor to every rank of the group."""
         if group.size == 1:
@@ -190,11 +201,13 @@ class Comm:
         self._count("broadcast", _nbytes(tensor), group, tag)
         dist.broadcast(tensor, group=group.handle, group_src=src)
 
+    @eager_collective
     def send(self, tensor: torch.Tensor, dst: int, group: Group, tag: str) -> Handle:
         """Send to group rank `dst` (async: wait before reusing `tensor`)."""
         self.counter.record("p2p", _nbytes(tensor), tag)
         return Handle(dist.isend(tensor, group=group.handle, group_dst=dst))
 
+    @eager_collective
     def recv(self, tensor: torch.Tensor, src: int, group: Group) -> Handle:
         """Receive from group rank `src`; only the sender counts the bytes."""
         return Handle(dist.irecv(tensor, group=group.handle, group_src=src))
