@@ -11,9 +11,9 @@ gathering its parameters before the forward and releasing them after) stay eager
 stages, which call their blocks, get compiled blocks for free.
 
 Graph breaks (the block is then compiled in pieces, and what lies between runs eagerly):
-- every collective: tetrad.parallel.comm runs them outside the graph (`eager_collective`), so
-  a tensor-parallel block breaks at each f/g operator, ring attention at its core, and
-- an MoE layer (its routing has data-dependent token counts, under EP an all-to-all) runs
+- at every collective: tetrad.parallel.comm runs them outside any graph (`eager_collective`),
+  so a tensor-parallel block breaks at each f/g operator and ring attention at its core;
+- around an MoE layer (its routing has data-dependent token counts, under EP an all-to-all) runs
   eagerly as a whole: the block breaks around it.
 
 Only forwards that record a graph for backward run compiled: evaluation and sampling run without
@@ -26,6 +26,7 @@ import time
 from typing import Callable
 
 import torch
+
 from tetrad.models.transformer import Transformer
 
 
