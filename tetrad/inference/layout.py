@@ -1,0 +1,62 @@
+"""How a served model is split over processes: tensor (tp), pipeline (pp), expert (ep) and data
+(dp) parallelism, and the one place that says which combinations the engine runs.
+
+The layouts are the planner's (tetrad.planner.serving, `tetrad plan serve`):
+  tp x pp        ranks = tp * pp; stages own consecutive layers (the planner's stage_layer_counts),
+                 each split over its tp ranks; one scheduler on rank 0 (tetrad.inference.pipeline)
+  dp, ep = dp    attention data parallelism: every rank owns its requests and KV pool and holds the
+                 dense weights whole; with ep = dp the MoE layers' routed experts are spread over
+                 the ranks and tokens travel to them by all-to-all (tetrad.inference.data_parallel)
+  ep = 1, dp     plain replicas, the same code without the dispatch
+Expert parallelism inside tensor-parallel groups (ep < tp) and dp beside tp or pp are what the
+planner can also model; the engine refuses them here, with the layout it can run instead.
+
+Plain Python: the planner's rules need no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tetrad.config import ModelConfig
+from tetrad.errors import ConfigError
+from tetrad.planner.rules import check_degrees
+from tetrad.planner.serving import ServeLayout
+
+
+@dataclass(frozen=True)
+class ServingLayout:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    dp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def planner_layout(self) -> ServeLayout:
+        return ServeLayout(tp=self.tp, pp=self.pp, dp=self.dp, ep=self.ep)
+
+    def describe(self) -> str:
+        return " ".join(f"{name}{getattr(self, name)}" for name in ("tp", "pp", "ep", "dp")
+                        if getattr(self, name) > 1) or "one process"
+
+    def check(self, config: ModelConfig) -> None:
+        """Raise ConfigError (one line: what is wrong and what to run instead) when the engine
+        cannot serve `config` under this layout."""
+        for name in ("tp", "pp", "ep", "dp"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if self.dp > 1 and (self.tp > 1 or self.pp > 1):
+            raise ConfigError(f"--dp {self.dp} with --tp {self.tp} --pp {self.pp}: data-parallel "
+                              f"serving runs with tp 1 and pp 1 (--dp {self.world_size} "
+                              f"--ep {self.world_size} for experts over all ranks)")
+        if self.ep > 1 and self.ep != self.dp:
+            raise ConfigError(f"--ep {self.ep} needs --dp {self.ep}: experts are spread over the "
+                              f"attention data-parallel ranks (tp 1, pp 1, ep = dp), the "
+                              f"planner's throughput layout")
+        # The engine splits with training's tensor-parallel layers: training's rules, kv heads
+        # replicated past their count, MLA refused.
+        check_degrees(config, self.tp, self.pp, self.ep, training=True, kv_replicas=True,
+                      runtime=True)
