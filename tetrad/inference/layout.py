@@ -44,10 +44,7 @@ class ServingLayout:
 
     def check(self, config: ModelConfig) -> None:
         """Raise ConfigError (one line: what is wrong and what to run instead) when the engine
-        cannot serve `config` under this layout."""
-        for name in ("tp", "pp", "ep", "dp"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        cannot serve `config` under this layout (the degrees are positive: EngineConfig)."""
         if self.dp > 1 and (self.tp > 1 or self.pp > 1):
             raise ConfigError(f"--dp {self.dp} with --tp {self.tp} --pp {self.pp}: data-parallel "
                               f"serving runs with tp 1 and pp 1 (--dp {self.world_size} "

@@ -1,0 +1,126 @@
+"""Serving under pipeline, expert and data parallelism (tetrad.inference.layout) against the
+one-process engine, in fp32, on the tiny random DeepSeek-V3 (MLA, 8 routed experts and a shared
+one, a dense first layer) and the tiny dense model.
+
+Two spawned jobs (tests/dist.py; the LLM on rank 0, ServingWorker on the others) run every layout
+with chunked prefill (7 tokens a step) and a pool of 12 blocks, which forces preemptions by
+recompute. For each: greedy outputs equal one process token for token; each rank
+holds exactly the weight bytes and KV bytes per token the planner predicts for its place in the
+layout (tetrad.planner.serving.weight_bytes_per_gpu, planner.memory.kv_bytes_per_token: counted
+on the parameters and the pool); under data parallelism every rank's pool was written (the
+requests were spread), and under expert parallelism every rank sent tokens to the others'
+experts."""
+
+import pytest
+import torch
+from dist import run_ranks
+from test_engine import GREEDY, PROMPTS, random_model
+
+from tetrad.errors import ConfigError
+from tetrad.inference.engine import LLM
+from tetrad.inference.layout import ServingLayout
+from tetrad.inference.ranks import ServingWorker
+from tetrad.planner.layout import stage_layer_counts
+from tetrad.planner.memory import kv_bytes_per_token
+from tetrad.planner.serving import weight_bytes_per_gpu
+from tetrad.presets import resolve_model
+from tetrad.tokenizer import ByteTokenizer
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+transformers = pytest.importorskip("transformers")
+from deepseek_models import hf_model  # noqa: E402
+
+LAYOUTS = {  # name -> (model, layout); grouped by world size into one job each
+    2: {"ep2-dp2": ("deepseek", ServingLayout(ep=2, dp=2)),
+        "pp2": ("deepseek", ServingLayout(pp=2))},
+    4: {"ep4-dp4": ("deepseek", ServingLayout(ep=4, dp=4)),
+        "tp2-pp2": ("dense", ServingLayout(tp=2, pp=2))},
+}
+
+
+def engine_config(layout: ServingLayout = ServingLayout()) -> dict:
+    return dict(block_size=4, num_blocks=12, max_num_batched_tokens=7, device="cpu",
+                dtype="fp32", log=None, tp=layout.tp, pp=layout.pp, ep=layout.ep, dp=layout.dp)
+
+
+def engine(model: str, folder: str, **config) -> LLM:
+    if model == "deepseek":
+        return LLM(folder, **config)
+    return LLM(random_model(), ByteTokenizer(), **config)
+
+
+def rank_counts(runner) -> dict:
+    """What this rank holds, counted: parameter bytes, pool bytes per token slot, whether its
+    pool was written."""
+    pool = runner.kv_cache.pool
+    return {"weights": sum(p.numel() * p.element_size() for p in runner.model.parameters()),
+            "kv_per_token": pool.numel() * pool.element_size() // (pool.shape[2] * pool.shape[3]),
+            "pool_written": bool(pool.count_nonzero())}
+
+
+def rank_main(rank: int, world_size: int, folder: str) -> list[dict]:
+    results = []
+    for model, layout in LAYOUTS[world_size].values():
+        if rank == 0:
+            llm = engine(model, folder, **engine_config(layout))
+            outputs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+            result = {"outputs": outputs, "preemptions": llm.scheduler.num_preemptions,
+                      "used_blocks": llm.block_manager.num_used_blocks,
+                      "ranks": llm.driver.ranks, **rank_counts(llm.runner)}
+            llm.close()
+        else:
+            worker = ServingWorker(folder if model == "deepseek" else random_model())
+            worker.serve()
+            result = {"ranks": worker.ranks, **rank_counts(worker.runner)}
+        ranks = result.pop("ranks")
+        result.update(coords=ranks.coords,
+                      expert_bytes=ranks.comm.counter.totals(("experts",)).get("all_to_all", 0))
+        results.append(result)
+    return results
+
+
+@pytest.fixture(scope="module")
+def deepseek_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("deepseek")
+    hf_model("v3").save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("world_size", sorted(LAYOUTS))
+def test_layouts_equal_one_process_and_hold_the_planned_bytes(world_size, deepseek_folder):
+    per_rank = run_ranks(rank_main, world_size, deepseek_folder, timeout_s=240)
+    configs = {"deepseek": resolve_model(deepseek_folder), "dense": random_model().config}
+    for case, (where, (model, layout)) in enumerate(LAYOUTS[world_size].items()):
+        config = configs[model]
+        on = [results[case] for results in per_rank]
+        reference = [o.token_ids for o in engine(model, deepseek_folder, **engine_config())
+                     .generate(PROMPTS, GREEDY)]
+        assert on[0]["outputs"] == reference, where
+        assert on[0]["used_blocks"] == 0, where
+        if layout.dp < 4:  # spread over four pools, the prompts fit
+            assert on[0]["preemptions"] > 0, where
+        for rank, result in enumerate(on):
+            stage = result["coords"]["pp"]
+            planned = weight_bytes_per_gpu(config, layout.planner_layout(), "fp32", stage)
+            assert result["weights"] == planned, (where, rank)
+            stage_layers = stage_layer_counts(config.num_layers, layout.pp)[stage]
+            assert result["kv_per_token"] == kv_bytes_per_token(
+                config, 4, layout.tp, stage_layers), (where, rank)
+            if layout.dp > 1:
+                assert result["pool_written"], (where, rank)
+            if layout.ep > 1:
+                assert result["expert_bytes"] > 0, (where, rank)
+
+
+def test_layouts_the_engine_cannot_run_are_refused_in_one_line(deepseek_folder):
+    model = random_model()
+    for degrees, message in [
+            (dict(dp=2, tp=2), "data-parallel serving runs with tp 1 and pp 1"),
+            (dict(ep=2), "--ep 2 needs --dp 2"),
+            (dict(ep=2, dp=2), "needs a mixture-of-experts model"),
+            (dict(pp=3), "pp 3 is more than the model's 2 layers"),
+            (dict(pp=0), "pp must be > 0")]:
+        with pytest.raises(ConfigError, match=message):
+            LLM(model, ByteTokenizer(), log=None, device="cpu", **degrees)
+    with pytest.raises(ConfigError, match="ep 3 does not divide num_experts 8"):
+        LLM(deepseek_folder, log=None, device="cpu", ep=3, dp=3)
