@@ -6,8 +6,8 @@ Two spawned jobs (tests/dist.py; the LLM on rank 0, ServingWorker on the others)
 with chunked prefill (7 tokens a step) and a pool of 12 blocks, which forces preemptions by
 recompute. For each: greedy outputs equal one process token for token; each rank
 holds exactly the weight bytes and KV bytes per token the planner predicts for its place in the
-layout (tetrad.planner.serving.weight_bytes_per_gpu, planner.memory.kv_bytes_per_token: counted
-on the parameters and the pool); under data parallelism every rank's pool was written (the
+layout (ServingLayout.planned_bytes, the planner's formulas; ranks.held_bytes counts the
+parameters and the pool); under data parallelism every rank's pool was written (the
 requests were spread), and under expert parallelism every rank sent tokens to the others'
 experts."""
 
@@ -19,10 +19,7 @@ from test_engine import GREEDY, PROMPTS, random_model
 from tetrad.errors import ConfigError
 from tetrad.inference.engine import LLM
 from tetrad.inference.layout import ServingLayout
-from tetrad.inference.ranks import ServingWorker
-from tetrad.planner.layout import stage_layer_counts
-from tetrad.planner.memory import kv_bytes_per_token
-from tetrad.planner.serving import weight_bytes_per_gpu
+from tetrad.inference.ranks import ServingWorker, held_bytes
 from tetrad.presets import resolve_model
 from tetrad.tokenizer import ByteTokenizer
 
@@ -50,12 +47,8 @@ def engine(model: str, folder: str, **config) -> LLM:
 
 
 def rank_counts(runner) -> dict:
-    """What this rank holds, counted: parameter bytes, pool bytes per token slot, whether its
-    pool was written."""
-    pool = runner.kv_cache.pool
-    return {"weights": sum(p.numel() * p.element_size() for p in runner.model.parameters()),
-            "kv_per_token": pool.numel() * pool.element_size() // (pool.shape[2] * pool.shape[3]),
-            "pool_written": bool(pool.count_nonzero())}
+    """What this rank holds, counted, and whether its pool was written."""
+    return {**held_bytes(runner), "pool_written": bool(runner.kv_cache.pool.count_nonzero())}
 
 
 def rank_main(rank: int, world_size: int, folder: str) -> list[dict]:
@@ -100,12 +93,9 @@ def test_layouts_equal_one_process_and_hold_the_planned_bytes(world_size, deepse
         if layout.dp < 4:  # spread over four pools, the prompts fit
             assert on[0]["preemptions"] > 0, where
         for rank, result in enumerate(on):
-            stage = result["coords"]["pp"]
-            planned = weight_bytes_per_gpu(config, layout.planner_layout(), "fp32", stage)
-            assert result["weights"] == planned, (where, rank)
-            stage_layers = stage_layer_counts(config.num_layers, layout.pp)[stage]
-            assert result["kv_per_token"] == kv_bytes_per_token(
-                config, 4, layout.tp, stage_layers), (where, rank)
+            planned = layout.planned_bytes(config, "fp32", result["coords"]["pp"])
+            assert result["weights"] == planned["weights"], (where, rank)
+            assert result["kv_per_token"] == planned["kv_per_token"], (where, rank)
             if layout.dp > 1:
                 assert result["pool_written"], (where, rank)
             if layout.ep > 1:

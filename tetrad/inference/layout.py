@@ -20,8 +20,11 @@ from dataclasses import dataclass
 
 from tetrad.config import ModelConfig
 from tetrad.errors import ConfigError
+from tetrad.planner.layout import stage_layer_counts
+from tetrad.planner.memory import kv_bytes_per_token
+from tetrad.planner.precision import element_bytes
 from tetrad.planner.rules import check_degrees
-from tetrad.planner.serving import ServeLayout
+from tetrad.planner.serving import ServeLayout, weight_bytes_per_gpu
 
 
 @dataclass(frozen=True)
@@ -57,3 +60,11 @@ class ServingLayout:
         # replicated past their count, MLA refused.
         check_degrees(config, self.tp, self.pp, self.ep, training=True, kv_replicas=True,
                       runtime=True)
+
+    def planned_bytes(self, config: ModelConfig, dtype: str, stage: int) -> dict[str, float]:
+        """What the planner predicts one rank of pipeline stage `stage` holds, with weights and
+        KV cache in `dtype`: its weight bytes and KV-cache bytes per token (ranks.held_bytes
+        counts the same on a running engine)."""
+        layers = stage_layer_counts(config.num_layers, self.pp)[stage]
+        return {"weights": weight_bytes_per_gpu(config, self.planner_layout(), dtype, stage),
+                "kv_per_token": kv_bytes_per_token(config, element_bytes(dtype), self.tp, layers)}

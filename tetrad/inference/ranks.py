@@ -102,6 +102,16 @@ def device_type(device: str, world_size: int) -> str:
     return "cuda"
 
 
+def held_bytes(runner: ModelRunner) -> dict[str, int]:
+    """What a rank holds, counted on its tensors: parameter bytes, KV-pool bytes per token slot,
+    and the whole pool's bytes (its pad block included)."""
+    pool = runner.kv_cache.pool
+    pool_bytes = pool.numel() * pool.element_size()
+    return {"weights": sum(p.numel() * p.element_size() for p in runner.model.parameters()),
+            "kv_per_token": pool_bytes // (pool.shape[2] * pool.shape[3]),
+            "kv_pool": pool_bytes}
+
+
 def logits_rows(plan: StepPlan) -> int:
     """Rows of logits the plan's forward returns."""
     return sum(num if samples == PROMPT_LOGITS else samples
