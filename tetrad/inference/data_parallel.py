@@ -1,9 +1,10 @@
-"""Attention data parallelism (`--dp D`), with the experts spread over the same ranks (`--ep D`):
-the planner's throughput layout for DeepSeek (tp1 dp16 ep16).
+"""Attention data parallelism (`--dp D`), with the experts spread over the same ranks (`--ep D`,
+or over each group of E ranks with `--ep E` dividing D): the planner's throughput layout for
+DeepSeek (tp1 dp16 ep16).
 
 Each dp rank owns its requests and a KV pool of its own and runs attention, the dense layers and
-the shared expert on its sequences alone (every rank holds those weights whole). With ep = dp a
-MoE layer's routed experts are divided over the ranks and each rank's tokens go to the ranks that
+the shared expert on its sequences alone (every rank holds those weights whole). With ep > 1 a
+MoE layer's routed experts are divided over each ep group of ranks and each rank's tokens go to the ranks that
 own their experts and come back by all-to-all: training's dispatch and combine
 (tetrad.parallel.expert_parallel.ExpertParallelMoE), used as it is.
 
