@@ -2,24 +2,27 @@
 one-process engine, in fp32, on the tiny random DeepSeek-V3 (MLA, 8 routed experts and a shared
 one, a dense first layer) and the tiny dense model.
 
-Two spawned jobs (tests/dist.py; the LLM on rank 0, ServingWorker on the others) run every layout
-with chunked prefill (7 tokens a step) and a pool of 12 blocks, which forces preemptions by
-recompute. For each: greedy outputs equal one process token for token; each rank
-holds exactly the weight bytes and KV bytes per token the planner predicts for its place in the
-layout (ServingLayout.planned_bytes, the planner's formulas; ranks.held_bytes counts the
-parameters and the pool); under data parallelism every rank's pool was written (the
+Two spawned jobs (tests/dist.py; the LLM on rank 0, ServingWorker on the others) run ep2·dp2 and
+pp2, then ep4·dp4, ep2·dp4 and tp2·pp2, each with chunked prefill (7 tokens a step) and a pool of
+12 blocks, which forces preemptions by recompute. For each: greedy outputs equal one process token
+for token; each rank holds exactly the weight bytes and KV bytes per token the planner predicts
+for its place in the layout (ServingLayout.planned_bytes, the planner's formulas; ranks.held_bytes
+counts the parameters and the pool); under data parallelism every rank's pool was written (the
 requests were spread), and under expert parallelism every rank sent tokens to the others'
 experts."""
 
 import pytest
-import torch
 from dist import run_ranks
 from test_engine import GREEDY, PROMPTS, random_model
 
 from tetrad.errors import ConfigError
+from tetrad.inference.block_manager import BlockManager
+from tetrad.inference.data_parallel import DataParallelScheduler
 from tetrad.inference.engine import LLM
 from tetrad.inference.layout import ServingLayout
+from tetrad.inference.params import SamplingParams
 from tetrad.inference.ranks import ServingWorker, held_bytes
+from tetrad.inference.scheduler import SchedulerConfig
 from tetrad.presets import resolve_model
 from tetrad.tokenizer import ByteTokenizer
 
@@ -31,6 +34,7 @@ LAYOUTS = {  # name -> (model, layout); grouped by world size into one job each
     2: {"ep2-dp2": ("deepseek", ServingLayout(ep=2, dp=2)),
         "pp2": ("deepseek", ServingLayout(pp=2))},
     4: {"ep4-dp4": ("deepseek", ServingLayout(ep=4, dp=4)),
+        "ep2-dp4": ("deepseek", ServingLayout(ep=2, dp=4)),  # two expert groups of two ranks
         "tp2-pp2": ("dense", ServingLayout(tp=2, pp=2))},
 }
 
@@ -108,9 +112,37 @@ def test_layouts_the_engine_cannot_run_are_refused_in_one_line(deepseek_folder):
             (dict(dp=2, tp=2), "data-parallel serving runs with tp 1 and pp 1"),
             (dict(ep=2), "--ep 2 needs --dp 2"),
             (dict(ep=2, dp=2), "needs a mixture-of-experts model"),
+            (dict(ep=2, dp=3), r"--ep 2 needs --dp 2 \(or a multiple\)"),
             (dict(pp=3), "pp 3 is more than the model's 2 layers"),
             (dict(pp=0), "pp must be > 0")]:
         with pytest.raises(ConfigError, match=message):
             LLM(model, ByteTokenizer(), log=None, device="cpu", **degrees)
     with pytest.raises(ConfigError, match="ep 3 does not divide num_experts 8"):
         LLM(deepseek_folder, log=None, device="cpu", ep=3, dp=3)
+
+
+def test_the_data_parallel_scheduler_keeps_each_request_on_one_rank():
+    """Requests go to the least busy rank and stay there; rows of the merged batch are offset by
+    the earlier ranks' samples; aborts and finishes reach the owner and free its blocks."""
+    scheduler = DataParallelScheduler(SchedulerConfig(max_model_len=64),
+                                      lambda: BlockManager(16, 4), dp=2)
+    first, second = scheduler.schedulers
+    params = SamplingParams(max_tokens=4)
+    for request_id, prompt in (("a", [1, 2, 3]), ("b", [4, 5]), ("c", [6])):
+        scheduler.add_request(request_id, prompt, params)
+    assert [s.request_id for s in first.waiting] == ["a", "c"]
+    assert [s.request_id for s in second.waiting] == ["b"]
+    batch = scheduler.schedule()
+    assert [part.seqs for part in batch.parts] == [first.running, second.running]
+    assert [seq.request_id for seq in batch.seqs] == ["a", "c", "b"]
+    # Each rank numbers its own blocks from the same pool size.
+    assert [plan.tables for plan in batch.plans(4)] == [[[0], [1]], [[0]]]
+    assert [(seq.request_id, row) for seq, row in scheduler.advance(batch)] == [
+        ("a", 0), ("c", 1), ("b", 2)]
+    assert scheduler.block_manager.num_used_blocks == 3
+    assert [s.request_id for s in scheduler.abort("c")] == ["c"]
+    assert scheduler.abort("c") == []
+    finished = scheduler.append_tokens([(second.running[0], 9)], eos_token_ids=(9,))
+    assert [seq.request_id for seq in finished] == ["b"] and not second.has_unfinished()
+    assert scheduler.block_manager.num_used_blocks == 1
+    assert scheduler.owner.keys() == {"a"}
