@@ -99,7 +99,10 @@ class LLM:
         self.model = self.runner.model
         self.kv_plan = plan
         if log:
-            log(plan.describe())
+            stages = ("" if layout.world_size == layout.tp else
+                      f"; one such pool on each of the {layout.world_size} ranks "
+                      f"({layout.describe()})")
+            log(plan.describe() + stages)
         def blocks() -> BlockManager:
             return BlockManager(plan.num_blocks, plan.block_size, plan.num_cpu_blocks,
                                 config.enable_prefix_caching, config.watermark)
