@@ -29,8 +29,8 @@ ENGINE_FLAGS: list[tuple[str, type, str]] = [
                   "per stage, decode steps in microbatches (default 1)"),
     ("--dp", int, "attention data-parallel ranks, each with its own requests and KV cache "
                   "(default 1; with tp 1 and pp 1)"),
-    ("--ep", int, "ranks the routed experts are spread over, tokens sent to them by all-to-all "
-                  "(default 1; equal to --dp)"),
+    ("--ep", int, "ranks the routed experts are spread over (default 1): dividing --dp, tokens "
+                  "sent to them by all-to-all; or equal to --tp"),
 ]
 SAMPLING_FLAGS: list[tuple[str, type, str]] = [
     ("--temperature", float, "0 is greedy (default 1.0)"),

@@ -38,7 +38,7 @@ class EngineConfig:
     seed: int = 0
     tp: int = 1  # tensor-parallel ranks (processes; GPUs with --device cuda)
     pp: int = 1  # pipeline stages (each of tp ranks)
-    ep: int = 1  # ranks the routed experts are spread over (divides dp: inference.layout)
+    ep: int = 1  # ranks the routed experts are spread over (divides dp, or = tp: layout.py)
     dp: int = 1  # attention data-parallel ranks, each with its own requests and KV pool
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     compile: bool = False  # torch.compile the forward (and FlexAttention)

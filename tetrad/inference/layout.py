@@ -3,13 +3,15 @@
 
 The layouts are the planner's (tetrad.planner.serving, `tetrad plan serve`):
   tp x pp        ranks = tp * pp; stages own consecutive layers (the planner's stage_layer_counts),
-                 each split over its tp ranks; one scheduler on rank 0 (tetrad.inference.pipeline)
+                 each split over its tp ranks; one scheduler on rank 0 (tetrad.inference.pipeline);
+                 with ep = tp each tp rank keeps whole experts (tetrad.inference.tensor_experts)
   dp, ep | dp    attention data parallelism: every rank owns its requests and KV pool and holds the
                  dense weights whole; with ep > 1 the MoE layers' routed experts are spread over
                  each group of ep ranks (all of them when ep = dp) and tokens travel to them by
                  all-to-all (tetrad.inference.data_parallel); ep = 1 is plain replicas
-Expert parallelism inside tensor-parallel groups (ep < tp) and dp beside tp or pp are what the
-planner can also model; the engine refuses them here, with the layout it can run instead.
+Experts over part of a tensor-parallel group (1 < ep < tp), ep beyond tp with tp > 1, and dp beside
+tp or pp are what the planner can also model; the engine refuses them here, with the layout it can
+run instead.
 
 Plain Python: the planner's rules need no torch.
 """
@@ -52,10 +54,14 @@ class ServingLayout:
             raise ConfigError(f"--dp {self.dp} with --tp {self.tp} --pp {self.pp}: data-parallel "
                               f"serving runs with tp 1 and pp 1 (--dp {self.world_size} "
                               f"--ep {self.world_size} for experts over all ranks)")
-        if self.dp % self.ep:
+        if self.tp > 1 and self.ep not in (1, self.tp):
+            raise ConfigError(f"--ep {self.ep} with --tp {self.tp}: experts spread inside a "
+                              f"tensor-parallel group need --ep {self.tp} (whole experts on each "
+                              f"tp rank) or --ep 1")
+        if self.tp == 1 and self.dp % self.ep:
             raise ConfigError(f"--ep {self.ep} needs --dp {self.ep} (or a multiple): experts are "
                               f"spread over groups of ep attention data-parallel ranks (tp 1, "
-                              f"pp 1), the planner's throughput layout")
+                              f"pp 1), the planner's throughput layout; or --tp {self.ep}")
         # The engine splits with training's tensor-parallel layers: training's rules, kv heads
         # replicated past their count, MLA refused.
         check_degrees(config, self.tp, self.pp, self.ep, training=True, kv_replicas=True,

@@ -57,6 +57,7 @@ from tetrad.inference.kv_cache import TORCH_DTYPES, KVPlan
 from tetrad.inference.layout import ServingLayout
 from tetrad.inference.pipeline import PipelineStep, serving_stage
 from tetrad.inference.runner import PROMPT_LOGITS, ModelRunner, StepPlan, load_runner
+from tetrad.inference.tensor_experts import spread_experts
 from tetrad.models.hf import load_pretrained
 from tetrad.parallel.comm import Comm, CommCounter
 from tetrad.parallel.expert_parallel import apply_expert_parallel
@@ -141,7 +142,9 @@ class ServingRanks:
 
     def build(self, layout: ServingLayout) -> None:
         self.layout = layout
-        self.dims = ParallelConfig(tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep)
+        # Experts inside the tp group use mesh["tp"]; the mesh's ep axis is over the dp ranks.
+        self.dims = ParallelConfig(tp=layout.tp, pp=layout.pp, dp=layout.dp,
+                                   ep=layout.ep if layout.tp == 1 else 1)
         self.mesh = build_mesh(self.dims, self.rank, self.world_size)
 
     @property
@@ -159,10 +162,13 @@ class ServingRanks:
 
     def shard(self, model: nn.Module) -> nn.Module:
         """This rank's share of the whole `model`, whose layers are replaced in place: split over
-        tp, its experts kept over ep, its stage's layers under pp."""
+        tp, its experts kept over ep (inside the tp group, or over the dp ranks), its stage's
+        layers under pp."""
         if self.layout.tp > 1:
-            apply_tensor_parallel(model, self.mesh, self.comm)
-        if self.layout.ep > 1:
+            split = apply_tensor_parallel(model, self.mesh, self.comm)
+            if self.layout.ep > 1:  # ep = tp: whole experts over the tp group
+                spread_experts(model, split.tp)
+        elif self.layout.ep > 1:
             apply_expert_parallel(model, self.mesh, self.comm)
         if self.layout.pp > 1:
             return serving_stage(model, self.coords["pp"], self.layout.pp)
