@@ -21,7 +21,8 @@ import torch
 from tetrad.inference.engine import LLM
 from tetrad.inference.layout import ServingLayout
 from tetrad.inference.params import SamplingParams
-from tetrad.inference.ranks import ServingWorker, held_bytes
+from tetrad.inference.rank_share import held_bytes
+from tetrad.inference.ranks import ServingWorker
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.launch import spawn
 from tetrad.presets import resolve_model

@@ -3,13 +3,13 @@ one-process engine, in fp32, on the tiny random DeepSeek-V3 (MLA, 8 routed exper
 one, a dense first layer) and the tiny dense model.
 
 Two spawned jobs (tests/dist.py; the LLM on rank 0, ServingWorker on the others) run ep2·dp2,
-pp2 and tp2·ep2 (a MoE model with plain attention), then ep4·dp4, ep2·dp4 and tp2·pp2, each with chunked prefill (7 tokens a step) and a pool of
-12 blocks, which forces preemptions by recompute. For each: greedy outputs equal one process token
-for token; each rank holds exactly the weight bytes and KV bytes per token the planner predicts
-for its place in the layout (ServingLayout.planned_bytes, the planner's formulas; ranks.held_bytes
-counts the parameters and the pool); under data parallelism every rank's pool was written (the
-requests were spread), and with experts over dp ranks every rank sent tokens to the others'
-experts."""
+pp2 and tp2·ep2 (a MoE model with plain attention), then ep4·dp4, ep2·dp4 and tp2·pp2, each with
+chunked prefill (7 tokens a step) and a pool of 12 blocks, which forces preemptions by recompute.
+For each: greedy outputs equal one process token for token; each rank holds exactly the weight
+bytes and KV bytes per token the planner predicts for its place in the layout
+(ServingLayout.planned_bytes, the planner's formulas; rank_share.held_bytes counts the parameters
+and the pool); under data parallelism every rank's pool was written (the requests were spread),
+and with experts over dp ranks every rank sent tokens to the others' experts."""
 
 import pytest
 from dist import run_ranks
@@ -21,7 +21,8 @@ from tetrad.inference.data_parallel import DataParallelScheduler
 from tetrad.inference.engine import LLM
 from tetrad.inference.layout import ServingLayout
 from tetrad.inference.params import SamplingParams
-from tetrad.inference.ranks import ServingWorker, held_bytes
+from tetrad.inference.rank_share import held_bytes
+from tetrad.inference.ranks import ServingWorker
 from tetrad.inference.scheduler import SchedulerConfig
 from tetrad.presets import resolve_model
 from tetrad.tokenizer import ByteTokenizer

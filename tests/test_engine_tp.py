@@ -240,6 +240,7 @@ def test_tensor_parallel_configuration_errors_name_the_fix():
     with pytest.raises(ConfigError, match="use --device cuda"):
         device_type("cuda:1", 2)
     tp = torch.cuda.device_count() + 2
-    with pytest.raises(ConfigError, match=f"needs {tp} GPUs.*lower --tp, --pp or --dp or use --device cpu"):
+    with pytest.raises(ConfigError, match=f"needs {tp} GPUs.*lower --tp, --pp or --dp or use "
+                                          f"--device cpu"):
         device_type("cuda", tp)
     assert device_type("cpu", 2) == "cpu"

@@ -59,7 +59,7 @@ class EngineConfig:
 
 
 class RankShare(Protocol):
-    """A serving rank as the runner sees it (ranks.ServingRanks): it cuts this rank's share of
+    """A serving rank as the runner sees it (rank_share.ServingRanks): it cuts this rank's share of
     the model and agrees with the other ranks on the KV pool; `size` is the tensor-parallel
     degree the pool's kv heads are split by."""
 

@@ -4,8 +4,8 @@ DeepSeek (tp1 dp16 ep16).
 
 Each dp rank owns its requests and a KV pool of its own and runs attention, the dense layers and
 the shared expert on its sequences alone (every rank holds those weights whole). With ep > 1 a
-MoE layer's routed experts are divided over each ep group of ranks and each rank's tokens go to the ranks that
-own their experts and come back by all-to-all: training's dispatch and combine
+MoE layer's routed experts are divided over each ep group of ranks, and each rank's tokens go to
+the ranks that own their experts and come back by all-to-all: training's dispatch and combine
 (tetrad.parallel.expert_parallel.ExpertParallelMoE), used as it is.
 
 Scheduling. Rank 0 runs one Scheduler and BlockManager per dp rank (DataParallelScheduler): a new

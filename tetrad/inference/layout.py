@@ -69,7 +69,7 @@ class ServingLayout:
 
     def planned_bytes(self, config: ModelConfig, dtype: str, stage: int) -> dict[str, float]:
         """What the planner predicts one rank of pipeline stage `stage` holds, with weights and
-        KV cache in `dtype`: its weight bytes and KV-cache bytes per token (ranks.held_bytes
+        KV cache in `dtype`: its weight bytes and KV-cache bytes per token (rank_share.held_bytes
         counts the same on a running engine)."""
         layers = stage_layer_counts(config.num_layers, self.pp)[stage]
         return {"weights": weight_bytes_per_gpu(config, self.planner_layout(), dtype, stage),

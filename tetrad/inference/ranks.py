@@ -37,50 +37,37 @@ itself (a model object travels to it pickled). Inside a process group of exactly
 
 from __future__ import annotations
 
-import datetime
 import multiprocessing
 import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, ClassVar, NoReturn
+from typing import TYPE_CHECKING, ClassVar, NoReturn
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from tetrad.config import ParallelConfig
 from tetrad.errors import ConfigError, TetradError
-from tetrad.inference.data_parallel import DataParallelStep
-from tetrad.inference.kv_cache import TORCH_DTYPES, KVPlan
+from tetrad.inference.kv_cache import TORCH_DTYPES
 from tetrad.inference.layout import ServingLayout
-from tetrad.inference.pipeline import PipelineStep, serving_stage
-from tetrad.inference.runner import PROMPT_LOGITS, ModelRunner, StepPlan, load_runner
-from tetrad.inference.tensor_experts import spread_experts
+from tetrad.inference.rank_share import ServingRanks
+from tetrad.inference.runner import PROMPT_LOGITS, StepPlan, load_runner
 from tetrad.models.hf import load_pretrained
-from tetrad.parallel.comm import Comm, CommCounter
-from tetrad.parallel.expert_parallel import apply_expert_parallel
 from tetrad.parallel.launch import COLLECTIVE_TIMEOUT_S, WorkerProcesses, init_worker
-from tetrad.parallel.mesh import Group, build_mesh
-from tetrad.parallel.tensor_parallel import apply_tensor_parallel
 
 if TYPE_CHECKING:
     from tetrad.inference.config import EngineConfig
 
-IDLE_TIMEOUT = datetime.timedelta(days=365)  # the control group's: an idle engine waits forever
 REPORT_WAIT_S = 2.0  # after a failed collective, how long rank 0 waits for a worker's traceback
 STOP_GRACE_S = 10.0  # how long closed workers get to exit before they are terminated
 STOP, STEP = 0, 1
 PLAN_SIZES = 6  # len(StepPlan.sizes()); the header is [STOP or STEP, *sizes of each dp rank's plan]
-# Comm tags: the step broadcast, the logits sent to rank 0, the start-up exchanges. The model's
-# all-reduces carry tensor parallelism's own tag, "activations"; pipeline stages pass "stages",
-# expert dispatch "experts".
-STEP_TAG, LOGITS_TAG, SETUP_TAG = "step", "logits", "setup"
-
-# What a rank computes in a step from every dp rank's plan: its logits block, or None (a pipeline
-# stage before the last).
-RankStep = Callable[[list[StepPlan]], "torch.Tensor | None"]
+# Comm tags: the step broadcast, the logits sent to rank 0 (start-up exchanges: "setup"). The
+# model's all-reduces carry tensor parallelism's own tag, "activations"; pipeline stages pass
+# "stages", expert dispatch "experts".
+STEP_TAG, LOGITS_TAG = "step", "logits"
 
 
 class ServingRankError(TetradError):
@@ -103,104 +90,10 @@ def device_type(device: str, world_size: int) -> str:
     return "cuda"
 
 
-def held_bytes(runner: ModelRunner) -> dict[str, int]:
-    """What a rank holds, counted on its tensors: parameter bytes, KV-pool bytes per token slot,
-    and the whole pool's bytes (its pad block included)."""
-    pool = runner.kv_cache.pool
-    pool_bytes = pool.numel() * pool.element_size()
-    return {"weights": sum(p.numel() * p.element_size() for p in runner.model.parameters()),
-            "kv_per_token": pool_bytes // (pool.shape[2] * pool.shape[3]),
-            "kv_pool": pool_bytes}
-
-
 def logits_rows(plan: StepPlan) -> int:
     """Rows of logits the plan's forward returns."""
     return sum(num if samples == PROMPT_LOGITS else samples
                for num, samples in zip(plan.num_tokens, plan.samples))
-
-
-class ServingRanks:
-    """This rank's place in a process group that spans exactly the engine's tp*pp*dp ranks: the
-    control group (the step messages), the Comm that counts every byte, the device, and, once
-    the layout is known (`build`), the mesh of the distributed core: mesh["tp"] carries the
-    tensor-parallel collectives, mesh["pp"] the stages' activations, mesh["ep"] the experts'
-    tokens. Collective: every rank constructs it and calls its methods, in the same order."""
-
-    def __init__(self, device: torch.device | None = None):
-        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
-        ranks = list(range(self.world_size))
-        self.control = Group("control", tuple(ranks), self.rank,
-                             dist.new_group(ranks, timeout=IDLE_TIMEOUT, backend="gloo"))
-        self.comm = Comm(CommCounter())
-        if device is None:  # in a process group someone else started: its backend decides
-            device = (torch.device("cuda", torch.cuda.current_device())
-                      if dist.get_backend() == "nccl" else torch.device("cpu"))
-        self.device = device
-        self.layout = ServingLayout()
-        self.dims = ParallelConfig()
-        self.mesh = None
-
-    def build(self, layout: ServingLayout) -> None:
-        self.layout = layout
-        # Experts inside the tp group use mesh["tp"]; the mesh's ep axis is over the dp ranks.
-        self.dims = ParallelConfig(tp=layout.tp, pp=layout.pp, dp=layout.dp,
-                                   ep=layout.ep if layout.tp == 1 else 1)
-        self.mesh = build_mesh(self.dims, self.rank, self.world_size)
-
-    @property
-    def coords(self) -> dict[str, int]:
-        return self.mesh.coords
-
-    @property
-    def size(self) -> int:
-        """Tensor-parallel ranks: what the KV pool of one rank is sized for."""
-        return self.layout.tp
-
-    def share(self, value):
-        """Rank 0's `value` on every rank (the others pass None)."""
-        return self.comm.all_gather_object(value, self.control, SETUP_TAG)[0]
-
-    def shard(self, model: nn.Module) -> nn.Module:
-        """This rank's share of the whole `model`, whose layers are replaced in place: split over
-        tp, its experts kept over ep (inside the tp group, or over the dp ranks), its stage's
-        layers under pp."""
-        if self.layout.tp > 1:
-            split = apply_tensor_parallel(model, self.mesh, self.comm)
-            if self.layout.ep > 1:  # ep = tp: whole experts over the tp group
-                spread_experts(model, split.tp)
-        elif self.layout.ep > 1:
-            apply_expert_parallel(model, self.mesh, self.comm)
-        if self.layout.pp > 1:
-            return serving_stage(model, self.coords["pp"], self.layout.pp)
-        return model
-
-    def agree(self, plan: KVPlan) -> KVPlan:
-        """Every rank's pool gets the blocks the tightest rank can hold (on GPUs each rank sized
-        its pool from its own free memory; stages hold different layers): the block ids rank 0
-        hands out must exist on all."""
-        blocks = self.comm.all_gather_object(plan.num_blocks, self.control, SETUP_TAG)
-        return plan.with_blocks(min(blocks))
-
-    def step_of(self, runner: ModelRunner) -> RankStep:
-        if self.layout.pp > 1:
-            return PipelineStep(runner, self.mesh["pp"], self.comm)
-        if self.layout.dp > 1:
-            return DataParallelStep(runner, self.coords["dp"])
-        return lambda plans: runner.execute(plans[0])
-
-    def logits_holders(self) -> list[list[int]]:
-        """[dp rank][tp rank] -> the global rank that holds that block of the logits: the last
-        pipeline stage's."""
-        last = self.layout.pp - 1
-        return [[self.dims.rank_of(pp=last, dp=d, tp=t) for t in range(self.layout.tp)]
-                for d in range(self.layout.dp)]
-
-    @property
-    def holds_logits(self) -> bool:
-        return self.coords["pp"] == self.layout.pp - 1
-
-    def close(self) -> None:
-        dist.destroy_process_group(self.control.handle)
 
 
 def _read_step(ranks: ServingRanks, block_size: int) -> list[StepPlan] | None:
