@@ -50,7 +50,34 @@ def rank_kinds(report: dict[str, Any]) -> list[tuple[list[int], dict[str, Any]]]
         ranks.append(entry["rank"])
         first["idle_fraction"] = max(first.get("idle_fraction", 0.0),
                                      entry.get("idle_fraction", 0.0))
+        if entry.get("cuda_memory") and first.get("cuda_memory"):  # the kind's largest peaks
+            first["cuda_memory"] = {key: max(value, entry["cuda_memory"][key])
+                                    for key, value in first["cuda_memory"].items()}
     return list(kinds.values())
+
+
+def device_bytes(held: dict[str, int]) -> int:
+    """Bytes a rank holds in device memory: every counted part but the host_* ones."""
+    return sum(value for part, value in held.items() if not part.startswith("host_"))
+
+
+def cuda_rows(predicted_bytes: dict[str, int], entry: dict[str, Any]) -> list[dict[str, Any]]:
+    """On a GPU: the counted device bytes (and the prediction's) beside what the CUDA caching
+    allocator measured at its peak. Allocated exceeds counted by what the count leaves out
+    (temporaries of forward and backward, the CUDA context's own buffers are not in it at all);
+    reserved adds the allocator's cached, unused blocks."""
+    cuda = entry.get("cuda_memory")
+    if not cuda:
+        return []
+    predicted = device_bytes(predicted_bytes) if predicted_bytes else None
+    counted = device_bytes(entry["bytes"])
+    return [{"section": "cuda", "field": "counted total", "predicted": predicted,
+             "measured": counted, "error": relative_error(predicted, counted)},
+            {"section": "cuda", "field": "allocated_peak", "predicted": predicted,
+             "measured": cuda["allocated_peak"],
+             "error": relative_error(predicted, cuda["allocated_peak"])},
+            {"section": "cuda", "field": "reserved_peak", "predicted": None,
+             "measured": cuda["reserved_peak"], "error": None}]
 
 
 def shared_coords(report: dict[str, Any], ranks: list[int]) -> dict[str, int]:
@@ -86,6 +113,7 @@ def comparison(report: dict[str, Any], entry: dict[str, Any]) -> list[dict[str, 
         p, m = predicted_bytes.get(field), entry["bytes"].get(field)
         rows.append({"section": "bytes", "field": field, "predicted": p, "measured": m,
                      "error": relative_error(p, m)})
+    rows += cuda_rows(predicted_bytes, entry)
     predicted_comm = predicted.get("comm_bytes", {})
     for kind in COMM_KINDS:
         p, m = predicted_comm.get(kind), entry["comm_bytes"].get(kind, 0)
