@@ -27,6 +27,12 @@ import torch.distributed as dist
 
 from tetrad.parallel.mesh import Group
 
+# torch 2.13 (requirements.txt) renamed all_gather_into_tensor / reduce_scatter_tensor; older
+# releases, such as the 2.11 of the GPU machines the benchmarks run on, have only the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
+                          or dist.reduce_scatter_tensor)
+
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "p2p")
 OFF_STEP_TAGS = ("setup", "checkpoint", "report")
 ALGORITHMS = ("backend", "ring")
@@ -149,7 +155,7 @@ class Comm:
                 output.copy_(chunks[group.index].view_as(output))
             return DONE
         self._count("reduce_scatter", _nbytes(input), group, tag)
-        return Handle(dist.reduce_scatter_single(output, input, group=group.handle,
+        return Handle(_reduce_scatter_single(output, input, group=group.handle,
                                                  async_op=async_op))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: Group, tag: str,
@@ -168,7 +174,7 @@ class Comm:
             ring_all_gather_(chunks, group, self._sent("all_gather", tag))
             return DONE
         self._count("all_gather", _nbytes(output), group, tag)
-        return Handle(dist.all_gather_single(output, input, group=group.handle,
+        return Handle(_all_gather_single(output, input, group=group.handle,
                                              async_op=async_op))
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, group: Group, tag: str,
