@@ -174,6 +174,8 @@ def train(config: TrainConfig, make_strategy: Callable[..., Strategy] = build_st
         check_finite(loss, grad_norm, step + 1, model, loss_scaling=config.dtype == "fp16")
         applied = strategy.step(learning_rate(step, config))
         held = {k: max(v, held.get(k, 0)) for k, v in strategy.bytes_held().items()}
+        if device.type == "cuda":  # the optimizer step's kernels are this step's time too
+            torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - started
         record = {"step": step + 1, "loss": loss, "grad_norm": grad_norm, "time_s": elapsed,
                   "tokens": tokens_per_step, "tokens_per_s": tokens_per_step / elapsed,
