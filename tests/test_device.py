@@ -10,7 +10,7 @@ from tetrad.errors import ConfigError
 from tetrad.parallel.launch import local_device
 from tetrad.train import launch as train_launch
 from tetrad.train.trainer import run_device, train
-from tetrad.viz.report import comparison, device_bytes, format_report, rank_kinds
+from tetrad.viz.report import comparison, device_bytes, draw_report, format_report, rank_kinds
 
 
 def fake_gpus(monkeypatch, count: int) -> None:
@@ -68,7 +68,7 @@ def test_a_gloo_rank_computes_on_the_cpu_even_beside_gpus():
     assert spawn(device_of_a_gloo_rank, 2, device_type="cpu", timeout_s=120) == ["cpu", "cpu"]
 
 
-def test_cuda_memory_is_null_on_cpu_and_shown_beside_the_counted_bytes(corpus_file):
+def test_cuda_memory_is_null_on_cpu_and_shown_beside_the_counted_bytes(corpus_file, tmp_path):
     report = train(TrainConfig(model="tiny", data=corpus_file, steps=2, batch_size=4, seq_len=32,
                                sample_tokens=0), show_progress=False).report
     assert [entry["cuda_memory"] for entry in report["ranks"]] == [None]
@@ -89,3 +89,5 @@ def test_cuda_memory_is_null_on_cpu_and_shown_beside_the_counted_bytes(corpus_fi
     assert rows["reserved_peak"]["measured"] == 3 * counted
     text = format_report(report)
     assert "cuda allocated_peak" in text and f"{3 * counted:,}" in text
+    draw_report(report, tmp_path / "run.png")  # the peak: a dashed line on the measured bar
+    assert (tmp_path / "run.png").read_bytes()[:4] == b"\x89PNG"

@@ -307,13 +307,17 @@ def draw_report(report: dict[str, Any], path: str | Path) -> None:
     loss_ax.legend(fontsize=8)
 
     bars: list[tuple[str, dict[str, float]]] = []
+    allocated: dict[int, int] = {}  # bar position -> the CUDA allocator's peak (GPU runs)
     for ranks, entry in rank_kinds(report):
         predicted = predicted_for(report, entry)
         label = _ranks_label(ranks)
         if predicted:
             bars.append((f"{label}\npredicted", predicted["bytes"]))
+        if entry.get("cuda_memory"):
+            allocated[len(bars)] = entry["cuda_memory"]["allocated_peak"]
         bars.append((f"{label}\nmeasured", entry["bytes"]))
-    largest = max(sum(values.get(part, 0) for part in PARTS) for _, values in bars)
+    largest = max([sum(values.get(part, 0) for part in PARTS) for _, values in bars]
+                  + list(allocated.values()))
     scale, unit = _unit(largest)
     bottoms = [0.0] * len(bars)
     for part in PARTS:
@@ -328,9 +332,12 @@ def draw_report(report: dict[str, Any], path: str | Path) -> None:
     for position, total in enumerate(bottoms):
         memory_ax.annotate(f"{total:.2f}", (position, total), ha="center", va="bottom",
                            fontsize=8, xytext=(0, 2), textcoords="offset points")
+    for index, (position, peak) in enumerate(allocated.items()):
+        memory_ax.hlines(peak / scale, position - 0.3, position + 0.3, colors="black",
+                         linestyles="--", label=None if index else "CUDA allocated peak")
     memory_ax.set_xticks(range(len(bars)), [label for label, _ in bars], fontsize=8)
     memory_ax.set_ylabel(f"{unit} per rank")
-    memory_ax.set_ylim(0, max(bottoms) * 1.12)
+    memory_ax.set_ylim(0, max(bottoms + [peak / scale for peak in allocated.values()]) * 1.12)
     memory_ax.set_title("memory: predicted vs measured", fontsize=10)
     memory_ax.legend(fontsize=8, bbox_to_anchor=(1.01, 1.0), loc="upper left")
     _draw_step_time(report, time_ax)
