@@ -63,8 +63,8 @@ def device_bytes(held: dict[str, int]) -> int:
 
 def cuda_rows(predicted_bytes: dict[str, int], entry: dict[str, Any]) -> list[dict[str, Any]]:
     """On a GPU: the counted device bytes (and the prediction's) beside what the CUDA caching
-    allocator measured at its peak. Allocated exceeds counted by what the count leaves out
-    (temporaries of forward and backward, the CUDA context's own buffers are not in it at all);
+    allocator measured at its peak. Allocated exceeds counted by the temporaries inside forward
+    and backward, which the count leaves out (the CUDA context's own memory is in neither);
     reserved adds the allocator's cached, unused blocks."""
     cuda = entry.get("cuda_memory")
     if not cuda:
