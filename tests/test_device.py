@@ -91,3 +91,26 @@ def test_cuda_memory_is_null_on_cpu_and_shown_beside_the_counted_bytes(corpus_fi
     assert "cuda allocated_peak" in text and f"{3 * counted:,}" in text
     draw_report(report, tmp_path / "run.png")  # the peak: a dashed line on the measured bar
     assert (tmp_path / "run.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_rings_of_two_post_each_send_with_its_receive_as_one_batch(monkeypatch):
+    """On NCCL two ranks that each send to the other before receiving wait forever once the
+    tensor outgrows NCCL's buffers (a pair's sends and receives run in order on one stream);
+    tetrad's ring collectives and ring attention post each hop as one batch instead."""
+    import torch.distributed as dist
+
+    from tetrad.parallel.comm import Comm
+    from tetrad.parallel.mesh import Group
+
+    batches = []
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: batches.append(ops) or [])
+    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, group, group_peer:
+                        (op.__name__, group_peer, tensor.numel()))
+    pair = Group("cp", (3, 7), 0)
+    comm = Comm(algorithm="ring")
+    comm.exchange(torch.ones(5), 1, torch.empty(5), 1, pair, "kv").wait()
+    assert batches == [[("isend", 1, 5), ("irecv", 1, 5)]]
+    assert comm.counter.totals()["p2p"] == 5 * 4  # the send alone
+    batches.clear()
+    comm.all_reduce(torch.ones(8), pair, "grads")  # reduce-scatter hop, then all-gather hop
+    assert batches == [[("isend", 1, 4), ("irecv", 1, 4)]] * 2
