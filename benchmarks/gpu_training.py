@@ -211,10 +211,11 @@ def run_hf(args, device: torch.device) -> dict:
 
 def run_row(args) -> None:
     """In a child process: one row, its numbers as JSON into --row-out."""
-    torch.backends.cuda.matmul.allow_tf32 = True  # bf16 rows: only fp32 leftovers would use it
     device = torch.device(args.device)
-    result = run_hf(args, device) if args.row == "hf-bf16-eager" else run_tetrad(args, args.row,
-                                                                                 device)
+    if args.row == "hf-bf16-eager":
+        result = run_hf(args, device)
+    else:
+        result = run_tetrad(args, args.row, device)
     Path(args.row_out).write_text(json.dumps(result))
 
 
