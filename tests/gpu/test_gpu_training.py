@@ -1,16 +1,18 @@
 """Training on GPUs (NCCL, one GPU per rank) against the CPU run. Collected everywhere, skipped
 without CUDA; the 2-GPU layouts are skipped with fewer than 2 GPUs.
 
-Tolerance. In fp32 with TF32 off (set here: cuBLAS would otherwise round matmul inputs to 10
-mantissa bits), a GPU and the CPU compute the same function with different summation orders:
-cuBLAS tiles (and may split) each dot product differently from the CPU's BLAS, and SDPA's fused
-CUDA kernels reduce the softmax online. Each op then differs by a few fp32 ulps (~1e-7
-relative); the differences grow through the layers and a few AdamW steps, whose update
-normalizes small gradient differences, so the losses of a few steps agree to ~1e-6 relative. We
-allow 1e-4: ten times the tolerance every CPU layout meets against one process (1e-5), which a
-wrong device path (a missed gradient reduction, a stale parameter, a dropped microbatch) misses
-by orders of magnitude (its losses differ from the second step on by ~1e-2). Gradient norms get
-1e-3: a norm sums squares of small numbers whose relative error is larger than the loss's.
+Tolerance. In fp32 with TF32 off (set here; spawned ranks keep torch's default, off for
+matmuls: cuBLAS would otherwise round matmul inputs to 10 mantissa bits), a GPU and the CPU
+compute the same function with different summation orders: cuBLAS tiles (and may split) each
+dot product differently from the CPU's BLAS, and SDPA's fused CUDA kernels reduce the softmax
+online. Each op then differs by a few fp32 ulps (~1e-7 relative), and the differences grow
+through the layers and a few AdamW steps, whose update normalizes small gradient differences.
+We allow 1e-4 on the losses: ten times the tolerance every CPU layout meets against one process
+(1e-5), still far below what a wrong device path (a missed gradient reduction, a stale
+parameter, a dropped microbatch) changes in a loss after a step at this learning rate. Gradient
+norms get 1e-3: a norm sums squares of small numbers whose relative error is larger than the
+loss's. (Written without a GPU: the margins GPUs really leave are for the first session with
+one to read off.)
 """
 
 from __future__ import annotations
