@@ -24,6 +24,7 @@ from tetrad.inference.runner import ModelRunner, StepPlan
 from tetrad.inference.tensor_experts import spread_experts
 from tetrad.parallel.comm import Comm, CommCounter
 from tetrad.parallel.expert_parallel import apply_expert_parallel
+from tetrad.parallel.launch import rank_device
 from tetrad.parallel.mesh import Group, build_mesh
 from tetrad.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -58,10 +59,8 @@ class ServingRanks:
         self.control = Group("control", tuple(ranks), self.rank,
                              dist.new_group(ranks, timeout=IDLE_TIMEOUT, backend="gloo"))
         self.comm = Comm(CommCounter())
-        if device is None:  # in a process group someone else started: its backend decides
-            device = (torch.device("cuda", torch.cuda.current_device())
-                      if dist.get_backend() == "nccl" else torch.device("cpu"))
-        self.device = device
+        # In a process group someone else started its backend decides.
+        self.device = device or rank_device()
         self.layout = ServingLayout()
         self.dims = ParallelConfig()
         self.mesh = None
