@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from tetrad.config import DTYPES
+from tetrad.config import DEVICES, DTYPES
 from tetrad.schedules import SCHEDULES
 
 TRAIN_FLAGS: list[tuple[str, type, str]] = [
@@ -62,6 +62,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile each transformer block (regional compilation); "
                              "the compile time is reported apart from the step times")
+    parser.add_argument("--device", choices=DEVICES,
+                        help="auto (default): a GPU per local rank (NCCL) when there are enough, "
+                             "else the CPU (gloo); cpu: the CPU beside GPUs; cuda: a GPU per "
+                             "local rank or stop")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest checkpoint in --checkpoint-dir")
     parser.add_argument("--save-as", metavar="NAME",
