@@ -12,9 +12,9 @@ update: measured 1.7e-5 relative (eager under the same layout: 2.5e-6), so exper
 at 1e-4.
 
 Inductor compiles on CPU are slow (seconds per graph), so the layouts share one spawn and are
-chosen so that they compile three block graphs in all: DDP, ZeRO-3 with full recomputation and
-the zero-bubble pipeline run blocks of one shape (Dynamo reuses the graph), TP+SP and CP+EP each
-compile their own pieces around their graph breaks."""
+chosen to compile few graphs: DDP and ZeRO-3 with full recomputation run blocks of one shape
+(Dynamo reuses the graph), zero bubble the same block with its own backend (a backward that runs
+twice), TP+SP and CP+EP their own pieces around their graph breaks."""
 
 import dataclasses
 import json
