@@ -24,7 +24,8 @@ backward) into a column-parallel layer, g (all-reduce forward, identity backward
 row-parallel one. With --sequence-parallel the stretch between the layers (norms, residual adds)
 holds a sequence shard [b, s/tp, h] and the pair becomes all-gather / reduce-scatter along the
 sequence: the same bytes (an all-reduce is a reduce-scatter plus an all-gather), and the
-activations the norms keep are 1/tp each.
+activations the norms keep are 1/tp each. With `overlap` the parallel layers run those
+collectives chunk by chunk behind their own matmuls instead (tetrad.parallel.tp_overlap).
 
 Traffic per microbatch, each of one [b, s, h] activation: per dense layer 2 all-reduces forward
 (g after attention and after the MLP) and 2 backward (f before each), one forward after the

@@ -37,8 +37,9 @@ import torch
 
 from tetrad.parallel.comm import Handle
 from tetrad.parallel.tp_operators import ACTIVATION_TAG, TensorParallel
-
-CHUNKS = 4  # more hides more of the collective, fewer keeps the matmuls large
+# More chunks hide more of each collective, fewer keep the matmuls large. The planner's overlap
+# model (tetrad.planner.eager_overlap) prices the same number.
+from tetrad.planner.eager_overlap import TP_OVERLAP_CHUNKS as CHUNKS
 
 
 def row_chunks(rows: int) -> list[tuple[int, int]]:

@@ -19,7 +19,8 @@ max(0, T_c - T_m). What the runtime overlaps, on each stage a rank runs:
           experts' matmuls, forward (and its reverse in backward, behind twice those), every
           microbatch and every recomputed forward
   DDP     without a pipeline the gradient buckets' all-reduces, issued as backward completes
-          each bucket, behind the last microbatch's backward (C = the buckets)
+          each bucket (the first small, as torch's), behind the last microbatch's backward
+          (C = the buckets)
   ZeRO-3  each unit's gathers prefetched and reduce-scatters retired one behind the next, behind
           the stage's forward and backward (C = the stage's units), every microbatch
 Everything else is exposed whole: losses and norms, the pipeline's sends, context parallelism's
@@ -38,7 +39,7 @@ from tetrad.planner.compute import gemm_time, layer_times
 from tetrad.planner.eager_activations import tokens
 from tetrad.planner.eager_comm import tensor_parallel_block
 from tetrad.planner.eager_params import rank_parameters, rank_stages, stage_blocks
-from tetrad.planner.eager_state import bucket_elements, zero3_units
+from tetrad.planner.eager_state import FIRST_BUCKET_BYTES, bucket_elements, zero3_units
 from tetrad.planner.flops import Gemm
 from tetrad.planner.layout import TrainLayout
 from tetrad.planner.precision import TrainingPrecision
@@ -107,7 +108,8 @@ def hidden_communication(config: ModelConfig, cluster: Cluster, layout: TrainLay
     if layout.zero == 0 and layout.pp == 1:
         elements = sum(p.elements for p in params)
         reduce = call_time(cluster, "all_reduce", group, elements * precision.grad_bytes)
-        hidden += reduce - exposed(reduce, backward_s, len(bucket_elements(params, 1)))
+        buckets = bucket_elements(params, 1, FIRST_BUCKET_BYTES)
+        hidden += reduce - exposed(reduce, backward_s, len(buckets))
     elif layout.zero == 3:
         for stage, units in zero3_units(params, group).items():
             gathers = 3 if layout.schedule in SPLIT_BACKWARD and stage > 0 else 2
