@@ -55,6 +55,15 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
+def _sum_rows(part: torch.Tensor, out: torch.Tensor, tp: TensorParallel) -> Handle:
+    """Start summing partial rows over the tp group into `out` (contiguous): under SP `part` is
+    [tp, rows, d] and this rank keeps its rows (reduce-scatter), else [rows, d], all kept."""
+    if tp.sequence_parallel:
+        return tp.comm.reduce_scatter(out.view(-1), part.view(-1), tp.group, ACTIVATION_TAG,
+                                      async_op=True)
+    return tp.comm.all_reduce(out.copy_(part), tp.group, ACTIVATION_TAG, async_op=True)
+
+
 def _wait(handles: list[Handle]) -> None:
     for handle in handles:
         handle.wait()
@@ -114,13 +123,9 @@ class OverlappedColumnLinear(torch.autograd.Function):
             if tp.sequence_parallel:
                 grad_rows = rank_major(grad, tp.size)  # [tp, n, o]
                 inputs_rows = torch.cat(inputs, dim=1)  # [tp, n, h]
-                reduce = lambda part, out: tp.comm.reduce_scatter(  # noqa: E731
-                    out.view(-1), part.view(-1), tp.group, ACTIVATION_TAG, async_op=True)
             else:
                 grad_rows = grad.reshape(-1, grad.shape[-1])  # [n, o]
                 inputs_rows = inputs[0].reshape(-1, h)
-                reduce = lambda part, out: tp.comm.all_reduce(  # noqa: E731
-                    out.copy_(part), tp.group, ACTIVATION_TAG, async_op=True)
             rows = grad_rows.shape[-2]
             grad_x, handles, parts = None, [], []
             if ctx.needs_input_grad[0]:
@@ -128,7 +133,7 @@ class OverlappedColumnLinear(torch.autograd.Function):
                 for start, stop in row_chunks(rows):
                     parts.append((grad_rows[..., start:stop, :] @ w).to(ctx.x_dtype)
                                  .contiguous())
-                    handles.append(reduce(parts[-1], grad_x[start:stop]))
+                    handles.append(_sum_rows(parts[-1], grad_x[start:stop], tp))
             # While the last chunks travel: the weight's and the bias's gradients.
             flat_grad = grad_rows.reshape(-1, grad_rows.shape[-1])
             grad_w = (flat_grad.t() @ inputs_rows.reshape(-1, h)).to(ctx.weight_dtype)
@@ -155,18 +160,10 @@ class OverlappedRowLinear(torch.autograd.Function):
             else:
                 rows = inputs.reshape(-1, inputs.shape[-1])  # [n, f]
                 out = inputs.new_empty((rows.shape[0], out_features))
-            handles, parts = [], []
+            handles, parts = [], []  # parts stay alive until their collectives are done
             for start, stop in row_chunks(out.shape[0]):
-                part = rows[..., start:stop, :] @ w.t()
-                if tp.sequence_parallel:
-                    parts.append(part)  # alive until its reduce-scatter is done
-                    handles.append(tp.comm.reduce_scatter(out[start:stop].view(-1), part.view(-1),
-                                                          tp.group, ACTIVATION_TAG,
-                                                          async_op=True))
-                else:
-                    out[start:stop] = part
-                    handles.append(tp.comm.all_reduce(out[start:stop], tp.group,
-                                                      ACTIVATION_TAG, async_op=True))
+                parts.append(rows[..., start:stop, :] @ w.t())
+                handles.append(_sum_rows(parts[-1], out[start:stop], tp))
             _wait(handles)
             return out.view(batch, -1, out_features)
 
