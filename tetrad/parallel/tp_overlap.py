@@ -55,6 +55,17 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
+def _start_gathers(local: torch.Tensor, tp: TensorParallel):
+    """Issue the all-gather of every chunk of this rank's rows `local` [n, d] at once: (the
+    chunks, their [tp, rows, d] buffers, the handles to wait for before reading each)."""
+    chunks = row_chunks(local.shape[0])
+    gathered = [local.new_empty((tp.size, stop - start, local.shape[1])) for start, stop in chunks]
+    handles = [tp.comm.all_gather(buffer.view(-1), local[start:stop].view(-1), tp.group,
+                                  ACTIVATION_TAG, async_op=True)
+               for buffer, (start, stop) in zip(gathered, chunks)]
+    return chunks, gathered, handles
+
+
 def _sum_rows(part: torch.Tensor, out: torch.Tensor, tp: TensorParallel) -> Handle:
     """Start summing partial rows over the tp group into `out` (contiguous): under SP `part` is
     [tp, rows, d] and this rank keeps its rows (reduce-scatter), else [rows, d], all kept."""
@@ -98,12 +109,7 @@ class OverlappedColumnLinear(torch.autograd.Function):
                 ctx.save_for_backward(w, inputs)
                 return torch.nn.functional.linear(inputs, w, b)
             local = x.contiguous().view(-1, x.shape[-1])  # this rank's rows [n, h]
-            chunks = row_chunks(local.shape[0])
-            gathered = [local.new_empty((tp.size, stop - start, local.shape[1]))
-                        for start, stop in chunks]
-            handles = [tp.comm.all_gather(buffer.view(-1), local[start:stop].view(-1), tp.group,
-                                          ACTIVATION_TAG, async_op=True)
-                       for buffer, (start, stop) in zip(gathered, chunks)]
+            chunks, gathered, handles = _start_gathers(local, tp)
             out = local.new_empty((tp.size, local.shape[0], weight.shape[0]), dtype=dtype)
             inputs = []
             for buffer, handle, (start, stop) in zip(gathered, handles, chunks):
@@ -179,12 +185,7 @@ class OverlappedRowLinear(torch.autograd.Function):
                 grad_w = grad_rows.t() @ inputs.reshape(-1, inputs.shape[-1])
                 return grad_x, grad_w.to(ctx.weight_dtype), None
             local = grad.contiguous().view(-1, grad.shape[-1])  # this rank's rows [n, o]
-            chunks = row_chunks(local.shape[0])
-            gathered = [local.new_empty((tp.size, stop - start, local.shape[1]))
-                        for start, stop in chunks]
-            handles = [tp.comm.all_gather(buffer.view(-1), local[start:stop].view(-1), tp.group,
-                                          ACTIVATION_TAG, async_op=True)
-                       for buffer, (start, stop) in zip(gathered, chunks)]
+            chunks, gathered, handles = _start_gathers(local, tp)
             rows = rank_major(inputs, tp.size)  # [tp, n, f], while the gathers travel
             grad_rows = torch.empty_like(rows)
             grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
