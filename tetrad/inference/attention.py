@@ -9,7 +9,12 @@ Reading in place (what serving on a GPU uses; no copy of any context is made):
   pool. Compiled (torch.compile; a Triton kernel on GPU, C++ on CPU) it reads in place; run eagerly
   torch evaluates it densely over the whole pool, which only tests use.
 
-Gathering (the CPU path, and the reference the tests hold the others to):
+- `kernel_paged_decode`: the CPU's decode attention, a C++ kernel (paged_decode.cpp, built on
+  first use by cpu_kernels.py) that walks each sequence's block table and reads every K and V
+  row of its context once, straight from the pool, with a running max and sum per head.
+
+Gathering (the CPU path for prefill chunks over a cached context, and the reference the tests
+hold the others to):
 - `sdpa_paged_attention` gathers each sequence's K/V into one contiguous tensor and calls torch's
   fused scaled_dot_product_attention with a mask;
 - `tiled_paged_attention` is the flash-attention algorithm written in torch: it walks the block
@@ -94,6 +99,17 @@ def tiled_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     out = (acc / running_sum).view(batch, num_kv_heads, group, num_queries, value_dim)
     return out.permute(0, 3, 1, 2, 4).reshape(batch, num_queries, num_heads, value_dim).to(q.dtype)
 
+
+
+def kernel_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, context_lens: torch.Tensor,
+                        rows_read: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per sequence, on a CPU: q [seqs, heads, head_dim] over keys 0..context_lens[b]
+    - 1 of sequence b (int64 block_tables and context_lens) -> [seqs, heads, v's head_dim].
+    `rows_read` (int64 [1]), when given, gains the K and V rows the kernel read (one per token
+    and KV head each): what tests and the benchmark count. Needs cpu_kernels.load_cpu_kernels()."""
+    return torch.ops.tetrad.paged_decode(q, k_cache, v_cache, block_tables, context_lens,
+                                         q.shape[-1] ** -0.5, rows_read)
 
 
 def paged_block_mask(block_tables: torch.Tensor, num_table_blocks: torch.Tensor,

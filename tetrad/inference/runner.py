@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -22,10 +23,12 @@ import torch
 from torch import nn
 
 from tetrad.errors import ConfigError
-from tetrad.inference.attention import (flex_attention, flex_paged_attention, paged_block_mask,
-                                        sdpa_paged_attention, tiled_paged_attention,
-                                        varlen_paged_attention, visible_keys)
+from tetrad.inference.attention import (flex_attention, flex_paged_attention, kernel_paged_decode,
+                                        paged_block_mask, sdpa_paged_attention,
+                                        tiled_paged_attention, varlen_paged_attention,
+                                        visible_keys)
 from tetrad.inference.config import ATTENTION_BACKENDS
+from tetrad.inference.cpu_kernels import KernelUnavailable, load_cpu_kernels
 from tetrad.inference.cuda_graphs import DecodeGraphs
 from tetrad.inference.kv_cache import (TORCH_DTYPES, KVCache, KVPlan, parse_bytes,
                                        plan_kv_pool)
@@ -124,10 +127,11 @@ class StepContext:
     """What attention needs to know about one step, built once and used by every layer.
 
     In-place backends (flex, varlen) attend every sequence of the step in one call straight from
-    the pool. The gathering backends (sdpa, tiled: the CPU path) attend the single-token
-    sequences (decodes) together in one batched call; a chunk of several tokens with no cached
-    context before it is plain causal attention over the chunk (the training path's SDPA); any
-    other chunk attends over its cached context through its table."""
+    the pool. The CPU backends attend the single-token sequences (decodes) together in one
+    batched call: the C++ kernel in place ("cpu"), or gathered (sdpa, tiled, and "auto" where
+    the kernel cannot be built); a chunk of several tokens with no cached context before it is
+    plain causal attention over the chunk (the training path's SDPA); any other chunk attends
+    over its cached context through its table, gathered."""
 
     def __init__(self, kv_cache: KVCache, backend: str, block_size: int,
                  flex: Callable = flex_attention):
@@ -145,6 +149,9 @@ class StepContext:
         self.varlen: tuple = ()  # varlen: (tables int32, cu_seq_q, cu_seq_k, lens, max_q, max_k)
         self.decode_seqs: torch.Tensor | None = None  # gathering: [decodes] their seq indices
         self.decode_rows: torch.Tensor | None = None  # gathering: [decodes] their token rows
+        self.decode_tables: torch.Tensor | None = None  # cpu: [decodes, width]
+        self.decode_lens: torch.Tensor | None = None  # cpu: [decodes] their context lengths
+        self.rows_read: torch.Tensor | None = None  # cpu: int64 [1], counts K/V rows when set
         # gathering: (first row, end row, seq index; None when no cached context)
         self.chunks: list[tuple[int, int, int | None]] = []
         self.num_table_blocks: list[int] = []  # gathering: [seqs] table entries in use
@@ -154,7 +161,8 @@ class StepContext:
                  ) -> torch.Tensor:
         # K and V of every table entry, as SDPA's contiguous copy would hold them.
         size = 2 * tables.numel() * math.prod(k_cache.shape[1:]) * k_cache.element_size()
-        if self.backend == "tiled" or (self.backend == "auto" and size > GATHER_LIMIT_BYTES):
+        if self.backend == "tiled" or (self.backend in ("auto", "cpu")
+                                       and size > GATHER_LIMIT_BYTES):
             return tiled_paged_attention(q, k_cache, v_cache, tables, positions)
         return sdpa_paged_attention(q, k_cache, v_cache, tables, positions, mask)
 
@@ -171,6 +179,9 @@ class StepContext:
             queries = q.unsqueeze(1) if self.all_decodes else q[self.query_rows]
             out = flex_paged_attention(queries, k_cache, v_cache, self.block_mask, self.flex)
             out = out[:, 0] if self.all_decodes else out.flatten(0, 1)[self.token_index]
+        elif self.all_decodes and self.backend == "cpu":
+            out = kernel_paged_decode(q, k_cache, v_cache, self.decode_tables, self.decode_lens,
+                                      self.rows_read)
         elif self.all_decodes:
             if self.decode_mask is None:  # made by the first layer, used by all
                 self.decode_mask = visible_keys(self.tables, self.query_positions,
@@ -183,7 +194,11 @@ class StepContext:
 
     def _gathered_mixed(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
         out = q.new_empty(*q.shape[:-1], v.shape[-1])
-        if self.decode_rows is not None:
+        if self.decode_rows is not None and self.backend == "cpu":
+            out[self.decode_rows] = kernel_paged_decode(
+                q[self.decode_rows], k_cache, v_cache, self.decode_tables, self.decode_lens,
+                self.rows_read)
+        elif self.decode_rows is not None:
             seqs = self.decode_seqs
             out[self.decode_rows] = self.gathered(
                 q[self.decode_rows].unsqueeze(1), k_cache, v_cache, self.tables[seqs],
@@ -283,8 +298,14 @@ class ModelRunner:
             extra.update(cu_q=batch.add([0, *itertools.accumulate(plan.num_tokens)]),
                          cu_k=batch.add([0, *itertools.accumulate(lens)]),
                          lens=batch.add(lens), max_k=max(lens))
-        if self.backend in ("auto", "sdpa", "tiled") and decodes and not context.all_decodes:
+        gathering = self.backend in ("auto", "sdpa", "tiled", "cpu")
+        if gathering and decodes and not context.all_decodes:
             extra.update(decode_seqs=batch.add(decodes), decode_rows=batch.add(decode_rows))
+        if self.backend == "cpu" and decodes:
+            extra.update(decode_lens=batch.add([plan.starts[i] + 1 for i in decodes]))
+            if not context.all_decodes:
+                extra.update(decode_tables=batch.add(
+                    [tables[i * width + j] for i in decodes for j in range(width)]))
         sent = batch.send(self.device)
         input_ids, positions_t, context.slots, context.logits_indices, tables_t, qpos_t = (
             sent[i] for i in ids)
@@ -306,6 +327,10 @@ class ModelRunner:
         if "decode_seqs" in extra:
             context.decode_seqs = sent[extra["decode_seqs"]]
             context.decode_rows = sent[extra["decode_rows"]]
+        if "decode_lens" in extra:
+            context.decode_lens = sent[extra["decode_lens"]]
+            context.decode_tables = (context.tables if context.all_decodes
+                                     else sent[extra["decode_tables"]].view(len(decodes), width))
         return input_ids, positions_t, context
 
     @torch.inference_mode()
@@ -325,7 +350,8 @@ class ModelRunner:
 def resolve_backend(attention: str, device: torch.device, block_size: int,
                     latent: bool = False) -> str:
     """"auto" on a GPU: flash-attention's varlen kernel when the block size suits it (a multiple
-    of 256), FlexAttention otherwise; on a CPU the gathering kernels (sdpa or tiled by size).
+    of 256), FlexAttention otherwise; on a CPU the C++ decode kernel ("cpu"), or where it cannot
+    be built (no C++ compiler) the gathering kernels (sdpa or tiled by size).
     `latent`: MLA's cache, whose values are narrower than its keys, which flash-attention's
     kernel does not take."""
     if attention == "varlen" and latent:
@@ -335,7 +361,19 @@ def resolve_backend(attention: str, device: torch.device, block_size: int,
     if attention == "varlen" and (device.type != "cuda" or block_size % VARLEN_BLOCK_MULTIPLE):
         raise ConfigError(f"--attention varlen needs a GPU and a --block-size that is a multiple "
                           f"of {VARLEN_BLOCK_MULTIPLE} (flash-attention's paged K/V rule)")
-    if attention != "auto" or device.type != "cuda":
+    if attention == "cpu" and device.type != "cpu":
+        raise ConfigError("--attention cpu is the CPU's decode kernel: on a GPU use --attention "
+                          "auto, flex or varlen")
+    if attention in ("auto", "cpu") and device.type == "cpu":
+        try:
+            load_cpu_kernels()
+        except KernelUnavailable as error:
+            if attention == "cpu":
+                raise ConfigError(f"--attention cpu: {error}") from None
+            warnings.warn(f"gathering attention on the CPU: {error}", stacklevel=2)
+            return "auto"
+        return "cpu"
+    if attention != "auto":
         return attention
     return "varlen" if block_size % VARLEN_BLOCK_MULTIPLE == 0 and not latent else "flex"
 
