@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from tetrad.inference.cpu_kernels import load_cpu_kernels
+
 
 def visible_keys(block_tables: torch.Tensor, query_positions: torch.Tensor, block_size: int
                  ) -> torch.Tensor:
@@ -107,7 +109,9 @@ def kernel_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """One query per sequence, on a CPU: q [seqs, heads, head_dim] over keys 0..context_lens[b]
     - 1 of sequence b (int64 block_tables and context_lens) -> [seqs, heads, v's head_dim].
     `rows_read` (int64 [1]), when given, gains the K and V rows the kernel read (one per token
-    and KV head each): what tests and the benchmark count. Needs cpu_kernels.load_cpu_kernels()."""
+    and KV head each): what tests and the benchmark count. Raises KernelUnavailable where the
+    kernel cannot be built."""
+    load_cpu_kernels()  # built or loaded once per process; a cached no-op after that
     return torch.ops.tetrad.paged_decode(q, k_cache, v_cache, block_tables, context_lens,
                                          q.shape[-1] ** -0.5, rows_read)
 

@@ -52,7 +52,10 @@ def _build(target: Path) -> None:
                "-lc10", "-ltorch_cpu", "-ltorch"]
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        result = subprocess.run([*command, "-o", str(built)], capture_output=True, text=True)
+        try:
+            result = subprocess.run([*command, "-o", str(built)], capture_output=True, text=True)
+        except OSError as error:
+            raise KernelUnavailable(f"cannot run the C++ compiler {compiler}: {error}") from None
         if result.returncode:
             raise KernelUnavailable(f"building {SOURCE.name} failed: "
                                     f"{result.stderr.strip()[-2000:]}")
