@@ -49,7 +49,8 @@ def ragged_batch(seed=0):
 def test_the_cpu_kernel_equals_gathered_attention_reading_each_context_row_once(dtype, latent):
     """Ragged contexts (1 to 37 tokens) in shuffled blocks, tables padded with other sequences'
     blocks; GQA (3 query heads per KV head), or MLA's one latent head whose values are the first
-    columns of its keys (a strided view of the pool)."""
+    columns of its keys (a strided view of the pool). The call first writes each sequence's
+    newest K/V row at its slot, as the engine's decode steps do."""
     torch.manual_seed(0)
     num_blocks, block_size, head_dim = 40, 8, 16
     kv_heads, heads = (1, 4) if latent else (2, 6)
@@ -58,10 +59,21 @@ def test_the_cpu_kernel_equals_gathered_attention_reading_each_context_row_once(
     context = torch.tensor([37, 1, 8, 9, 20])
     tables = torch.randperm(num_blocks)[:25].view(5, 5)  # every row 5 wide, padding included
     q = torch.randn(5, heads, head_dim).to(dtype)
+    new_k = torch.randn(1, kv_heads, 5, head_dim).to(dtype)
+    new_v = None if latent else torch.randn(1, kv_heads, 5, head_dim).to(dtype)
+    last = context - 1
+    slots = tables[torch.arange(5), last // block_size] * block_size + last % block_size
+    k_written = k_cache.clone()
+    v_written = k_written[..., :10] if latent else v_cache.clone()
+    k_written.view(-1, kv_heads, head_dim)[slots] = new_k[0].transpose(0, 1)
+    if not latent:
+        v_written.view(-1, kv_heads, head_dim)[slots] = new_v[0].transpose(0, 1)
+    expected = sdpa_paged_attention(q.unsqueeze(1), k_written, v_written, tables,
+                                    last[:, None])[:, 0]
     rows_read = torch.zeros(1, dtype=torch.long)
-    out = kernel_paged_decode(q, k_cache, v_cache, tables, context, rows_read)
-    expected = sdpa_paged_attention(q.unsqueeze(1), k_cache, v_cache, tables,
-                                    (context - 1)[:, None])[:, 0]
+    out = kernel_paged_decode(q.transpose(0, 1)[None], k_cache, v_cache, tables, context,
+                              rows_read, (new_k, new_v, slots))[0].transpose(0, 1)
+    assert torch.equal(k_cache, k_written) and torch.equal(v_cache, v_written)
     tolerance = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else {}
     torch.testing.assert_close(out, expected, **tolerance)
     # K and V, each context token once per KV head: no padding, no block read twice.

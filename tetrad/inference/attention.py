@@ -105,15 +105,20 @@ def tiled_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 def kernel_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, context_lens: torch.Tensor,
-                        rows_read: torch.Tensor | None = None) -> torch.Tensor:
-    """One query per sequence, on a CPU: q [seqs, heads, head_dim] over keys 0..context_lens[b]
-    - 1 of sequence b (int64 block_tables and context_lens) -> [seqs, heads, v's head_dim].
-    `rows_read` (int64 [1]), when given, gains the K and V rows the kernel read (one per token
-    and KV head each): what tests and the benchmark count. Raises KernelUnavailable where the
-    kernel cannot be built."""
+                        rows_read: torch.Tensor | None = None,
+                        new: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None
+                        ) -> torch.Tensor:
+    """One query per sequence, on a CPU, in the model's layout: q [1, heads, seqs, head_dim] over
+    keys 0..context_lens[b] - 1 of sequence b (int64 block_tables and context_lens) -> [1, heads,
+    seqs, v's head_dim]. `new`: (k, v, slots), the step's keys and values [1, kv_heads, seqs,
+    head_dim] (v None for MLA, whose values live in its keys), written at `slots` first, in the
+    same call. `rows_read` (int64 [1]), when given, gains the K and V rows the kernel read (one
+    per token and KV head each): what tests and the benchmark count. Raises KernelUnavailable
+    where the kernel cannot be built."""
     load_cpu_kernels()  # built or loaded once per process; a cached no-op after that
+    new_k, new_v, slots = new or (None, None, None)
     return torch.ops.tetrad.paged_decode(q, k_cache, v_cache, block_tables, context_lens,
-                                         q.shape[-1] ** -0.5, rows_read)
+                                         q.shape[-1] ** -0.5, new_k, new_v, slots, rows_read)
 
 
 def paged_block_mask(block_tables: torch.Tensor, num_table_blocks: torch.Tensor,

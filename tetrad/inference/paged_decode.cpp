@@ -19,30 +19,62 @@
 
 namespace {
 
-// q [seqs, heads, dim]; k_cache [blocks, block_size, kv_heads, dim] and v_cache [blocks,
-// block_size, kv_heads, value_dim], any strides but a unit last one (MLA's values are a column
-// slice of its keys); tables [seqs, width] int64; context_lens [seqs] int64: keys 0..len-1 are
-// visible. rows_read [1] int64, when defined, gains the K and V rows read (one per token and KV
-// head each): the benchmark's honest count of what the kernel touched.
+// Writes row t of `rows` [1, kv_heads, seqs, width] at pool slot slots[t] of `cache`.
+template <typename scalar_t>
+void write_rows(const at::Tensor& new_rows, const at::Tensor& cache, const int64_t* slots) {
+  TORCH_CHECK(new_rows.scalar_type() == cache.scalar_type() && new_rows.dim() == 4,
+              "paged_decode: new rows of the cache's dtype, [1, kv_heads, seqs, width]");
+  const auto rows = new_rows.stride(3) == 1 ? new_rows : new_rows.contiguous();
+  const auto* src = rows.data_ptr<scalar_t>();
+  auto* dst = cache.data_ptr<scalar_t>();
+  const int64_t block_size = cache.size(1), width = rows.size(3);
+  for (const auto t : c10::irange(rows.size(2)))
+    for (const auto h : c10::irange(rows.size(1))) {
+      const auto* from = src + h * rows.stride(1) + t * rows.stride(2);
+      auto* to = dst + slots[t] / block_size * cache.stride(0) +
+                 slots[t] % block_size * cache.stride(1) + h * cache.stride(2);
+      std::copy(from, from + width, to);
+    }
+}
+
+// In the model's layout, one query per sequence: q [1, heads, seqs, dim] -> [1, heads, seqs,
+// value_dim]. k_cache [blocks, block_size, kv_heads, dim] and v_cache [blocks, block_size,
+// kv_heads, value_dim], any strides but a unit last one (MLA's values are a column slice of its
+// keys); tables [seqs, width] int64; context_lens [seqs] int64: keys 0..len-1 are visible.
+// new_k [1, kv_heads, seqs, dim] and new_v (absent for MLA, whose values live in its keys), when
+// given, are first written at `slots` (the step's own tokens, which they attend to). rows_read [1]
+// int64, when given, gains the K and V rows read (one per token and KV head each): the
+// benchmark's and the tests' count of what the kernel touched.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& tables, const at::Tensor& context_lens, double scale,
+                        const std::optional<at::Tensor>& new_k,
+                        const std::optional<at::Tensor>& new_v,
+                        const std::optional<at::Tensor>& slots,
                         const std::optional<at::Tensor>& rows_read) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "paged_decode: shapes");
+  TORCH_CHECK(q.dim() == 4 && q.size(0) == 1 && k_cache.dim() == 4 && v_cache.dim() == 4,
+              "paged_decode: shapes");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "paged_decode: unit last stride");
   TORCH_CHECK(tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "paged_decode: int64 tables and lengths");
-  const auto query = q.contiguous();
+  const auto query = q.transpose(1, 2).contiguous();  // [1, seqs, heads, dim]: a no-op or small
   const auto table = tables.contiguous();
   const auto lens = context_lens.contiguous();
-  const int64_t seqs = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t heads = q.size(1), seqs = q.size(2), dim = q.size(3);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   const int64_t value_dim = v_cache.size(3), width = table.size(1);
   TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(3) == dim, "paged_decode: head shapes");
   const int64_t group = heads / kv_heads;
-  auto out = at::empty({seqs, heads, value_dim}, q.options());
+  // [1, seqs, heads, value_dim] in memory, returned as the model's [1, heads, seqs, value_dim].
+  auto out = at::empty({1, seqs, heads, value_dim}, q.options());
   std::atomic<int64_t> rows{0};
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    if (new_k.has_value()) {
+      TORCH_CHECK(slots.has_value() && slots->scalar_type() == at::kLong, "paged_decode: slots");
+      const auto slot_ids = slots->contiguous();
+      write_rows<scalar_t>(*new_k, k_cache, slot_ids.data_ptr<int64_t>());
+      if (new_v.has_value()) write_rows<scalar_t>(*new_v, v_cache, slot_ids.data_ptr<int64_t>());
+    }
     const scalar_t* q_data = query.data_ptr<scalar_t>();
     const scalar_t* k_data = k_cache.data_ptr<scalar_t>();
     const scalar_t* v_data = v_cache.data_ptr<scalar_t>();
@@ -59,9 +91,9 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
       int64_t touched = 0;
       for (const auto item : c10::irange(begin, end)) {
         const int64_t s = item / kv_heads, h = item % kv_heads, len = len_data[s];
-        for (const auto g : c10::irange(group))
-          for (const auto d : c10::irange(dim))
-            qf[g * dim + d] = static_cast<float>(q_data[(s * heads + h * group + g) * dim + d]) * fscale;
+        const scalar_t* q_heads = q_data + (s * heads + h * group) * dim;  // the group's heads
+        for (const auto i : c10::irange(group * dim))
+          qf[i] = static_cast<float>(q_heads[i]) * fscale;
         std::fill(acc.begin(), acc.end(), 0.f);
         // The lowest finite float, not -inf: the build uses -ffast-math, which assumes no inf.
         std::fill(row_max.begin(), row_max.end(), std::numeric_limits<float>::lowest());
@@ -117,14 +149,15 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
     });
   });
   if (rows_read.has_value()) rows_read->add_(rows.load());
-  return out;
+  return out.transpose(1, 2);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(tetrad, m) {
-  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, "
-        "Tensor context_lens, float scale, Tensor(a!)? rows_read=None) -> Tensor");
+  m.def("paged_decode(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor tables, "
+        "Tensor context_lens, float scale, Tensor? new_k=None, Tensor? new_v=None, "
+        "Tensor? slots=None, Tensor(c!)? rows_read=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tetrad, CPU, m) { m.impl("paged_decode", paged_decode); }

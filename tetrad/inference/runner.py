@@ -170,18 +170,19 @@ class StepContext:
                ) -> torch.Tensor:
         """q: [1, heads, tokens, head_dim]; k, v: [1, kv_heads, tokens, head_dim] -> [1, heads,
         tokens, v's head_dim] (narrower than q's for MLA, whose values are its latents)."""
+        k_cache, v_cache = self.kv_cache.layer(layer)
+        if self.all_decodes and self.backend == "cpu":  # one op: the write, then attention
+            return kernel_paged_decode(q, k_cache, v_cache, self.decode_tables, self.decode_lens,
+                                       self.rows_read,
+                                       (k, None if self.kv_cache.latent else v, self.slots))
         q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))  # [tokens, heads, head_dim]
         self.kv_cache.write(layer, self.slots, k, v)
-        k_cache, v_cache = self.kv_cache.layer(layer)
         if self.backend == "varlen":
             out = varlen_paged_attention(q, k_cache, v_cache, *self.varlen)
         elif self.backend == "flex":
             queries = q.unsqueeze(1) if self.all_decodes else q[self.query_rows]
             out = flex_paged_attention(queries, k_cache, v_cache, self.block_mask, self.flex)
             out = out[:, 0] if self.all_decodes else out.flatten(0, 1)[self.token_index]
-        elif self.all_decodes and self.backend == "cpu":
-            out = kernel_paged_decode(q, k_cache, v_cache, self.decode_tables, self.decode_lens,
-                                      self.rows_read)
         elif self.all_decodes:
             if self.decode_mask is None:  # made by the first layer, used by all
                 self.decode_mask = visible_keys(self.tables, self.query_positions,
@@ -195,9 +196,10 @@ class StepContext:
     def _gathered_mixed(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
         out = q.new_empty(*q.shape[:-1], v.shape[-1])
         if self.decode_rows is not None and self.backend == "cpu":
+            queries = q[self.decode_rows].transpose(0, 1).unsqueeze(0)  # the kernel's layout
             out[self.decode_rows] = kernel_paged_decode(
-                q[self.decode_rows], k_cache, v_cache, self.decode_tables, self.decode_lens,
-                self.rows_read)
+                queries, k_cache, v_cache, self.decode_tables, self.decode_lens,
+                self.rows_read)[0].transpose(0, 1)
         elif self.decode_rows is not None:
             seqs = self.decode_seqs
             out[self.decode_rows] = self.gathered(
