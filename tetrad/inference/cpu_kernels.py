@@ -3,7 +3,7 @@ pool), built with the machine's C++ compiler on first use and loaded as torch.op
 
 No build system is needed: one g++ call against torch's own headers and libraries. The library
 is cached under ~/.cache/tetrad/kernels (TETRAD_KERNEL_CACHE overrides) by a hash of the source,
-the torch version and the flags, so a process after the first only loads it; a file lock keeps
+the torch version, the flags and the CPU (-march=native code may not run on another), so a process after the first only loads it; a file lock keeps
 processes that start together (tensor-parallel ranks) from building it twice at once.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sysconfig
@@ -35,6 +36,16 @@ class KernelUnavailable(RuntimeError):
 def _cache_dir() -> Path:
     return Path(os.environ.get("TETRAD_KERNEL_CACHE")
                 or Path.home() / ".cache" / "tetrad" / "kernels")
+
+
+def _cpu_identity() -> str:
+    """The CPU's model name and instruction-set flags (Linux), else the architecture's name."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine()
+    return "".join(next((line for line in lines if line.startswith(key)), "")
+                   for key in ("model name", "flags")) or platform.machine()
 
 
 def _build(target: Path) -> None:
@@ -66,7 +77,7 @@ def _build(target: Path) -> None:
 def load_cpu_kernels() -> None:
     """Build (once per machine) and load the kernels; KernelUnavailable says why not."""
     key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()
-                         + " ".join(FLAGS).encode()).hexdigest()[:16]
+                         + " ".join(FLAGS).encode() + _cpu_identity().encode()).hexdigest()[:16]
     folder = _cache_dir()
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / f"paged_decode-{key}.so"
