@@ -2,9 +2,9 @@
 kernel equals gathered attention (GQA, MLA's narrower values, bf16) and reads each context's K/V
 rows exactly once (counted by the kernel), and the engine decodes with it like full recompute;
 FlexAttention over a paged block mask equals gathered attention on ragged batches and on chunks
-over cached context, and visits only each sequence's own blocks; the engine decodes greedily like full recompute with
-it, with decode steps padded to batch-size buckets (the CUDA-graph path, replayed eagerly on CPU),
-and with a compiled forward."""
+over cached context, and visits only each sequence's own blocks; the engine decodes greedily like
+full recompute with it, with decode steps padded to batch-size buckets (the CUDA-graph path,
+replayed eagerly on CPU), and with a compiled forward."""
 
 import warnings
 

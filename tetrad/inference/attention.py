@@ -21,6 +21,8 @@ hold the others to):
   table a tile of blocks at a time, keeping a running max and log-sum-exp per query, so neither
   the [queries, context] score matrix nor a contiguous copy of the whole context is built.
 
+`resolve_backend` picks among them for a device (the engine's --attention).
+
 Shapes of the batched functions: q [batch, queries, heads, head_dim]; k_cache, v_cache
 [num_blocks, block_size, kv_heads, head_dim]; block_tables [batch, max_blocks], as wide as the
 longest context (the caller sizes it once per step, so nothing here waits on the device) and
@@ -33,12 +35,16 @@ of the first columns of its cache entries) are narrower than its keys.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from tetrad.inference.cpu_kernels import load_cpu_kernels
+from tetrad.errors import ConfigError
+from tetrad.inference.cpu_kernels import KernelUnavailable, load_cpu_kernels
+
+VARLEN_BLOCK_MULTIPLE = 256  # flash-attention's rule for paged K/V: blocks of a multiple of it
 
 
 def visible_keys(block_tables: torch.Tensor, query_positions: torch.Tensor, block_size: int
@@ -178,3 +184,34 @@ def varlen_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return varlen_attn(q, k_cache, v_cache, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=True,
                        enable_gqa=k_cache.shape[2] != q.shape[1], seqused_k=context_lens,
                        block_table=block_tables)
+
+
+def resolve_backend(attention: str, device: torch.device, block_size: int,
+                    latent: bool = False) -> str:
+    """"auto" on a GPU: flash-attention's varlen kernel when the block size suits it (a multiple
+    of 256), FlexAttention otherwise; on a CPU the C++ decode kernel ("cpu"), or where it cannot
+    be built (no C++ compiler) the gathering kernels (sdpa or tiled by size).
+    `latent`: MLA's cache, whose values are narrower than its keys, which flash-attention's
+    kernel does not take."""
+    if attention == "varlen" and latent:
+        raise ConfigError("--attention varlen cannot read an MLA model's latent cache "
+                          "(flash-attention needs keys and values of one width): use --attention "
+                          "flex or auto")
+    if attention == "varlen" and (device.type != "cuda" or block_size % VARLEN_BLOCK_MULTIPLE):
+        raise ConfigError(f"--attention varlen needs a GPU and a --block-size that is a multiple "
+                          f"of {VARLEN_BLOCK_MULTIPLE} (flash-attention's paged K/V rule)")
+    if attention == "cpu" and device.type != "cpu":
+        raise ConfigError("--attention cpu is the CPU's decode kernel: on a GPU use --attention "
+                          "auto, flex or varlen")
+    if attention in ("auto", "cpu") and device.type == "cpu":
+        try:
+            load_cpu_kernels()
+        except KernelUnavailable as error:
+            if attention == "cpu":
+                raise ConfigError(f"--attention cpu: {error}") from None
+            warnings.warn(f"gathering attention on the CPU: {error}", stacklevel=2)
+            return "auto"
+        return "cpu"
+    if attention != "auto":
+        return attention
+    return "varlen" if block_size % VARLEN_BLOCK_MULTIPLE == 0 and not latent else "flex"

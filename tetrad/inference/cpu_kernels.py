@@ -3,8 +3,9 @@ pool), built with the machine's C++ compiler on first use and loaded as torch.op
 
 No build system is needed: one g++ call against torch's own headers and libraries. The library
 is cached under ~/.cache/tetrad/kernels (TETRAD_KERNEL_CACHE overrides) by a hash of the source,
-the torch version, the flags and the CPU (-march=native code may not run on another), so a process after the first only loads it; a file lock keeps
-processes that start together (tensor-parallel ranks) from building it twice at once.
+the torch version, the flags and the CPU (-march=native code may not run on another), so a
+process after the first only loads it; a file lock keeps processes that start together
+(tensor-parallel ranks) from building it twice at once.
 """
 
 from __future__ import annotations

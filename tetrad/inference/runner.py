@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -24,11 +23,10 @@ from torch import nn
 
 from tetrad.errors import ConfigError
 from tetrad.inference.attention import (flex_attention, flex_paged_attention, kernel_paged_decode,
-                                        paged_block_mask, sdpa_paged_attention,
+                                        paged_block_mask, resolve_backend, sdpa_paged_attention,
                                         tiled_paged_attention, varlen_paged_attention,
                                         visible_keys)
 from tetrad.inference.config import ATTENTION_BACKENDS
-from tetrad.inference.cpu_kernels import KernelUnavailable, load_cpu_kernels
 from tetrad.inference.cuda_graphs import DecodeGraphs
 from tetrad.inference.kv_cache import (TORCH_DTYPES, KVCache, KVPlan, parse_bytes,
                                        plan_kv_pool)
@@ -38,7 +36,6 @@ from tetrad.models.layers import causal_attention
 if TYPE_CHECKING:
     from tetrad.inference.config import EngineConfig, RankShare
 
-VARLEN_BLOCK_MULTIPLE = 256
 # With "auto", a call whose gathered K/V copy would exceed this many bytes goes to the tiled
 # kernel, which never builds it. On CPU (benchmarks/bench_serving.py --attention) SDPA is twice
 # as fast for prefill chunks over a cached context and on par for small decode batches; the tiled
@@ -347,37 +344,6 @@ class ModelRunner:
             return self.graphs.run(plan)
         input_ids, positions, context = self.prepare(plan)
         return self.forward(input_ids.unsqueeze(0), positions, cache=context)[0]
-
-
-def resolve_backend(attention: str, device: torch.device, block_size: int,
-                    latent: bool = False) -> str:
-    """"auto" on a GPU: flash-attention's varlen kernel when the block size suits it (a multiple
-    of 256), FlexAttention otherwise; on a CPU the C++ decode kernel ("cpu"), or where it cannot
-    be built (no C++ compiler) the gathering kernels (sdpa or tiled by size).
-    `latent`: MLA's cache, whose values are narrower than its keys, which flash-attention's
-    kernel does not take."""
-    if attention == "varlen" and latent:
-        raise ConfigError("--attention varlen cannot read an MLA model's latent cache "
-                          "(flash-attention needs keys and values of one width): use --attention "
-                          "flex or auto")
-    if attention == "varlen" and (device.type != "cuda" or block_size % VARLEN_BLOCK_MULTIPLE):
-        raise ConfigError(f"--attention varlen needs a GPU and a --block-size that is a multiple "
-                          f"of {VARLEN_BLOCK_MULTIPLE} (flash-attention's paged K/V rule)")
-    if attention == "cpu" and device.type != "cpu":
-        raise ConfigError("--attention cpu is the CPU's decode kernel: on a GPU use --attention "
-                          "auto, flex or varlen")
-    if attention in ("auto", "cpu") and device.type == "cpu":
-        try:
-            load_cpu_kernels()
-        except KernelUnavailable as error:
-            if attention == "cpu":
-                raise ConfigError(f"--attention cpu: {error}") from None
-            warnings.warn(f"gathering attention on the CPU: {error}", stacklevel=2)
-            return "auto"
-        return "cpu"
-    if attention != "auto":
-        return attention
-    return "varlen" if block_size % VARLEN_BLOCK_MULTIPLE == 0 and not latent else "flex"
 
 
 def load_runner(model: nn.Module, config: "EngineConfig", max_model_len: int,
