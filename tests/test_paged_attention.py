@@ -80,6 +80,17 @@ def test_the_cpu_kernel_equals_gathered_attention_reading_each_context_row_once(
     assert rows_read.item() == 2 * kv_heads * int(context.sum())
 
 
+def test_the_cpu_kernel_refuses_tables_that_leave_the_pool():
+    cache, q = torch.randn(4, 2, 1, 8), torch.randn(1, 1, 1, 8)  # 4 blocks of 2 slots
+    with pytest.raises(RuntimeError, match="block id outside the pool"):
+        kernel_paged_decode(q, cache, cache, torch.tensor([[7]]), torch.tensor([2]))
+    with pytest.raises(RuntimeError, match="context longer than its table"):
+        kernel_paged_decode(q, cache, cache, torch.tensor([[1]]), torch.tensor([3]))
+    with pytest.raises(RuntimeError, match="slot outside the pool"):
+        kernel_paged_decode(q, cache, cache, torch.tensor([[1]]), torch.tensor([2]), None,
+                            (torch.randn(1, 1, 1, 8), None, torch.tensor([8])))
+
+
 def test_the_engine_decodes_with_the_cpu_kernel_like_full_recompute():
     model = random_model()
     prompts = PROMPTS[:3]

@@ -21,9 +21,15 @@ namespace {
 
 // Writes row t of `rows` [1, kv_heads, seqs, width] at pool slot slots[t] of `cache`.
 template <typename scalar_t>
-void write_rows(const at::Tensor& new_rows, const at::Tensor& cache, const int64_t* slots) {
-  TORCH_CHECK(new_rows.scalar_type() == cache.scalar_type() && new_rows.dim() == 4,
+void write_rows(const at::Tensor& new_rows, const at::Tensor& cache, const int64_t* slots,
+                int64_t num_slots) {
+  TORCH_CHECK(new_rows.scalar_type() == cache.scalar_type() && new_rows.dim() == 4 &&
+                  new_rows.size(1) == cache.size(2) && new_rows.size(2) == num_slots &&
+                  new_rows.size(3) == cache.size(3),
               "paged_decode: new rows of the cache's dtype, [1, kv_heads, seqs, width]");
+  for (const auto t : c10::irange(num_slots))
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < cache.size(0) * cache.size(1),
+                "paged_decode: slot outside the pool");
   const auto rows = new_rows.stride(3) == 1 ? new_rows : new_rows.contiguous();
   const auto* src = rows.data_ptr<scalar_t>();
   auto* dst = cache.data_ptr<scalar_t>();
@@ -65,6 +71,18 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(3) == dim, "paged_decode: head shapes");
   const int64_t group = heads / kv_heads;
   // [1, seqs, heads, value_dim] in memory, returned as the model's [1, heads, seqs, value_dim].
+  TORCH_CHECK(table.size(0) == seqs && lens.numel() == seqs, "paged_decode: one table per query");
+  // Every block a context reaches must be a block of the pool: a bad table fails here, never
+  // as a read outside the pool.
+  const int64_t* lens_in = lens.data_ptr<int64_t>();
+  const int64_t* blocks_in = table.data_ptr<int64_t>();
+  for (const auto s : c10::irange(seqs)) {
+    const int64_t used = (lens_in[s] + block_size - 1) / block_size;
+    TORCH_CHECK(lens_in[s] >= 1 && used <= width, "paged_decode: context longer than its table");
+    for (const auto j : c10::irange(used))
+      TORCH_CHECK(blocks_in[s * width + j] >= 0 && blocks_in[s * width + j] < k_cache.size(0),
+                  "paged_decode: block id outside the pool");
+  }
   auto out = at::empty({1, seqs, heads, value_dim}, q.options());
   std::atomic<int64_t> rows{0};
 
@@ -72,8 +90,9 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
     if (new_k.has_value()) {
       TORCH_CHECK(slots.has_value() && slots->scalar_type() == at::kLong, "paged_decode: slots");
       const auto slot_ids = slots->contiguous();
-      write_rows<scalar_t>(*new_k, k_cache, slot_ids.data_ptr<int64_t>());
-      if (new_v.has_value()) write_rows<scalar_t>(*new_v, v_cache, slot_ids.data_ptr<int64_t>());
+      const int64_t* ids = slot_ids.data_ptr<int64_t>();
+      write_rows<scalar_t>(*new_k, k_cache, ids, slot_ids.numel());
+      if (new_v.has_value()) write_rows<scalar_t>(*new_v, v_cache, ids, slot_ids.numel());
     }
     const scalar_t* q_data = query.data_ptr<scalar_t>();
     const scalar_t* k_data = k_cache.data_ptr<scalar_t>();
