@@ -16,6 +16,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from tetrad.parallel.comm import all_gather_single, reduce_scatter_single
+
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast")
 MESSAGE_BYTES = (256, 64 * 1024, 1024 * 1024)  # latency-bound to bandwidth-bound
 REPS = 12
@@ -49,9 +51,9 @@ def collective_call(kind: str, size: int, tensor: torch.Tensor, group) -> Callab
     if kind == "all_reduce":
         return lambda: dist.all_reduce(tensor, group=group)
     if kind == "reduce_scatter":
-        return lambda: dist.reduce_scatter_single(shard, tensor, group=group)
+        return lambda: reduce_scatter_single(shard, tensor, group=group)
     if kind == "all_gather":
-        return lambda: dist.all_gather_single(tensor, shard, group=group)
+        return lambda: all_gather_single(tensor, shard, group=group)
     if kind == "all_to_all":
         received = torch.empty_like(tensor)
         return lambda: dist.all_to_all_single(received, tensor, group=group)
