@@ -42,7 +42,7 @@ def run(dtype: str, args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
     config = TrainConfig(model=args.model, steps=args.steps, batch_size=args.batch_size,
                          seq_len=args.seq_len, seed=args.seed, dtype=dtype, sample_tokens=0)
-    report = train(config, show_progress=False).report
+    report = train(config).report  # its progress bar on stderr
     return {"loss": [step["loss"] for step in report["steps"]],
             "time_s": sum(step["time_s"] for step in report["steps"]),
             "validation_loss": report["validation_loss"]}

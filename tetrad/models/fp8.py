@@ -78,7 +78,7 @@ def quantize_tiles(x: torch.Tensor, tile: int = BLOCK) -> tuple[torch.Tensor, to
     groups = _pad_to(x, 1, tile).view(rows, -1, tile)
     scales = _scale_of(groups.abs().amax(dim=-1))
     q = _to_e4m3(groups, scales.unsqueeze(-1)).view(rows, -1)[:, :cols]
-    return q, scales
+    return q.contiguous(), scales  # a copy when padded: what backward keeps is its own size
 
 
 def quantize_blocks(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,7 +89,7 @@ def quantize_blocks(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, 
     grid = blocks.view(blocks.shape[0] // block, block, blocks.shape[1] // block, block)
     scales = _scale_of(grid.abs().amax(dim=(1, 3)))
     q = _to_e4m3(grid, scales[:, None, :, None]).view(blocks.shape)[:rows, :cols]
-    return q, scales
+    return q.contiguous(), scales
 
 
 def block_scales_per_row(scales: torch.Tensor, rows: int, block: int = BLOCK) -> torch.Tensor:

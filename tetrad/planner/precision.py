@@ -18,6 +18,7 @@ ELEMENT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "fp8-e4m3": 
 # channel, a few bytes per row: negligible).
 BLOCK_SCALE_BYTES = {"fp8": 4 / (128 * 128), "fp8-e4m3": 4 / (128 * 128),
                      "fp8-e5m2": 4 / (128 * 128), "int4": 2 * 2 / 128}
+FP8_BLOCK = 128  # DeepSeek-V3's groups: 128x128 weight blocks, 1x128 activation tiles
 # The tensor-core format a matmul runs in for each storage format.
 COMPUTE_DTYPE = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp8": "fp8", "fp8-e4m3": "fp8",
                  "fp8-e5m2": "fp8", "int8": "int8", "int4": "bf16"}
