@@ -57,6 +57,7 @@ from tetrad.parallel.tp_overlap import OverlappedColumnLinear, OverlappedRowLine
 from tetrad.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from tetrad.planner.rules import check_tensor_parallel
 
+
 def matmul_of(full: nn.Linear) -> Callable[..., torch.Tensor]:
     """The shard runs its matmul as the layer it was cut from did: FP8 (each rank scales its own
     shard's 128x128 blocks, so FP8 tensor parallelism is close to, not equal to, one process).
