@@ -105,7 +105,13 @@ def rank_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, seq_le
               precision: TrainingPrecision, flash: bool, pp_rank: int) -> RankTime:
     gpu = cluster.gpu
     profile = gpu.efficiency
-    weight_bytes = 1.0 if precision.compute_dtype == "fp8" else precision.param_bytes
+    fp8 = precision.compute_dtype == "fp8"
+    weight_bytes = 1.0 if fp8 else precision.param_bytes
+    # tetrad's FP8 linears quantize their weight from the master copy in every forward
+    # (tetrad.models.fp8), and the LM head stays bf16.
+    fp8_casts = "inputs+weights" if fp8 else ""
+    head_dtype, head_weight_bytes = ("bf16", precision.param_bytes) if fp8 else (
+        precision.compute_dtype, weight_bytes)
     act = precision.activation_bytes
     args = (layout.micro_batch, seq_len, layout.tp, layout.cp, layout.ep,
             layout.sequence_parallel, layout.recompute, flash, False, precision.compute_dtype,
@@ -115,7 +121,8 @@ def rank_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, seq_le
     last_stage = layout.pp * layout.vpp - 1
     for stage in rank_stages(layout, pp_rank):
         for layer in stage_blocks(config, layout, stage):
-            kernels = layer_times(config, gpu, layer, *args, portable_attention=True)
+            kernels = layer_times(config, gpu, layer, *args, portable_attention=True,
+                                  fp8_casts=fp8_casts)
             ops = block_operators(config, layout, layer)
             forward += kernels.forward
             backward += kernels.backward + kernels.recompute
@@ -127,7 +134,7 @@ def rank_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, seq_le
         backward_ops += outer.backward
         if stage == last_stage:
             head = head_times(config, gpu, layout.micro_batch, seq_len, layout.tp, layout.cp,
-                              precision.compute_dtype, act, weight_bytes)
+                              head_dtype, act, head_weight_bytes)
             forward += head.forward
             backward += head.backward
             matmul += head.matmul_forward
