@@ -143,6 +143,9 @@ class TensorParallelDriver:
         """`model`: the whole model, split in place; `source`: what spawned workers load (a
         folder) or receive pickled (a model object)."""
         check_tensor_parallel(model.config, config.tp)
+        if model.config.attention == "mla" and config.tp > 1:  # training splits it (issue 16.2)
+            raise ConfigError("tensor-parallel serving does not split multi-head latent "
+                              "attention (MLA) yet: serve this model with tp 1")
         self.workers: list[multiprocessing.Process] = []
         self._started: WorkerProcesses | None = None
         self._owns_world = False

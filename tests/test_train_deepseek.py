@@ -1,0 +1,59 @@
+"""DeepSeek-V3 models (MLA, shared + routed experts with sigmoid, group-limited routing and
+aux-loss-free balancing, a leading dense layer) under the training layouts: dp, ZeRO-1/2/3, tp
+(MLA split by heads, with and without SP), pp, ep and their compositions give the single-process
+losses, gradient norms, final parameters (the routing bias included), validation loss and sampled
+text (fp32, 1e-5 relative), through the function `tetrad train --nproc` runs on each worker.
+
+The HF folder sets router_aux_loss_coef = 0 (DeepSeek balances by the bias), so how a layout
+splits the batch into microbatches changes no gradient: one single-process run is every case's
+reference. Each rank's routing bias moves from the loads of every rank's tokens, as one process
+moves it from the whole batch's."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from deepseek_models import hf_model  # noqa: E402
+from dist import run_ranks  # noqa: E402
+from test_train_composition import check_run, job, parameters, reference, run_config  # noqa: E402
+
+# name -> layout. 3 layers: the first dense (first_k_dense_replace), two MoE layers of 8 experts.
+CASES_4 = {
+    "dp4": dict(dp=4),
+    "dp4.ep4 zero2": dict(dp=4, ep=4, zero=2),
+    "tp4 zero1": dict(tp=4, zero=1),  # one head per rank, no SP
+    "dp2.tp2 zero3 sp": dict(dp=2, tp=2, zero=3, sequence_parallel=True),
+    "tp2.pp2": dict(tp=2, pp=2),  # the cut puts the dense layer and an MoE layer on one stage
+    "pp2.dp2.ep2 zero1": dict(pp=2, dp=2, ep=2, zero=1, stage_layers=(2, 1)),
+}
+CASES_8 = {
+    "dp2.tp2.ep2 sp": dict(dp=2, tp=2, ep=2, sequence_parallel=True),
+    "dp2.tp2.pp2 zero2": dict(dp=2, tp=2, pp=2, zero=2),
+}
+
+
+@pytest.fixture(scope="module")
+def deepseek_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("deepseek-v3")
+    hf_model("v3").save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def single_process(deepseek_folder, corpus_file, tmp_path_factory):
+    return reference(corpus_file, deepseek_folder, {}, 1, tmp_path_factory.mktemp("single"))
+
+
+@pytest.mark.parametrize("cases, world_size", [(CASES_4, 4), (CASES_8, 8)], ids=["4", "8"])
+def test_layouts_train_deepseek_as_one_process(cases, world_size, deepseek_folder, corpus_file,
+                                               single_process, tmp_path):
+    start = hf_model("v3").model.layers[1].mlp.gate.e_score_correction_bias
+    moved = parameters(single_process.checkpoint)["layers.1.mlp.router.bias"] - start
+    assert float(moved.abs().max()) > 0  # balancing moved the bias the layouts must move alike
+    runs = [(run_config(corpus_file, deepseek_folder, {}, tmp_path / name, **layout), None)
+            for name, layout in cases.items()]
+    results = run_ranks(job, world_size, runs, timeout_s=900)[0]
+    for (name, layout), result in zip(cases.items(), results):
+        check_run(name, result, single_process, layout)
+        assert torch.equal(parameters(result.checkpoint)["layers.2.mlp.router.bias"],
+                           parameters(single_process.checkpoint)["layers.2.mlp.router.bias"])
