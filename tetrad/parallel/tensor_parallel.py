@@ -14,9 +14,14 @@ stay the full model's. Over the tp ranks of a group:
   vocabulary the embedding and an untied head split by vocabulary rows; a tied head multiplies by
              the embedding's own shard. The loss is vocab-parallel (tetrad.parallel.vocab_parallel):
              full logits never exist on one rank.
-  MoE        experts stay whole and every tp rank computes the whole MoE layer (the same numbers
-             on each): experts are spread by expert parallelism, not cut by tp, and sharding
-             them would need the router's gradient summed across ranks too.
+  MLA        split by heads too: q_up (or q) and kv_up column-parallel, out row-parallel; the
+             low-rank down-projections, their norms and the shared rope key whole on every rank,
+             computing for the rank's heads after the block's input entered once (their
+             gradients are partial, summed over tp like SP's).
+  MoE        routed experts stay whole and every tp rank computes them for every token (the same
+             numbers on each): experts are spread by expert parallelism, not cut by tp, and
+             sharding them would need the router's gradient summed across ranks too. Shared
+             experts are split like the MLP, entering by f and leaving by g inside the layer.
   replicated norms, row-parallel biases, learned positions.
 
 The operators between them are tetrad.parallel.tp_operators': f (identity forward, all-reduce
