@@ -1,6 +1,7 @@
 """DeepSeek-V3 models (MLA, shared + routed experts with sigmoid, group-limited routing and
 aux-loss-free balancing, a leading dense layer) under the training layouts: dp, ZeRO-1/2/3, tp
-(MLA split by heads, with and without SP), pp, ep and their compositions give the single-process
+(MLA split by heads, with and without SP), pp, ep and their compositions (and DeepSeek's routing
+without MLA under cp) give the single-process
 losses, gradient norms, final parameters (the routing bias included), validation loss and sampled
 text (fp32, 1e-5 relative), through the function `tetrad train --nproc` runs on each worker.
 
@@ -30,6 +31,11 @@ CASES = {
     "pp2.dp2.ep2 zero1": dict(pp=2, dp=2, ep=2, zero=1, stage_layers=(2, 1)),
     "dp2.tp2.ep2 sp": dict(dp=2, tp=2, ep=2, sequence_parallel=True),  # DDP
 }
+# Sigmoid routing with a moving bias under ring attention (MHA: cp refuses MLA). It leaves some
+# expert unused on one rank and not on another: ZeRO-1 must start that bucket after backward.
+SIGMOID_MOE = {"router_score": "sigmoid", "router_bias_update_rate": 0.01,
+               "router_aux_loss_coef": 0.0}
+CP_LAYOUT = dict(dp=2, cp=2, zero=1)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +58,15 @@ def test_layouts_train_deepseek_as_one_process(deepseek_folder, corpus_file, sin
     assert float(moved.abs().max()) > 0  # balancing moved the bias the layouts must move alike
     runs = [(run_config(corpus_file, deepseek_folder, {}, tmp_path / name, **layout), None)
             for name, layout in CASES.items()]
-    results = run_ranks(job, 4, runs, timeout_s=900)[0]
+    runs.append((run_config(corpus_file, "tiny-moe", SIGMOID_MOE, tmp_path / "cp", **CP_LAYOUT),
+                 None))
+    *results, under_cp = run_ranks(job, 4, runs, timeout_s=900)[0]
+    expected = reference(corpus_file, "tiny-moe", SIGMOID_MOE, 1, tmp_path / "cp reference")
+    check_run("dp2.cp2 zero1 sigmoid routing", under_cp, expected, CP_LAYOUT)
+    bias = parameters(expected.checkpoint)["layers.1.mlp.router.bias"]
+    assert bias.abs().max() > 0  # it moved, from zeros
+    assert torch.equal(parameters(under_cp.checkpoint)["layers.1.mlp.router.bias"], bias)
+    check_prediction("dp2.cp2 zero1 sigmoid routing", under_cp.report)
     for (name, layout), result in zip(CASES.items(), results):
         check_run(name, result, single_process, layout)
         assert torch.equal(parameters(result.checkpoint)["layers.2.mlp.router.bias"],
