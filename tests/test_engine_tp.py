@@ -1,6 +1,6 @@
 """Tensor-parallel decoding (tp=2) against the tp=1 engine on tiny random models.
 
-One spawn of 2 ranks (tests/dist.py: the LLM on rank 0, TensorParallelWorker on rank 1, in the
+One spawn of 2 ranks (tests/dist.py: the LLM on rank 0, ServingWorker on rank 1, in the
 harness's process group) carries the exactness, KV and communication checks for three models:
 kv heads = heads (MHA), kv heads = tp (GQA) and one kv head replicated on both ranks (MQA). For
 each, greedy outputs equal the tp=1 engine token for token for prompts of different lengths, with
@@ -30,7 +30,7 @@ from tetrad.cli.main import main
 from tetrad.errors import ConfigError
 from tetrad.inference.engine import LLM
 from tetrad.inference.runner import StepPlan
-from tetrad.inference.tp import STEP, TensorParallelError, TensorParallelWorker, device_type
+from tetrad.inference.ranks import STEP, ServingRankError, ServingWorker, device_type
 from tetrad.models.hf import save_hf
 from tetrad.presets import resolve_model
 from tetrad.tokenizer import ByteTokenizer
@@ -68,7 +68,7 @@ def difference(after: dict, before: dict) -> dict:
 
 def run_engine(llm: LLM, params) -> tuple[list, list[dict]]:
     """The samples of PROMPTS, and the bytes rank 0 counted in each step that ran the model."""
-    counter = llm.tp.ranks.comm.counter
+    counter = llm.driver.ranks.comm.counter
     ids = [llm.add_request(prompt, params) for prompt in PROMPTS]
     done, steps = {}, []
     while len(done) < len(ids):
@@ -111,7 +111,7 @@ def rank_main(rank: int, world_size: int) -> list[dict]:
                                 "params": split_parameter_count(llm.model)})
                 llm.close()
             else:
-                worker = TensorParallelWorker(model)
+                worker = ServingWorker(model)
                 steps, counter = [], worker.ranks.comm.counter
                 before = snapshot(counter)
                 while worker.step():
@@ -208,12 +208,12 @@ def test_llm_starts_its_own_ranks_and_fails_fast_when_one_dies(tmp_path, capsys)
     # A rank killed between steps: the next step names it, at once.
     llm = LLM(tmp_path, tp=2, **config)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
-    os.kill(llm.tp.workers[0].pid, signal.SIGKILL)
+    os.kill(llm.driver.workers[0].pid, signal.SIGKILL)
     started = time.perf_counter()
-    with pytest.raises(TensorParallelError, match="rank 1 died with exit code -9"):
+    with pytest.raises(ServingRankError, match="rank 1 died with exit code -9"):
         llm.generate(PROMPTS[:1], GREEDY)
     assert time.perf_counter() - started < 15
-    with pytest.raises(TensorParallelError, match="stopped after an error"):
+    with pytest.raises(ServingRankError, match="stopped after an error"):
         llm.generate(PROMPTS[:1], GREEDY)
     llm.close()
 
@@ -221,12 +221,12 @@ def test_llm_starts_its_own_ranks_and_fails_fast_when_one_dies(tmp_path, capsys)
     # copy names a block outside the pool, fails there before any collective.
     llm = LLM(tmp_path, tp=2, **config)
     bad = StepPlan([1], [0], [1], [1], [[0]], copies=[(10**6, 0)])
-    llm.tp._send(STEP, bad.sizes(), bad.payload())
+    llm.driver._send(STEP, bad.sizes(), bad.payload())
     started = time.perf_counter()
-    with pytest.raises(TensorParallelError, match=r"rank 1 failed: Traceback(.|\n)*IndexError"):
+    with pytest.raises(ServingRankError, match=r"rank 1 failed: Traceback(.|\n)*IndexError"):
         llm.generate(PROMPTS[:1], GREEDY)
     assert time.perf_counter() - started < 15
-    assert not any(worker.is_alive() for worker in llm.tp.workers)
+    assert not any(worker.is_alive() for worker in llm.driver.workers)
     llm.close()
     assert not multiprocessing.active_children()
 
@@ -240,6 +240,7 @@ def test_tensor_parallel_configuration_errors_name_the_fix():
     with pytest.raises(ConfigError, match="use --device cuda"):
         device_type("cuda:1", 2)
     tp = torch.cuda.device_count() + 2
-    with pytest.raises(ConfigError, match=f"needs {tp} GPUs.*lower --tp or use --device cpu"):
+    with pytest.raises(ConfigError, match=f"needs {tp} GPUs.*lower --tp, --pp or --dp or use "
+                                          f"--device cpu"):
         device_type("cuda", tp)
     assert device_type("cpu", 2) == "cpu"

@@ -20,6 +20,8 @@ from tetrad.errors import ConfigError, check_choice, check_positive
 from tetrad.parallel_config import ParallelConfig
 
 DTYPES = ("fp32", "bf16", "fp16")
+# auto: a GPU per local rank when there are enough (NCCL), else the CPU (gloo)
+DEVICES = ("auto", "cpu", "cuda")
 
 
 def unknown_key_message(kind: str, key: str, known: list[str]) -> str:
@@ -202,6 +204,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     grad_accum: int = 1
     dtype: str = "fp32"
+    device: str = "auto"  # DEVICES
     report: str = ""
     hardware: str = ""  # profile or catalog GPU the report's predicted time is for ("": default)
     checkpoint_dir: str = ""
@@ -221,6 +224,7 @@ class TrainConfig:
                      "sample_tokens"):
             check_positive(name, getattr(self, name), allow_zero=True)
         check_choice("dtype", self.dtype, DTYPES)
+        check_choice("device", self.device, DEVICES)
         if self.save_every and not self.checkpoint_dir:
             raise ConfigError("--save-every needs --checkpoint-dir")
         if self.resume and not self.checkpoint_dir:

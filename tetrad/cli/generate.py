@@ -25,6 +25,12 @@ ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("--seed", int, "engine seed: the sampling seed of requests that bring none"),
     ("--tp", int, "tensor-parallel ranks: the weights and KV cache split over this many "
                   "processes, one GPU each (default 1)"),
+    ("--pp", int, "pipeline stages, each of --tp ranks: consecutive layers and their KV cache "
+                  "per stage, decode steps in microbatches (default 1)"),
+    ("--dp", int, "attention data-parallel ranks, each with its own requests and KV cache "
+                  "(default 1; with tp 1 and pp 1)"),
+    ("--ep", int, "ranks the routed experts are spread over (default 1): dividing --dp, tokens "
+                  "sent to them by all-to-all; or equal to --tp"),
 ]
 SAMPLING_FLAGS: list[tuple[str, type, str]] = [
     ("--temperature", float, "0 is greedy (default 1.0)"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from tetrad.config import DTYPES
+from tetrad.config import DEVICES, DTYPES
 from tetrad.schedules import SCHEDULES
 
 TRAIN_FLAGS: list[tuple[str, type, str]] = [
@@ -59,6 +59,10 @@ def add_parser(subparsers) -> None:
     for flag, kind, help_text in TRAIN_FLAGS:
         parser.add_argument(flag, type=kind, help=help_text)
     parser.add_argument("--dtype", choices=DTYPES, help="compute precision (autocast)")
+    parser.add_argument("--device", choices=DEVICES,
+                        help="auto (default): a GPU per local rank (NCCL) when there are enough, "
+                             "else the CPU (gloo); cpu: the CPU beside GPUs; cuda: a GPU per "
+                             "local rank or stop")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest checkpoint in --checkpoint-dir")
     parser.add_argument("--save-as", metavar="NAME",

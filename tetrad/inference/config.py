@@ -1,5 +1,5 @@
 """What the serving engine's modules share, below all of them: the engine's settings and what the
-runner needs of a tensor-parallel rank. engine.py uses runner.py and tp.py, and tp.py uses
+runner needs of a serving rank. engine.py uses runner.py and ranks.py, and ranks.py uses
 runner.py; they meet here, so that none of them imports another that imports it back."""
 
 from __future__ import annotations
@@ -37,13 +37,17 @@ class EngineConfig:
     watermark: float = 0.01
     seed: int = 0
     tp: int = 1  # tensor-parallel ranks (processes; GPUs with --device cuda)
+    pp: int = 1  # pipeline stages (each of tp ranks)
+    ep: int = 1  # ranks the routed experts are spread over (divides dp, or = tp: layout.py)
+    dp: int = 1  # attention data-parallel ranks, each with its own requests and KV pool
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     compile: bool = False  # torch.compile the forward (and FlexAttention)
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, ("auto", *DTYPE_BYTES))
         check_choice("attention", self.attention, ATTENTION_BACKENDS)
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tp"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tp", "pp", "ep",
+                     "dp"):
             check_positive(name, getattr(self, name))
         for name in ("num_blocks", "max_model_len", "watermark"):
             check_positive(name, getattr(self, name), allow_zero=True)
@@ -55,8 +59,9 @@ class EngineConfig:
 
 
 class RankShare(Protocol):
-    """A tensor-parallel rank as the runner sees it (tp.TensorParallelRanks): it cuts this rank's
-    share of the model and agrees with the other ranks on the KV pool."""
+    """A serving rank as the runner sees it (rank_share.ServingRanks): it cuts this rank's share of
+    the model and agrees with the other ranks on the KV pool; `size` is the tensor-parallel
+    degree the pool's kv heads are split by."""
 
     @property
     def size(self) -> int: ...

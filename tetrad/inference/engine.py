@@ -2,8 +2,10 @@
 the add_request / step / abort interface the server drives from its engine thread.
 
 One step = schedule (scheduler.py) -> run the model over the paged cache (runner.py) -> sample
-(sampler.py) -> append tokens, detokenize, stop, retire finished sequences. With tp > 1 the model
-step runs on tp ranks (tp.py); everything else stays in this process.
+(sampler.py) -> append tokens, detokenize, stop, retire finished sequences. With more than one
+rank (tp, pp, ep, dp: layout.py) the model step runs on all of them (ranks.py) and, with dp > 1,
+each dp rank has a scheduler of its own here (data_parallel.py); everything else stays in this
+process.
 """
 
 from __future__ import annotations
@@ -24,17 +26,19 @@ from tetrad.config import from_dict
 from tetrad.errors import ConfigError
 from tetrad.inference.block_manager import BlockManager
 from tetrad.inference.config import EngineConfig
+from tetrad.inference.data_parallel import DataParallelScheduler
 from tetrad.inference.kv_cache import TORCH_DTYPES, check_tokenizer_fits, resolve_dtype
+from tetrad.inference.layout import ServingLayout
 from tetrad.inference.logprobs import (logits_layout, prompt_logprobs, sample_rows,
                                        sampled_logprobs)
 from tetrad.inference.metrics import EngineMetrics, engine_stats, kv_utilization
 from tetrad.inference.output import RequestOutput, TokenLogprob
 from tetrad.inference.params import RequestFailed, SamplingParams
+from tetrad.inference.ranks import ServingDriver
 from tetrad.inference.runner import StepPlan, load_runner
 from tetrad.inference.sampler import Sampler
 from tetrad.inference.scheduler import Scheduler, SchedulerConfig
 from tetrad.inference.sequence import Sequence
-from tetrad.inference.tp import TensorParallelDriver
 from tetrad.inference.tracker import RequestTracker
 
 
@@ -43,9 +47,10 @@ class LLM:
                  **engine_config):
         """model: an HF folder, a tetrad checkpoint folder, or a tetrad Transformer (tests).
         tokenizer: anything with encode / decode / eos_id; by default the model folder's.
-        With tp > 1 the engine starts tp - 1 more processes (or joins a process group of tp
-        ranks: see tetrad.inference.tp); close() stops them."""
+        With tp*pp*dp > 1 the engine starts that many processes less one (or joins a process
+        group of that many ranks: see tetrad.inference.ranks); close() stops them."""
         config = from_dict(EngineConfig, engine_config)
+        layout = ServingLayout(config.tp, config.pp, config.ep, config.dp)
         self.eos_token_ids: tuple[int, ...] = ()
         self.path = None if isinstance(model, nn.Module) else Path(model)
         device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available()
@@ -62,8 +67,8 @@ class LLM:
             tokenizer = tokenizer or tetrad.load_tokenizer(path)
             self.eos_token_ids = _config_eos_ids(path)
             config = replace(config, dtype=resolve_dtype(config.dtype, path))
-            # Tensor-parallel ranks split the model on the host, then move their share.
-            model = tetrad.load_pretrained(path, device if config.tp == 1 else "cpu",
+            # Multi-rank layouts split the model on the host, then move each rank's share.
+            model = tetrad.load_pretrained(path, device if layout.world_size == 1 else "cpu",
                                            TORCH_DTYPES[config.dtype])
             if folder_tokenizer:
                 check_tokenizer_fits(tokenizer, model.config.vocab_size)
@@ -77,28 +82,38 @@ class LLM:
                                   getattr(tokenizer, "vocab_size", model.config.vocab_size))
         self.max_model_len = min(config.max_model_len or model.config.max_seq_len,
                                  model.config.max_seq_len)
-        self.tp: TensorParallelDriver | None = None
-        if config.tp > 1:
+        layout.check(model.config)  # before any rank starts
+        self.layout = layout
+        self.driver: ServingDriver | None = None
+        if layout.world_size > 1:
             # The driver splits the model in place: the caller's model object stays whole. The
             # other ranks load the folder themselves, or get the model object pickled.
             source = model if self.path is None else str(self.path)
-            self.tp = TensorParallelDriver(copy.deepcopy(model) if self.path is None else model,
-                                           source, config, self.max_model_len)
-            self.runner, plan = self.tp.runner, self.tp.kv_plan
-            self._execute = self.tp.execute
+            self.driver = ServingDriver(copy.deepcopy(model) if self.path is None else model,
+                                        source, config, layout, self.max_model_len)
+            self.runner, plan = self.driver.runner, self.driver.kv_plan
+            self._execute = self.driver.execute
         else:
             self.runner, plan = load_runner(model, config, self.max_model_len, device)
             self._execute = self.runner.execute
         self.model = self.runner.model
         self.kv_plan = plan
         if log:
-            log(plan.describe())
-        self.block_manager = BlockManager(plan.num_blocks, plan.block_size, plan.num_cpu_blocks,
-                                          config.enable_prefix_caching, config.watermark)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs,
-                                                   config.max_num_batched_tokens,
-                                                   self.max_model_len, config.preemption),
-                                   self.block_manager)
+            stages = ("" if layout.world_size == layout.tp else
+                      f"; one such pool on each of the {layout.world_size} ranks "
+                      f"({layout.describe()})")
+            log(plan.describe() + stages)
+        def blocks() -> BlockManager:
+            return BlockManager(plan.num_blocks, plan.block_size, plan.num_cpu_blocks,
+                                config.enable_prefix_caching, config.watermark)
+
+        scheduling = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                     self.max_model_len, config.preemption)
+        if layout.dp > 1:  # each dp rank's pool, block ids and sequences are its own
+            self.scheduler = DataParallelScheduler(scheduling, blocks, layout.dp)
+        else:
+            self.scheduler = Scheduler(scheduling, blocks())
+        self.block_manager = self.scheduler.block_manager
         self.sampler = Sampler(config.seed)
         self.metrics = EngineMetrics()
         self.tracker = RequestTracker(tokenizer, self.metrics)
@@ -142,7 +157,7 @@ class LLM:
         A step whose model call or sampling raises finishes the requests it ran with
         finish_reason "error" (RequestOutput.error says why), and a request whose text cannot be
         made (its detokenizer raises) finishes so alone; the others go on. Only an engine that
-        cannot step again (a tensor-parallel rank died) raises."""
+        cannot step again (a rank of a multi-rank layout died) raises."""
         touched = self.tracker.begin_step(self.scheduler)
         batch = self.scheduler.schedule()
         self.peak_blocks_used = max(self.peak_blocks_used, self.block_manager.num_used_blocks)
@@ -172,7 +187,11 @@ class LLM:
         if it asked) for every sequence that sampled; the prompt scores it computed are
         recorded."""
         plan = StepPlan.from_batch(batch, self.kv_plan.block_size)
-        logits = self._execute(plan)
+        if self.driver is None:
+            logits = self._execute(plan)
+        else:  # one plan per dp rank: a DataParallelBatch's parts, or the one batch
+            logits = self._execute(batch.plans(self.kv_plan.block_size) if self.layout.dp > 1
+                                   else [plan])
         layout = logits_layout(plan)
         for seq, position, scores in prompt_logprobs(logits, plan, layout, batch.seqs):
             self.tracker.record_prompt(seq, position, scores)
@@ -189,17 +208,17 @@ class LLM:
         self.scheduler.append_tokens(list(zip(seqs, tokens)), self.eos_token_ids)
         return list(zip(seqs, tokens, logprobs))
 
-    # ---- tensor-parallel ranks -----------------------------------------------------------------
+    # ---- the other ranks -----------------------------------------------------------------------
 
     @property
     def failure(self) -> BaseException | None:
-        """Why the tensor-parallel ranks stopped (the engine cannot step again), or None."""
-        return None if self.tp is None else self.tp.failure
+        """Why the other ranks stopped (the engine cannot step again), or None."""
+        return None if self.driver is None else self.driver.failure
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do with tp=1); no step after this."""
-        if self.tp is not None:
-            self.tp.close()
+        """Stop the other ranks (nothing to do in one process); no step after this."""
+        if self.driver is not None:
+            self.driver.close()
 
     def __enter__(self) -> "LLM":
         return self

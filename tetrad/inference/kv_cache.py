@@ -81,6 +81,7 @@ class KVPlan:
     num_cpu_blocks: int
     max_model_len: int
     tp: int = 1  # bytes_per_token and the pools are one tensor-parallel rank's
+    num_layers: int = 0  # layers the pool holds: a pipeline stage's own (0: all the model's)
 
     def with_blocks(self, num_blocks: int) -> "KVPlan":
         return replace(self, num_blocks=num_blocks)
@@ -102,12 +103,13 @@ class KVPlan:
 
 
 def plan_kv_pool(config: ModelConfig, dtype: str, device: torch.device, block_size: int,
-                 kv_memory: int | None, swap_memory: int, max_model_len: int, tp: int = 1
-                 ) -> KVPlan:
+                 kv_memory: int | None, swap_memory: int, max_model_len: int, tp: int = 1,
+                 num_layers: int = 0) -> KVPlan:
     """Blocks that fit the budget: --kv-memory, capped on a GPU by what the weights leave free.
-    With tp > 1 the budget is one rank's, for the bytes per token of its own kv heads."""
+    With tp > 1 the budget is one rank's, for the bytes per token of its own kv heads; with
+    num_layers > 0 (a pipeline stage) for that many layers."""
     # The planner's formula, so `tetrad plan serve` and the engine size the same pool.
-    per_token = int(kv_bytes_per_token(config, DTYPE_BYTES[dtype], tp))
+    per_token = int(kv_bytes_per_token(config, DTYPE_BYTES[dtype], tp, num_layers or None))
     budget = kv_memory if kv_memory is not None else DEFAULT_CPU_KV_MEMORY
     if device.type == "cuda":
         free = int(torch.cuda.mem_get_info(device)[0] * DEVICE_MEMORY_FRACTION)
@@ -118,7 +120,7 @@ def plan_kv_pool(config: ModelConfig, dtype: str, device: torch.device, block_si
                           f"tokens ({per_token * block_size} bytes): raise --kv-memory or lower "
                           f"--block-size")
     return KVPlan(num_blocks, block_size, per_token, swap_memory // (per_token * block_size),
-                  max_model_len, tp)
+                  max_model_len, tp, num_layers or config.num_layers)
 
 
 class KVCache:
@@ -129,8 +131,8 @@ class KVCache:
         # One block more than the plan's, which no sequence ever gets: padded table entries and
         # the padding rows of a CUDA-graph batch read and write it.
         self.pad_block = plan.num_blocks
-        shape = (config.num_layers, tensors, plan.num_blocks + 1, plan.block_size, kv_heads,
-                 width)
+        num_layers = plan.num_layers or config.num_layers
+        shape = (num_layers, tensors, plan.num_blocks + 1, plan.block_size, kv_heads, width)
         self.pool = torch.zeros(shape, dtype=dtype, device=device)
         # Pinned host memory makes the device <-> CPU swap copies asynchronous-capable and fast.
         self.cpu_pool = torch.zeros((*shape[:2], plan.num_cpu_blocks, *shape[3:]), dtype=dtype,
@@ -142,7 +144,7 @@ class KVCache:
         # layers then index no tensor to find them.
         self.layers = [(self.pool[i, 0], self.pool[i, 0, ..., :config.kv_lora_rank])
                        if self.latent else (self.pool[i, 0], self.pool[i, 1])
-                       for i in range(config.num_layers)]
+                       for i in range(num_layers)]
         self.slot_views = [(k.view(-1, kv_heads, width), v.flatten(0, 1))
                            for k, v in self.layers]
 

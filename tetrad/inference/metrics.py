@@ -115,12 +115,14 @@ class EngineMetrics:
 
 def kv_utilization(scheduler, block_manager) -> float:
     """Tokens stored / slots reserved in the blocks running sequences hold (shared blocks count
-    once): only the last block of each sequence has free slots."""
+    once): only the last block of each sequence has free slots. A data-parallel scheduler's
+    ranks each number their own blocks: they are counted rank by rank."""
     size, filled = block_manager.block_size, {}
-    for seq in scheduler.running:
-        for i, block_id in enumerate(seq.block_table):
-            stored = min(size, seq.num_computed_tokens - i * size)
-            filled[block_id] = max(filled.get(block_id, 0), stored)
+    for rank, each in enumerate(getattr(scheduler, "schedulers", [scheduler])):
+        for seq in each.running:
+            for i, block_id in enumerate(seq.block_table):
+                stored = min(size, seq.num_computed_tokens - i * size)
+                filled[rank, block_id] = max(filled.get((rank, block_id), 0), stored)
     return sum(filled.values()) / (len(filled) * size) if filled else 1.0
 
 

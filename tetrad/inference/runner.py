@@ -356,7 +356,7 @@ def load_runner(model: nn.Module, config: "EngineConfig", max_model_len: int,
     plan = plan_kv_pool(model.config, config.dtype, device, config.block_size,
                         None if config.kv_memory is None else parse_bytes(config.kv_memory),
                         parse_bytes(config.swap_memory) if config.preemption == "swap" else 0,
-                        max_model_len, tp)
+                        max_model_len, tp, len(model.layers))  # a pipeline stage's own
     if config.num_blocks:
         plan = plan.with_blocks(config.num_blocks)
     if ranks is not None:

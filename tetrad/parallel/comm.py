@@ -27,6 +27,12 @@ import torch.distributed as dist
 
 from tetrad.parallel.mesh import Group
 
+# torch 2.13 (requirements.txt) renamed all_gather_into_tensor / reduce_scatter_tensor; older
+# releases, such as the 2.11 of the GPU machines the benchmarks run on, have only the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
+                          or dist.reduce_scatter_tensor)
+
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "p2p")
 OFF_STEP_TAGS = ("setup", "checkpoint", "report")
 ALGORITHMS = ("backend", "ring")
@@ -84,21 +90,22 @@ class CommCounter:
 
 
 class Handle:
-    """What an async collective returns: wait() before touching its tensors."""
+    """What an async collective returns: wait() before touching its tensors. `work` is one
+    torch Work, or a list of them (a batch of sends and receives)."""
 
     def __init__(self, work=None):
-        self._work = work
+        self._works = work if isinstance(work, list) else [work] if work is not None else []
 
     def wait(self, timeout_s: float | None = None) -> None:
         """`timeout_s` replaces the process group's timeout for this wait (the parameter server
         waits on peers that may legitimately stay silent longer). On gloo a wait that times out
         breaks the process group: only for waits whose failure ends the job."""
-        if self._work is not None:
+        for work in self._works:
             if timeout_s is None:
-                self._work.wait()
+                work.wait()
             else:
-                self._work.wait(datetime.timedelta(seconds=timeout_s))
-            self._work = None
+                work.wait(datetime.timedelta(seconds=timeout_s))
+        self._works = []
 
 
 DONE = Handle()
@@ -149,7 +156,7 @@ class Comm:
                 output.copy_(chunks[group.index].view_as(output))
             return DONE
         self._count("reduce_scatter", _nbytes(input), group, tag)
-        return Handle(dist.reduce_scatter_single(output, input, group=group.handle,
+        return Handle(_reduce_scatter_single(output, input, group=group.handle,
                                                  async_op=async_op))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: Group, tag: str,
@@ -168,7 +175,7 @@ class Comm:
             ring_all_gather_(chunks, group, self._sent("all_gather", tag))
             return DONE
         self._count("all_gather", _nbytes(output), group, tag)
-        return Handle(dist.all_gather_single(output, input, group=group.handle,
+        return Handle(_all_gather_single(output, input, group=group.handle,
                                              async_op=async_op))
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, group: Group, tag: str,
@@ -199,6 +206,16 @@ class Comm:
         """Receive from group rank `src`; only the sender counts the bytes."""
         return Handle(dist.irecv(tensor, group=group.handle, group_src=src))
 
+    def exchange(self, outgoing: torch.Tensor, dst: int, incoming: torch.Tensor, src: int,
+                 group: Group, tag: str) -> Handle:
+        """Send `outgoing` to group rank `dst` and receive `incoming` from `src`, posted as one
+        batch. NCCL runs a pair of ranks' sends and receives in issue order on one stream, so
+        two ranks that each send to the other first (a ring of two) would both wait for a
+        receive that never starts once the tensor outgrows NCCL's buffers; a batch
+        (batch_isend_irecv: one NCCL group) runs both at once. Only the send is counted."""
+        self.counter.record("p2p", _nbytes(outgoing), tag)
+        return Handle(exchange_(outgoing, dst, incoming, src, group))
+
     def all_gather_object(self, value, group: Group, tag: str) -> list:
         """Every rank's picklable `value`, in group order (small metadata, e.g. the report)."""
         if group.size == 1:
@@ -219,11 +236,19 @@ def _nbytes(tensor: torch.Tensor) -> int:
 # the full sum on rank r. All-gather: rank r forwards chunk r-s at step s, so after N-1 steps every
 # rank has every chunk. Each step moves S/N bytes per rank, hence the (N-1)/N*S volumes.
 
+def exchange_(outgoing: torch.Tensor, dst: int, incoming: torch.Tensor, src: int,
+              group: Group) -> list:
+    """Comm.exchange's batch, uncounted: the works to wait on."""
+    return dist.batch_isend_irecv([
+        dist.P2POp(dist.isend, outgoing, group=group.handle, group_peer=dst),
+        dist.P2POp(dist.irecv, incoming, group=group.handle, group_peer=src)])
+
+
 def _exchange(outgoing: torch.Tensor, incoming: torch.Tensor, group: Group, sent) -> None:
     right, left = (group.index + 1) % group.size, (group.index - 1) % group.size
-    # Post both before waiting: with blocking sends every rank would wait on its left neighbour.
-    works = [dist.isend(outgoing, group=group.handle, group_dst=right),
-             dist.irecv(incoming, group=group.handle, group_src=left)]
+    # Both in one batch before waiting: with blocking sends every rank would wait on its left
+    # neighbour, and on NCCL two ranks would each wait on the other's send (Comm.exchange).
+    works = exchange_(outgoing, right, incoming, left, group)
     sent(outgoing)
     for work in works:
         work.wait()

@@ -112,8 +112,8 @@ class RingAttention:
         """Post a send to the right neighbour and a receive from the left one."""
         size, index = self.group.size, self.group.index
         incoming = torch.empty_like(outgoing)
-        return incoming, [self.comm.send(outgoing, (index + 1) % size, self.group, TAG),
-                          self.comm.recv(incoming, (index - 1) % size, self.group)]
+        return incoming, [self.comm.exchange(outgoing, (index + 1) % size, incoming,
+                                             (index - 1) % size, self.group, TAG)]
 
     def forward(self, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
         """-> out [b, heads, 2c, d] (q's dtype), lse [b, kv_heads, group, 2c] (fp32)."""

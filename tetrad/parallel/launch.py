@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from tetrad.errors import TetradError
+from tetrad.errors import ConfigError, TetradError
 
 HOST = "127.0.0.1"
 COLLECTIVE_TIMEOUT_S = 300.0  # a collective waiting longer than this means a rank is gone
@@ -42,11 +42,31 @@ class WorkerFailed(TetradError):
     """A worker raised or died; the message names its rank and carries its error."""
 
 
-def local_device(local_rank: int, local_world_size: int) -> torch.device:
-    """cuda:local_rank when every rank on this machine can have a GPU of its own, else the CPU
-    for all of them (one backend per job: gloo cannot talk to NCCL)."""
-    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size:
+def local_device(local_rank: int, local_world_size: int, requested: str = "auto"
+                 ) -> torch.device:
+    """The device of local rank `local_rank` of `local_world_size` on this machine. "auto":
+    cuda:local_rank when every local rank can have a GPU of its own, else the CPU for all of them
+    (one backend per job: gloo cannot talk to NCCL); "cpu": the CPU even beside GPUs; "cuda": a
+    GPU of its own, or a ConfigError saying why there is none."""
+    if requested == "cpu":
+        return torch.device("cpu")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus >= local_world_size:
         return torch.device("cuda", local_rank)
+    if requested == "cuda" and gpus == 0:
+        raise ConfigError("--device cuda needs a GPU and torch sees none: use --device cpu")
+    if requested == "cuda":
+        raise ConfigError(f"--device cuda needs one GPU per local rank: {local_world_size} ranks "
+                          f"on this machine but {gpus} GPUs: lower --nproc to {gpus}, or use "
+                          f"--device cpu")
+    return torch.device("cpu")
+
+
+def rank_device() -> torch.device:
+    """The device this rank computes on: the GPU its NCCL process group was set up on
+    (init_worker's torch.cuda.set_device), the CPU under gloo or without a process group."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
@@ -186,14 +206,14 @@ class WorkerProcesses:
 
 def spawn(fn: Callable, nprocs: int, args: tuple = (), timeout_s: float | None = None,
           collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
-          expendable: frozenset[int] = frozenset()) -> list[Any]:
+          expendable: frozenset[int] = frozenset(), device_type: str | None = None) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `nprocs` fresh processes joined in one process group,
     and return each rank's return value in rank order. `fn` must be importable by name. Raises
     WorkerFailed as soon as one worker fails, and after `timeout_s` (None: no limit on the whole
     job; the collective timeout still catches a hang). The ranks in `expendable` may fail or
     die: their error goes to stderr, their value is None, and the job returns once every other
-    rank has returned."""
-    workers = WorkerProcesses(fn, range(nprocs), nprocs, args,
+    rank has returned. `device_type` as WorkerProcesses'."""
+    workers = WorkerProcesses(fn, range(nprocs), nprocs, args, device_type=device_type,
                               collective_timeout_s=collective_timeout_s)
     try:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s

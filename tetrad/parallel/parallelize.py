@@ -31,6 +31,7 @@ experts, weights TP replaced by their shards) is released: memory is what the la
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Mapping
@@ -294,7 +295,10 @@ class ParallelModel:
         """Every parameter whole, by the single-process names: every rank's pieces exchanged and
         assembled, on each rank (collective over the world, tag "checkpoint")."""
         by_name: dict[str, list[Piece]] = {}
-        pieces = self.checkpoint_pieces(("model",))
+        # As CPU tensors: a pickled CUDA tensor unpickles onto the sender's GPU index, and pieces
+        # on several GPUs could not be assembled into one tensor.
+        pieces = [dataclasses.replace(piece, data=piece.data.detach().cpu())
+                  for piece in self.checkpoint_pieces(("model",))]
         for rank_pieces in self.comm.all_gather_object(pieces, self.mesh["world"], "checkpoint"):
             for piece in rank_pieces:
                 by_name.setdefault(piece.name, []).append(piece)

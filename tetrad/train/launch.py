@@ -58,7 +58,7 @@ def check_ps_layout(config: TrainConfig, world_size: int) -> None:
             f"{parallel.servers} servers = {parallel.num_processes}: make --nproc (or torchrun's "
             f"world size) dp + servers, {hint}")
     check_run(config.batch_size, config.grad_accum, config.dtype,
-              local_device(0, world_size), parallel.dp)
+              local_device(0, world_size, config.device), parallel.dp)
 
 
 def ps_options(config: TrainConfig):
@@ -130,7 +130,8 @@ def launch_training(config: TrainConfig):
     if started_by_torchrun():
         rank, world_size, local_rank, local_world_size = torchrun_ranks()
         layout = check_layout(config, world_size)
-        init_worker(rank, world_size, local_rank, local_world_size, COLLECTIVE_TIMEOUT_S)
+        init_worker(rank, world_size, local_rank, local_world_size, COLLECTIVE_TIMEOUT_S,
+                    device=local_device(local_rank, local_world_size, config.device))
         try:
             return train_worker(rank, world_size, config, layout)
         finally:
@@ -139,11 +140,14 @@ def launch_training(config: TrainConfig):
 
     layout = check_layout(config, config.nproc)
     prepare(config, layout.model)  # tokenizer and checkpoint problems: one line, no workers
+    # Decided once here (a missing GPU is one line, not a traceback per rank): rank r on cuda:r.
+    device_type = local_device(0, config.nproc, config.device).type
     parallel = config.parallel
     # Asynchronous parameter servers drop a dead worker and go on; rank 0 writes the report.
     expendable = (frozenset(range(1, parallel.dp))
                   if parallel.strategy == "ps" and parallel.ps_mode != "sync" else frozenset())
-    return spawn(train_worker, config.nproc, (config, layout), expendable=expendable)[0]
+    return spawn(train_worker, config.nproc, (config, layout), expendable=expendable,
+                 device_type=device_type)[0]
 
 
 def run_training(config: TrainConfig):

@@ -18,16 +18,17 @@ def empty_comm_bytes() -> dict[str, int]:
 
 def rank_entry(rank: int, coords: dict[str, int], bytes_held: dict[str, int],
                activations_peak: int, comm_bytes: dict[str, int] | None,
-               idle_fraction: float = 0.0, step_times: list[float] | None = None
-               ) -> dict[str, Any]:
+               idle_fraction: float = 0.0, step_times: list[float] | None = None,
+               cuda_memory: dict[str, int] | None = None) -> dict[str, Any]:
     """One rank's measurements; `step_time_s` is the median of its step times after the
-    first (which pays for warm-up), or of the one step there is."""
+    first (which pays for warm-up), or of the one step there is. `cuda_memory` (on a GPU):
+    the CUDA allocator's `allocated_peak` and `reserved_peak` bytes over the run, None on CPU."""
     timed = (step_times or [])[1:] or step_times
     median = statistics.median(timed) if timed else None
     return {"rank": rank, "coords": coords,
             "bytes": {**bytes_held, "activations_peak": activations_peak},
             "comm_bytes": {**empty_comm_bytes(), **(comm_bytes or {})},
-            "idle_fraction": idle_fraction, "step_time_s": median}
+            "idle_fraction": idle_fraction, "step_time_s": median, "cuda_memory": cuda_memory}
 
 
 def build_report(config: dict[str, Any], steps: list[dict[str, Any]], ranks: list[dict[str, Any]],

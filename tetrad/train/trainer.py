@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
@@ -20,6 +21,7 @@ from tetrad.errors import ConfigError, TetradError
 from tetrad.hardware import GPU, gpu_from_device_name
 from tetrad.hardware_profile import default_profile_path, gpu_or_profile, load_profile
 from tetrad.models.transformer import Transformer, count_parameters
+from tetrad.parallel.launch import local_device, rank_device
 from tetrad.planner import predict_run
 from tetrad.planner.rules import ResolvedLayout, resolve_layout
 from tetrad.presets import resolve_model
@@ -77,8 +79,20 @@ def build_model(model_config: ModelConfig, config: TrainConfig) -> Transformer:
     return model
 
 
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def run_device(config: TrainConfig) -> torch.device:
+    """Where this rank computes: in a process group, the device its backend was set up for (a
+    rank of an NCCL job on its own GPU, gloo ranks on the CPU even beside GPUs); in one process,
+    config.device's choice."""
+    return rank_device() if dist.is_initialized() else local_device(0, 1, config.device)
+
+
+def cuda_memory(device: torch.device) -> dict[str, int] | None:
+    """The CUDA caching allocator's peaks on `device` since the run began (None on the CPU):
+    what the allocator measured, beside the bytes the report counts from the tensors."""
+    if device.type != "cuda":
+        return None
+    return {"allocated_peak": torch.cuda.max_memory_allocated(device),
+            "reserved_peak": torch.cuda.max_memory_reserved(device)}
 
 
 def prediction_hardware(config: TrainConfig, gpu: GPU | None) -> GPU | None:
@@ -133,7 +147,9 @@ def train(config: TrainConfig, make_strategy: Callable[..., Strategy] = build_st
     config = dataclasses.replace(config, parallel=layout.parallel)  # the strategies read this
     model_config, tokenizer, resume_from = prepare(config, layout.model)
     dataset = Dataset(config.data, tokenizer, config.seq_len, config.seed)
-    device = default_device()
+    device = run_device(config)
+    if device.type == "cuda":  # the report's cuda_memory peaks are this run's
+        torch.cuda.reset_peak_memory_stats(device)
     model = build_model(model_config, config).to(device)
     num_parameters = count_parameters(model)  # before a layout spreads the model over ranks
     strategy = make_strategy(model, config, device)
@@ -158,6 +174,8 @@ def train(config: TrainConfig, make_strategy: Callable[..., Strategy] = build_st
         check_finite(loss, grad_norm, step + 1, model, loss_scaling=config.dtype == "fp16")
         applied = strategy.step(learning_rate(step, config))
         held = {k: max(v, held.get(k, 0)) for k, v in strategy.bytes_held().items()}
+        if device.type == "cuda":  # the optimizer step's kernels are this step's time too
+            torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - started
         record = {"step": step + 1, "loss": loss, "grad_norm": grad_norm, "time_s": elapsed,
                   "tokens": tokens_per_step, "tokens_per_s": tokens_per_step / elapsed,
@@ -178,7 +196,7 @@ def train(config: TrainConfig, make_strategy: Callable[..., Strategy] = build_st
     ranks = strategy.gather(rank_entry(
         strategy.rank, strategy.coords, held, strategy.activations_peak,
         strategy.comm.totals_per_step() if strategy.comm else None, strategy.idle_fraction,
-        [record["time_s"] for record in steps]))
+        [record["time_s"] for record in steps], cuda_memory(device)))
     whole = strategy.whole_model()  # collective: the model with every parameter whole
     report = build_report(
         config={**config.to_dict(), "model_config": model_config.to_dict()}, steps=steps,

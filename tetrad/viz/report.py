@@ -50,7 +50,34 @@ def rank_kinds(report: dict[str, Any]) -> list[tuple[list[int], dict[str, Any]]]
         ranks.append(entry["rank"])
         first["idle_fraction"] = max(first.get("idle_fraction", 0.0),
                                      entry.get("idle_fraction", 0.0))
+        if entry.get("cuda_memory") and first.get("cuda_memory"):  # the kind's largest peaks
+            first["cuda_memory"] = {key: max(value, entry["cuda_memory"][key])
+                                    for key, value in first["cuda_memory"].items()}
     return list(kinds.values())
+
+
+def device_bytes(held: dict[str, int]) -> int:
+    """Bytes a rank holds in device memory: every counted part but the host_* ones."""
+    return sum(value for part, value in held.items() if not part.startswith("host_"))
+
+
+def cuda_rows(predicted_bytes: dict[str, int], entry: dict[str, Any]) -> list[dict[str, Any]]:
+    """On a GPU: the counted device bytes (and the prediction's) beside what the CUDA caching
+    allocator measured at its peak. Allocated exceeds counted by the temporaries inside forward
+    and backward, which the count leaves out (the CUDA context's own memory is in neither);
+    reserved adds the allocator's cached, unused blocks."""
+    cuda = entry.get("cuda_memory")
+    if not cuda:
+        return []
+    predicted = device_bytes(predicted_bytes) if predicted_bytes else None
+    counted = device_bytes(entry["bytes"])
+    return [{"section": "cuda", "field": "counted total", "predicted": predicted,
+             "measured": counted, "error": relative_error(predicted, counted)},
+            {"section": "cuda", "field": "allocated_peak", "predicted": predicted,
+             "measured": cuda["allocated_peak"],
+             "error": relative_error(predicted, cuda["allocated_peak"])},
+            {"section": "cuda", "field": "reserved_peak", "predicted": None,
+             "measured": cuda["reserved_peak"], "error": None}]
 
 
 def shared_coords(report: dict[str, Any], ranks: list[int]) -> dict[str, int]:
@@ -86,6 +113,7 @@ def comparison(report: dict[str, Any], entry: dict[str, Any]) -> list[dict[str, 
         p, m = predicted_bytes.get(field), entry["bytes"].get(field)
         rows.append({"section": "bytes", "field": field, "predicted": p, "measured": m,
                      "error": relative_error(p, m)})
+    rows += cuda_rows(predicted_bytes, entry)
     predicted_comm = predicted.get("comm_bytes", {})
     for kind in COMM_KINDS:
         p, m = predicted_comm.get(kind), entry["comm_bytes"].get(kind, 0)
@@ -279,13 +307,17 @@ def draw_report(report: dict[str, Any], path: str | Path) -> None:
     loss_ax.legend(fontsize=8)
 
     bars: list[tuple[str, dict[str, float]]] = []
+    allocated: dict[int, int] = {}  # bar position -> the CUDA allocator's peak (GPU runs)
     for ranks, entry in rank_kinds(report):
         predicted = predicted_for(report, entry)
         label = _ranks_label(ranks)
         if predicted:
             bars.append((f"{label}\npredicted", predicted["bytes"]))
+        if entry.get("cuda_memory"):
+            allocated[len(bars)] = entry["cuda_memory"]["allocated_peak"]
         bars.append((f"{label}\nmeasured", entry["bytes"]))
-    largest = max(sum(values.get(part, 0) for part in PARTS) for _, values in bars)
+    largest = max([sum(values.get(part, 0) for part in PARTS) for _, values in bars]
+                  + list(allocated.values()))
     scale, unit = _unit(largest)
     bottoms = [0.0] * len(bars)
     for part in PARTS:
@@ -300,9 +332,12 @@ def draw_report(report: dict[str, Any], path: str | Path) -> None:
     for position, total in enumerate(bottoms):
         memory_ax.annotate(f"{total:.2f}", (position, total), ha="center", va="bottom",
                            fontsize=8, xytext=(0, 2), textcoords="offset points")
+    for index, (position, peak) in enumerate(allocated.items()):
+        memory_ax.hlines(peak / scale, position - 0.3, position + 0.3, colors="black",
+                         linestyles="--", label=None if index else "CUDA allocated peak")
     memory_ax.set_xticks(range(len(bars)), [label for label, _ in bars], fontsize=8)
     memory_ax.set_ylabel(f"{unit} per rank")
-    memory_ax.set_ylim(0, max(bottoms) * 1.12)
+    memory_ax.set_ylim(0, max(bottoms + [peak / scale for peak in allocated.values()]) * 1.12)
     memory_ax.set_title("memory: predicted vs measured", fontsize=10)
     memory_ax.legend(fontsize=8, bbox_to_anchor=(1.01, 1.0), loc="upper left")
     _draw_step_time(report, time_ax)

@@ -18,6 +18,9 @@ take the same optimizer step and stay equal bit for bit.
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -53,13 +56,15 @@ class PipelineStage(nn.Module):
         self.norm = model.norm if self.is_last else None
         self.lm_head = model.lm_head if self.is_last else None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: Any = None) -> torch.Tensor:
         """First stage: token ids [batch, seq]; later stages: hidden states [batch, seq, hidden]
         ([batch, seq/tp, hidden] under sequence parallelism). Returns hidden states, or logits
         [batch, seq, vocab] (vocab/tp under tensor parallelism) on the last stage. `positions`
         [seq] are the tokens' places in their sequences (a context-parallel shard's are not
         0..seq-1; None: 0..seq-1). The operations are the whole model's forward, in its order, so
-        the numbers match it."""
+        the numbers match it. `cache`: the serving engine's paged KV cache of this stage's layers
+        (Transformer.forward's; the pool's layer i is the stage's i-th block)."""
         if positions is None:
             seq = x.shape[1] if self.is_first else x.shape[1] * self.sequence_shards
             positions = torch.arange(seq, device=x.device)
@@ -68,9 +73,11 @@ class PipelineStage(nn.Module):
             if self.pos_embed is not None:  # under SP, this rank's sequence shard of them
                 x = x + self.pos_embed(positions)
         rope = self.rotary(positions) if self.rotary is not None else None
-        for layer in self.layers.values():
-            x = layer(x, rope)
+        for index, layer in enumerate(self.layers.values()):
+            x = layer(x, rope, None if cache is None else partial(cache.attend, index))
         if self.is_last:
+            if cache is not None:
+                x = x[:, cache.logits_indices]
             x = self.norm(x)
             if self.lm_head is not None:
                 return self.lm_head(x)

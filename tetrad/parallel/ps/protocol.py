@@ -109,8 +109,7 @@ def check_run(batch_size: int, grad_accum: int, dtype: str, device: torch.device
     """What a training run must satisfy to use the parameter server."""
     if device.type != "cpu":
         raise ConfigError("--strategy ps runs on CPU over gloo (it detects dead peers by "
-                          "gloo's point-to-point errors): hide the GPUs (CUDA_VISIBLE_DEVICES=) "
-                          "or train with --dp")
+                          "gloo's point-to-point errors): add --device cpu, or train with --dp")
     if dtype == "fp16":
         raise ConfigError("--strategy ps has no fp16 loss scaling: use --dtype bf16 or fp32")
     if batch_size % (num_workers * grad_accum):
