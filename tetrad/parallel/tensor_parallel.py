@@ -177,8 +177,10 @@ def _shard_block(block: nn.Module, config: ModelConfig, tp: TensorParallel) -> N
     if block.is_moe:
         if block.mlp.shared is not None:
             # Inside an MoE layer kept whole the input is the whole sequence on every rank
-            # already (gathered under SP), so the shared expert enters by f and leaves by g.
-            _shard_mlp(block.mlp.shared, dataclasses.replace(tp, sequence_parallel=False))
+            # already (gathered under SP), so the shared expert enters by f and leaves by g,
+            # never chunked (overlap hides expert parallelism's dispatch behind it instead).
+            _shard_mlp(block.mlp.shared,
+                       dataclasses.replace(tp, sequence_parallel=False, overlap=False))
         if tp.sequence_parallel:
             keep_moe_whole(block.mlp, tp)
         return

@@ -72,9 +72,10 @@ def tensor_parallel_block(ledger: CommLedger, config: ModelConfig, layout: Train
     exits = pairs + reruns * (pairs if layout.overlap else 1)  # g (g_bar_seq), forwards
     if moe and config.num_shared_experts:
         # The shared experts, split like a dense MLP inside the whole MoE layer: f and g over
-        # all tokens, SP or not; a recomputed forward stops before their closing g (without
-        # overlap).
-        ledger.add("all_reduce", tp, s_a, count * (1 + (reruns if layout.overlap else 0)))
+        # all tokens, SP or overlap or not. A recomputed forward stops before their closing g,
+        # unless overlap runs them behind expert parallelism's dispatch, mid-layer.
+        rerun = reruns if layout.overlap and layout.ep > 1 else 0
+        ledger.add("all_reduce", tp, s_a, count * (1 + rerun))
         ledger.add("all_reduce", tp, s_p, count * backwards)
     if not layout.sequence_parallel:
         ledger.add("all_reduce", tp, s_a, count * exits)  # g, forward
