@@ -90,22 +90,26 @@ def concurrent_steps(rank: int, sizes: list[int]) -> list[tuple[int, float]]:
     return points
 
 
-SYNC_CALLS = 40
+SYNC_CALLS = 20
 
 
 def sync_waits(rank: int, world_size: int, sizes: list[int]) -> list[tuple[int, float]]:
-    """(n, seconds): with the first n ranks each alternating a little compute and a 256-byte
-    all-reduce with its neighbour (ranks 0-1, 2-3, ...), what a call costs beyond the compute
-    (the same loop without the calls, run by the same ranks at once): the slowest rank's."""
+    """(n, seconds): with the first n ranks each alternating the calibration model's forward
+    and a 256-byte all-reduce with its neighbour (ranks 0-1, 2-3, ...), what a call costs beyond
+    the compute (the same loop without the calls, run by the same ranks at once): the slowest
+    rank's. The compute between the calls lasts as long as a training step's between two of
+    its collectives (milliseconds), long enough for a waiting rank's threads to be put to
+    sleep and to need waking again, which tens of microseconds of compute would not show."""
+    from tetrad.calibrate.step import forward_pass
+
     pairs = [dist.new_group([first, first + 1]) for first in range(0, world_size - 1, 2)]
-    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    forward = forward_pass()
     message = torch.ones(64)
 
     def loop(with_calls: bool) -> float:
         started = time.perf_counter()
         for _ in range(SYNC_CALLS):
-            for _ in range(8):
-                torch.mm(a, b)
+            forward()
             if with_calls:
                 dist.all_reduce(message, group=pairs[rank // 2])
         return time.perf_counter() - started
