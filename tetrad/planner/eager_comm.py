@@ -70,6 +70,13 @@ def tensor_parallel_block(ledger: CommLedger, config: ModelConfig, layout: Train
     tp, moe = layout.tp, config.is_moe_layer(layer)
     pairs = 1 if moe else 2  # column-parallel entries and row-parallel exits per block
     exits = pairs + reruns * (pairs if layout.overlap else 1)  # g (g_bar_seq), forwards
+    if moe and config.num_shared_experts:
+        # The shared experts, split like a dense MLP inside the whole MoE layer: f and g over
+        # all tokens, SP or overlap or not. A recomputed forward stops before their closing g,
+        # unless overlap runs them behind expert parallelism's dispatch, mid-layer.
+        rerun = reruns if layout.overlap and layout.ep > 1 else 0
+        ledger.add("all_reduce", tp, s_a, count * (1 + rerun))
+        ledger.add("all_reduce", tp, s_p, count * backwards)
     if not layout.sequence_parallel:
         ledger.add("all_reduce", tp, s_a, count * exits)  # g, forward
         ledger.add("all_reduce", tp, s_p, count * pairs * backwards)  # f, backward
@@ -130,7 +137,7 @@ def _gradients(ledger: CommLedger, config: ModelConfig, layout: TrainLayout,
                precision: TrainingPrecision, pp_rank: int) -> None:
     """The gradient reduction and ZeRO's parameter gathers of one optimizer step."""
     params = rank_parameters(config, layout, pp_rank)
-    replicated = [p for p in params if not p.expert]
+    replicated = [p for p in params if not p.expert and not p.frozen]
     experts = [p for p in params if p.expert]
     pb, gb = precision.param_bytes, precision.grad_bytes
     n, m = layout.zero_group, layout.num_microbatches
@@ -166,6 +173,9 @@ def _scalars(ledger: CommLedger, config: ModelConfig, layout: TrainLayout,
     ledger.add("all_reduce", layout.tp, SCALAR)
     ledger.add("all_reduce", layout.pp, SCALAR)
     ledger.add("all_reduce", layout.pp, 2 * FP32, layout.grad_accum)
+    # Aux-loss-free balancing: the routers' expert loads summed over dp x cp after each step.
+    if config.router_bias_update_rate:
+        ledger.add("all_reduce", dp_cp, sum(p.elements for p in params if p.frozen) * FP32)
     tied = [p for p in params if p.tied]
     if tied:  # summed once per step, after the last backward: ZeRO-2/3 sum their shards of it
         elements = tied[0].elements
