@@ -126,7 +126,7 @@ def test_served_fp8_weights_stay_fp8_and_give_the_dequantised_models_logits(fold
                      if is_quantized_linear(name, module)}
         fp8 = {name: module for name, module in kept.named_modules()
                if isinstance(module, FP8WeightLinear)}
-        assert set(fp8) == set(quantized) and len(fp8) > 40
+        assert quantized and set(fp8) == set(quantized)
         assert {module.weight_fp8.dtype for module in fp8.values()} == {E4M3}
         # Counted: each FP8 weight 1 byte per element and 4 per row and 128 columns, in place
         # of the dequantised weight's element size.
