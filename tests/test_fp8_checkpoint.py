@@ -1,7 +1,9 @@
 """DeepSeek-V3's FP8 checkpoint layout (tetrad.models.hf_fp8): `tetrad export --dtype fp8` writes
 E4M3 projections with a weight_scale_inv per 128x128 block and the rest in bf16, and loading
 dequantises them back; a tiny DeepSeek-V3 model's logits stay within the measured bound of the
-fp32 model's (docs/deepseek.md states the numbers)."""
+fp32 model's (docs/deepseek.md states the numbers). Served (`keep_fp8`, the one-rank engine), the
+projections stay E4M3 and dequantise on the fly: the same logits, bit for bit, at 1 byte per
+weight plus scales."""
 
 import json
 
@@ -12,10 +14,16 @@ transformers = pytest.importorskip("transformers")
 from deepseek_models import VOCAB, hf_model  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
+from test_engine import GREEDY, PROMPTS  # noqa: E402
+
 from tetrad import load_pretrained  # noqa: E402
 from tetrad.cli.main import main  # noqa: E402
-from tetrad.models.fp8 import E4M3, E4M3_MAX  # noqa: E402
-from tetrad.models.hf_fp8 import QUANTIZATION_CONFIG, is_quantized  # noqa: E402
+from tetrad.inference.engine import LLM  # noqa: E402
+from tetrad.inference.rank_share import held_bytes  # noqa: E402
+from tetrad.models.fp8 import (E4M3, E4M3_MAX, FP8WeightLinear, dequantize_blocks,  # noqa: E402
+                               is_quantized_linear, quantize_blocks, weight_bytes)
+from tetrad.models.hf_fp8 import (QUANTIZATION_CONFIG, FP8Weight, is_quantized,  # noqa: E402
+                                  read_weight)
 
 # E4M3 rounding: half an ulp of 3 mantissa bits, or half the subnormal spacing of the block.
 U, SUB = 2.0 ** -4, 2.0 ** -10
@@ -90,3 +98,55 @@ def test_fp8_weights_load_back_within_the_measured_logit_error(folders):
     # Without a dtype the model loads in the checkpoint's declared dtype (bf16), not mixed.
     model = load_pretrained(folders / "fp8")
     assert {param.dtype for param in model.parameters()} == {torch.bfloat16}
+
+
+def test_fused_and_permuted_fp8_weights_keep_each_rows_block_scale():
+    # Several 128x128 blocks per piece, pieces of unequal scale, rows permuted across blocks.
+    generator = torch.Generator().manual_seed(0)
+    pieces = [torch.randn(200, 300, generator=generator) * scale for scale in (1.0, 50.0)]
+    stored = {}
+    for index, piece in enumerate(pieces):
+        stored[f"w{index}"], stored[f"w{index}_scale_inv"] = quantize_blocks(piece)
+    rows = tuple(torch.randperm(400, generator=generator).tolist())
+    kept = FP8Weight.concatenated(
+        [read_weight(stored.__getitem__, f"w{i}", set(stored), 128, keep_fp8=True)
+         for i in range(2)], rows)
+    at_load = torch.cat([dequantize_blocks(stored[f"w{i}"], stored[f"w{i}_scale_inv"])
+                         for i in range(2)])[list(rows)]
+    assert kept.values.dtype == E4M3 and kept.scales.shape == (400, 3)
+    assert torch.equal(kept.dequantized(), at_load)
+
+
+def test_served_fp8_weights_stay_fp8_and_give_the_dequantised_models_logits(folders):
+    ids = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(1))
+    for dtype in (torch.float32, torch.bfloat16):
+        kept = load_pretrained(folders / "fp8", dtype=dtype, keep_fp8=True)
+        at_load = load_pretrained(folders / "fp8", dtype=dtype)
+        quantized = {name: module for name, module in at_load.named_modules()
+                     if is_quantized_linear(name, module)}
+        fp8 = {name: module for name, module in kept.named_modules()
+               if isinstance(module, FP8WeightLinear)}
+        assert quantized and set(fp8) == set(quantized)
+        assert {module.weight_fp8.dtype for module in fp8.values()} == {E4M3}
+        # Counted: each FP8 weight 1 byte per element and 4 per row and 128 columns, in place
+        # of the dequantised weight's element size.
+        saved = sum(linear.weight.numel() * (linear.weight.element_size() - 1)
+                    - 4 * linear.out_features * -(-linear.in_features // 128)
+                    for linear in quantized.values())
+        assert weight_bytes(kept) == weight_bytes(at_load) - saved
+        assert weight_bytes(kept) < weight_bytes(at_load)
+        # The same fp32 products q * scale, cast the same way: exactly the same logits.
+        with torch.no_grad():
+            assert torch.equal(kept(ids), at_load(ids)), dtype
+
+
+def test_the_engine_serves_an_fp8_folder_with_fp8_weights(folders):
+    llm = LLM(folders / "fp8", log=None, block_size=4, dtype="fp32")
+    fp8 = [m for m in llm.model.modules() if isinstance(m, FP8WeightLinear)]
+    assert fp8 and all(m.weight_fp8.dtype == E4M3 for m in fp8)
+    assert held_bytes(llm.runner)["weights"] == weight_bytes(llm.model)
+    reference = LLM(load_pretrained(folders / "fp8", dtype=torch.float32),
+                    tokenizer=llm.tokenizer, log=None, block_size=4, dtype="fp32")
+    assert weight_bytes(llm.model) < weight_bytes(reference.model)
+    assert ([o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+            == [o.token_ids for o in reference.generate(PROMPTS, GREEDY)])

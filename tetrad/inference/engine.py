@@ -67,9 +67,12 @@ class LLM:
             tokenizer = tokenizer or tetrad.load_tokenizer(path)
             self.eos_token_ids = _config_eos_ids(path)
             config = replace(config, dtype=resolve_dtype(config.dtype, path))
-            # Multi-rank layouts split the model on the host, then move each rank's share.
-            model = tetrad.load_pretrained(path, device if layout.world_size == 1 else "cpu",
-                                           TORCH_DTYPES[config.dtype])
+            # Multi-rank layouts split the model on the host, then move each rank's share. One
+            # rank keeps an FP8 checkpoint's projections in FP8; the tensor/expert-parallel
+            # splits shard nn.Linear parameters, so several ranks dequantise them at load.
+            single = layout.world_size == 1
+            model = tetrad.load_pretrained(path, device if single else "cpu",
+                                           TORCH_DTYPES[config.dtype], keep_fp8=single)
             if folder_tokenizer:
                 check_tokenizer_fits(tokenizer, model.config.vocab_size)
         self.config = config

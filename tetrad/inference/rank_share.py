@@ -22,6 +22,7 @@ from tetrad.inference.layout import ServingLayout
 from tetrad.inference.pipeline import PipelineStep, serving_stage
 from tetrad.inference.runner import ModelRunner, StepPlan
 from tetrad.inference.tensor_experts import spread_experts
+from tetrad.models.fp8 import weight_bytes
 from tetrad.parallel.comm import Comm, CommCounter
 from tetrad.parallel.expert_parallel import apply_expert_parallel
 from tetrad.parallel.launch import rank_device
@@ -37,11 +38,11 @@ RankStep = Callable[[list[StepPlan]], "torch.Tensor | None"]
 
 
 def held_bytes(runner: ModelRunner) -> dict[str, int]:
-    """What a rank holds, counted on its tensors: parameter bytes, KV-pool bytes per token slot,
-    and the whole pool's bytes (its pad block included)."""
+    """What a rank holds, counted on its tensors: weight bytes (FP8 ones at 1 byte plus their
+    scales), KV-pool bytes per token slot, and the whole pool's bytes (its pad block included)."""
     pool = runner.kv_cache.pool
     pool_bytes = pool.numel() * pool.element_size()
-    return {"weights": sum(p.numel() * p.element_size() for p in runner.model.parameters()),
+    return {"weights": weight_bytes(runner.model),
             "kv_per_token": pool_bytes // (pool.shape[2] * pool.shape[3]),
             "kv_pool": pool_bytes}
 

@@ -26,10 +26,10 @@ from tetrad.errors import ConfigError
 from tetrad.hf_config import (hf_from_model_config, hf_model_type, model_config_from_hf,
                               read_hf_config, resolve_checkpoint, rope_scaling_parameters,
                               rope_scaling_type)
-from tetrad.models.fp8 import BLOCK
+from tetrad.models.fp8 import BLOCK, FP8WeightLinear
 from tetrad.models.hf_deepseek import check_deepseek_support, deepseek_rules, is_extra_layer
-from tetrad.models.hf_fp8 import (QUANTIZATION_CONFIG, block_size, quantize_state_dict,
-                                  read_weight, scale_names)
+from tetrad.models.hf_fp8 import (QUANTIZATION_CONFIG, UNQUANTIZED_DTYPE, FP8Weight,
+                                  block_size, quantize_state_dict, read_weight, scale_names)
 from tetrad.models.hf_rules import Rule
 from tetrad.models.rope import make_rotary
 from tetrad.models.transformer import Transformer
@@ -131,10 +131,11 @@ class HFWeights:
     """The tensors of an HF folder (one model.safetensors, or shards listed in
     model.safetensors.index.json), read one at a time so that peak memory stays near one copy of
     the model. DeepSeek's FP8 weights come dequantised per `block` (tetrad.models.hf_fp8), their
-    weight_scale_inv tensors folded in."""
+    weight_scale_inv tensors folded in, or with `keep_fp8` as FP8Weight."""
 
-    def __init__(self, folder: Path, device: torch.device | str = "cpu", block: int = BLOCK):
-        self.block = block
+    def __init__(self, folder: Path, device: torch.device | str = "cpu", block: int = BLOCK,
+                 keep_fp8: bool = False):
+        self.block, self.keep_fp8 = block, keep_fp8
         index = folder / "model.safetensors.index.json"
         if index.is_file():
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -157,7 +158,7 @@ class HFWeights:
 
     def get(self, name: str) -> torch.Tensor:
         return read_weight(lambda key: self._handles[key].get_tensor(key), name,
-                           set(self._handles), self.block)
+                           set(self._handles), self.block, self.keep_fp8)
 
     def first(self) -> torch.Tensor:
         return self.get(next(iter(self._handles)))
@@ -169,14 +170,15 @@ def has_hf_weights(folder: str | Path) -> bool:
             or (folder / "model.safetensors.index.json").is_file())
 
 
-def _hf_tensors(config: ModelConfig, folder: Path, device: torch.device | str = "cpu"
-                ) -> Iterator[tuple[str, torch.Tensor, str]]:
+def _hf_tensors(config: ModelConfig, folder: Path, device: torch.device | str = "cpu",
+                keep_fp8: bool = False) -> Iterator[tuple[str, torch.Tensor | FP8Weight, str]]:
     """(tetrad name, tensor on `device` in the stored dtype, where it came from) for every
     parameter of a model of `config`, one at a time, after checking that the folder's tensors
-    are exactly the ones the model needs."""
+    are exactly the ones the model needs. With `keep_fp8` a weight whose pieces are all FP8
+    comes as one FP8Weight."""
     hf = read_hf_config(folder)
     check_runtime_support(hf)
-    weights = HFWeights(folder, device, block_size(hf))
+    weights = HFWeights(folder, device, block_size(hf), keep_fp8)
     names = weights.names()
     prefix = "transformer." if any(n.startswith("transformer.") for n in names) else ""
     model_rules = rules(config, hf["model_type"], prefix, hf.get("rope_interleave", True))
@@ -196,6 +198,10 @@ def _hf_tensors(config: ModelConfig, folder: Path, device: torch.device | str = 
                           f"{', '.join(unused[:3])}): the weights do not match the model config")
     for rule in model_rules:
         parts = [weights.get(name) for name in rule.hf]
+        if not rule.transpose and all(isinstance(p, FP8Weight) for p in parts):
+            yield rule.tetrad, FP8Weight.concatenated(parts, rule.rows), f"{rule.hf} in {folder}"
+            continue
+        parts = [p.dequantized() if isinstance(p, FP8Weight) else p for p in parts]
         tensor = torch.cat([p.t() if rule.transpose else p for p in parts])
         if rule.rows:
             tensor = tensor[list(rule.rows)]
@@ -277,10 +283,12 @@ def _parameter_names(config: ModelConfig) -> set[str]:
         return {name for name, _ in Transformer(config).named_parameters()}
 
 
-def _materialize(model: Transformer, tensors: Iterator[tuple[str, torch.Tensor, str]],
+def _materialize(model: Transformer,
+                 tensors: Iterator[tuple[str, torch.Tensor | FP8Weight, str]],
                  device: torch.device, dtype: torch.dtype | None) -> None:
     """Give a model built on the meta device its parameters, each read once and put straight on
-    `device` in `dtype` (None: as stored): no random init, no full-precision copy."""
+    `device` in `dtype` (None: as stored): no random init, no full-precision copy. An FP8Weight
+    replaces its linear with an FP8WeightLinear computing in `dtype`."""
     params = dict(model.named_parameters())
     loaded = set()
     for name, tensor, source in tensors:
@@ -289,6 +297,10 @@ def _materialize(model: Transformer, tensors: Iterator[tuple[str, torch.Tensor, 
                               f"weights do not match the model config")
         _check_shape(params[name], tensor, name, source)
         module_name, _, leaf = name.rpartition(".")
+        if isinstance(tensor, FP8Weight):
+            _keep_fp8(model, module_name, tensor, device, dtype)
+            loaded.add(name)
+            continue
         value = tensor.to(device=device, dtype=dtype or tensor.dtype)
         # requires_grad as built: the routing bias of sigmoid routing has no gradient.
         model.get_submodule(module_name).register_parameter(
@@ -301,6 +313,18 @@ def _materialize(model: Transformer, tensors: Iterator[tuple[str, torch.Tensor, 
     if model.rotary is not None:  # the one buffer: rotary frequencies, computed, kept in fp32
         with torch.device(device):
             model.rotary = make_rotary(model.config)
+
+
+def _keep_fp8(model: Transformer, module_name: str, weight: FP8Weight, device: torch.device,
+              dtype: torch.dtype | None) -> None:
+    linear = model.get_submodule(module_name)
+    if not isinstance(linear, nn.Linear) or linear.bias is not None:
+        raise ConfigError(f"{module_name} is not a linear layer without bias: its FP8 weight "
+                          f"cannot stay in FP8")
+    parent_name, _, child = module_name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child,
+            FP8WeightLinear(weight.values.to(device), weight.scales.to(device),
+                            dtype or UNQUANTIZED_DTYPE, weight.block))
 
 
 def _dtype_from_name(name: str, source: str) -> torch.dtype:
@@ -325,11 +349,13 @@ def checkpoint_dtype(path: str | Path) -> torch.dtype:
 
 
 def load_pretrained(path: str | Path, device: torch.device | str = "cpu",
-                    dtype: torch.dtype | None = None) -> Transformer:
+                    dtype: torch.dtype | None = None, keep_fp8: bool = False) -> Transformer:
     """A tetrad Transformer in eval mode from an HF folder (config.json + safetensors), a tetrad
     checkpoint step folder (model.json + its shards), or a checkpoint root whose `latest`
     file names its newest step folder. The model is built on the meta device and each weight
-    goes straight from the file to `device` in `dtype` (None: the stored dtype)."""
+    goes straight from the file to `device` in `dtype` (None: the stored dtype). `keep_fp8`: an
+    FP8 checkpoint's projections stay in FP8 (FP8WeightLinear, for inference: no parameters to
+    train, export or shard) instead of being dequantised at load."""
     folder = resolve_checkpoint(path)
     if not folder.is_dir():
         raise ConfigError(f"{path} is not a folder: pass an HF model folder or a tetrad "
@@ -348,7 +374,7 @@ def load_pretrained(path: str | Path, device: torch.device | str = "cpu",
         if dtype is None and hf.get("quantization_config"):
             dtype = checkpoint_dtype(folder)  # FP8 weights come dequantised: in the model's dtype
         # safetensors reads straight into device memory.
-        tensors = _hf_tensors(config, folder, device)
+        tensors = _hf_tensors(config, folder, device, keep_fp8)
     else:
         raise ConfigError(f"{folder} has neither config.json (an HF model) nor model.json "
                           f"(a tetrad checkpoint)")

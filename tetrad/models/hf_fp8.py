@@ -7,18 +7,21 @@ per 128x128 block, ceil(out / 128) x ceil(in / 128), with weight ≈ fp8 * scale
 `lm_head` stay in 16 bits (bf16), as DeepSeek ships them. config.json carries DeepSeek-V3's
 `quantization_config`; a folder whose config has one must say `quant_method: fp8`, and its
 `weight_block_size` is the block read. Loading dequantises each weight per block into the
-dtype asked for (tetrad.models.hf).
+dtype asked for (tetrad.models.hf), or, with `keep_fp8` (the single-rank serving engine), reads
+it as an FP8Weight that becomes a tetrad.models.fp8.FP8WeightLinear.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from tetrad.errors import ConfigError
-from tetrad.models.fp8 import BLOCK, E4M3, dequantize_blocks, quantize_blocks
+from tetrad.models.fp8 import (BLOCK, E4M3, block_scales_per_row, dequantize_blocks,
+                               dequantize_tiles, quantize_blocks)
 
 SCALE_SUFFIX = "_scale_inv"
 # DeepSeek-V3's config.json, verbatim.
@@ -67,9 +70,36 @@ def scale_names(names: set[str]) -> set[str]:
             if name.endswith(SCALE_SUFFIX) and name.removesuffix(SCALE_SUFFIX) in names}
 
 
+@dataclass(frozen=True)
+class FP8Weight:
+    """A weight kept in FP8: E4M3 values [N, K] and fp32 scales per row and `block` columns
+    [N, ceil(K / block)], the form tetrad's fused (concatenated) and row-permuted weights keep."""
+    values: torch.Tensor
+    scales: torch.Tensor
+    block: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    def dequantized(self) -> torch.Tensor:
+        """fp32, the same products as dequantize_blocks of the stored block grid."""
+        return dequantize_tiles(self.values, self.scales, self.block)
+
+    @staticmethod
+    def concatenated(parts: list["FP8Weight"], rows: tuple[int, ...]) -> "FP8Weight":
+        """The parts stacked along dim 0, then (when given) only `rows`, in that order."""
+        values = torch.cat([part.values for part in parts])
+        scales = torch.cat([part.scales for part in parts])
+        if rows:
+            values, scales = values[list(rows)], scales[list(rows)]
+        return FP8Weight(values, scales, parts[0].block)
+
+
 def read_weight(get: Callable[[str], torch.Tensor], name: str, names: set[str],
-                block: int) -> torch.Tensor:
-    """Tensor `name` through `get`; an E4M3 weight with a scale_inv dequantised per block (fp32)."""
+                block: int, keep_fp8: bool = False) -> torch.Tensor | FP8Weight:
+    """Tensor `name` through `get`; an E4M3 weight with a scale_inv dequantised per block (fp32),
+    or with `keep_fp8` as an FP8Weight."""
     tensor = get(name)
     if tensor.dtype == E4M3 and name + SCALE_SUFFIX in names:
         scale_inv = get(name + SCALE_SUFFIX)
@@ -77,5 +107,8 @@ def read_weight(get: Callable[[str], torch.Tensor], name: str, names: set[str],
         if tuple(scale_inv.shape) != expected:
             raise ConfigError(f"{name}{SCALE_SUFFIX} has shape {tuple(scale_inv.shape)}, not "
                               f"{expected}: one scale per {block}x{block} block of {name}")
+        if keep_fp8:
+            return FP8Weight(tensor, block_scales_per_row(scale_inv.float(), tensor.shape[0],
+                                                          block), block)
         return dequantize_blocks(tensor, scale_inv.float(), block)
     return tensor
