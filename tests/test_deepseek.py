@@ -1,6 +1,7 @@
 """DeepSeek-V3 in the runtime: MLA, DeepSeek routing and YaRN load from HF folders with
 transformers' logits, the absorbed MLA form equals the expanded one, the router does what
-DeepSeek's does, one-process training learns, and multi-process layouts refuse in one line."""
+DeepSeek's does, one-process training learns, and the layouts that cannot train them refuse in
+one line."""
 
 import pytest
 import torch
@@ -16,8 +17,7 @@ from tetrad.models.layers import causal_attention  # noqa: E402
 from tetrad.models.moe import Router  # noqa: E402
 from tetrad.models.transformer import count_parameters  # noqa: E402
 from tetrad.planner import model_stats  # noqa: E402
-from tetrad.planner.rules import (check_single_process_features,  # noqa: E402
-                                  check_tensor_parallel)
+from tetrad.planner.rules import check_deepseek_features, check_tensor_parallel  # noqa: E402
 from tetrad.presets import preset  # noqa: E402
 from tetrad.train.trainer import train  # noqa: E402
 
@@ -124,28 +124,37 @@ def test_training_a_deepseek_folder_in_one_process_learns(saved, corpus_file, tm
     assert (moved.abs() <= 12 * 0.001 + 1e-6).all()
 
 
-def test_multi_process_layouts_refuse_mla_and_sigmoid_routing():
+def test_layouts_that_cannot_train_deepseek_refuse_and_the_others_pass():
+    """dp, ZeRO, tp, pp, ep and their compositions train these models
+    (tests/test_train_deepseek.py); ring attention and parameter servers refuse, saying why."""
     mla = model_config_from_hf(hf_config("v3").to_dict())
-    for layout in (dict(dp=2), dict(tp=2), dict(pp=2), dict(cp=2), dict(dp=2, ep=2),
-                   dict(strategy="ps", servers=1, dp=2)):
-        with pytest.raises(ConfigError, match="one process only"):
-            check_single_process_features(mla, ParallelConfig(**layout))
-    check_single_process_features(mla, ParallelConfig())
-    sigmoid_only = ModelConfig(num_experts=4, num_experts_per_token=2, router_score="sigmoid")
-    with pytest.raises(ConfigError, match="sigmoid routing"):
-        check_single_process_features(sigmoid_only, ParallelConfig(dp=2))
+    for layout in (dict(dp=2), dict(tp=2), dict(pp=2), dict(dp=2, ep=2, zero=3),
+                   dict(dp=2, tp=2, pp=2)):
+        check_deepseek_features(mla, ParallelConfig(**layout))
+    with pytest.raises(ConfigError, match="ring attention needs keys and values of one width"):
+        check_deepseek_features(mla, ParallelConfig(cp=2))
+    with pytest.raises(ConfigError, match="routing bias"):
+        check_deepseek_features(mla, ParallelConfig(strategy="ps", servers=1, dp=2))
+    mla_softmax = mla.replace(router_score="softmax", router_bias_update_rate=0.0)
     with pytest.raises(ConfigError, match="latent attention"):
-        check_tensor_parallel(mla, 2)
+        check_deepseek_features(mla_softmax, ParallelConfig(strategy="ps", servers=1, dp=2))
+    sigmoid_only = ModelConfig(num_experts=4, num_experts_per_token=2, router_score="sigmoid",
+                               router_bias_update_rate=0.001)
+    check_deepseek_features(sigmoid_only, ParallelConfig(dp=2, cp=2))  # ring attention is MHA's
+    check_tensor_parallel(mla, 4)  # one head per rank
+    with pytest.raises(ConfigError, match="shared experts' 6 hidden units"):
+        check_tensor_parallel(mla.replace(moe_ffn_hidden_size=6), 4)
 
 
 def test_training_cli_refuses_a_deepseek_layout_in_one_line(saved, corpus_file, capsys):
     from tetrad.cli.main import main
 
     code = main(["train", "--model", str(saved[1]), "--data", corpus_file, "--nproc", "2",
-                 "--dp", "2", "--steps", "1"])
+                 "--cp", "2", "--steps", "1"])
     assert code == 2
     err = capsys.readouterr().err.strip()
-    assert "one process only" in err and len(err.splitlines()) == 1
+    assert "multi-head latent attention (MLA) does not have" in err
+    assert len(err.splitlines()) == 1
 
 
 def test_deepseek_v3_config_json_maps_to_the_preset():

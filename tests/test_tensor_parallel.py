@@ -199,7 +199,8 @@ def expected_bytes(config: ModelConfig, tp: int, sequence_parallel: bool, microb
     all-reduce of S bytes over tp ranks sends 2(tp-1)/tp*S, a reduce-scatter or all-gather
     (tp-1)/tp*S. Per microbatch, in [b, s, h] activations:
       dense layer: 2 all-reduces forward (after attention, after the MLP), 2 backward (before each)
-      MoE layer:   attention's 2 + 2 only (experts whole, same input on every rank)
+      MoE layer:   attention's 2 + 2 (routed experts whole, same input on every rank), and
+                   the shared experts' g forward and f backward, all-reduces under SP too
       embedding:   1 all-reduce forward; head: 1 all-reduce backward (its input)
     Under SP each all-reduce is an all-gather + reduce-scatter pair, and an MoE layer adds an
     all-gather forward (its input) and one backward (its output gradient).
@@ -212,14 +213,16 @@ def expected_bytes(config: ModelConfig, tp: int, sequence_parallel: bool, microb
     activation = tokens * h * fp32
     num_moe = sum(config.is_moe_layer(layer) for layer in range(config.num_layers))
     all_reduces = 4 * (config.num_layers - num_moe) + 2 * num_moe + 2
+    shared = 2 * num_moe if config.num_shared_experts else 0  # inside the MoE layer
     ar, half = Fraction(2 * (tp - 1), tp), Fraction(tp - 1, tp)
     runs = STEPS * microbatches
     zero = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
     if sequence_parallel:
         activations = {**zero, "all_gather": runs * (all_reduces + 2 * num_moe) * half * activation,
-                       "reduce_scatter": runs * all_reduces * half * activation}
+                       "reduce_scatter": runs * all_reduces * half * activation,
+                       "all_reduce": runs * shared * ar * activation}
     else:
-        activations = {**zero, "all_reduce": runs * all_reduces * ar * activation}
+        activations = {**zero, "all_reduce": runs * (all_reduces + shared) * ar * activation}
     grads = 0
     if config.num_kv_heads < tp:
         kv_rows = 2 * config.num_kv_heads * config.head_dim
@@ -343,10 +346,14 @@ def test_layouts_that_cannot_split_say_what_to_change(config, tp, sequence_paral
 
 
 def test_experts_are_kept_whole_so_their_ffn_need_not_divide():
-    moe = preset("tiny-moe").replace(moe_ffn_hidden_size=66, ffn_hidden_size=66)
+    """Routed experts stay whole; the shared experts (2 x 66 units here) split like an MLP."""
+    moe = preset("tiny-moe").replace(moe_ffn_hidden_size=66, ffn_hidden_size=66,
+                                     num_shared_experts=2)
     check_tensor_parallel(moe, 4, True, seq_len=8)  # every layer is MoE: no dense MLP to split
     with pytest.raises(ConfigError, match="ffn_hidden_size 66"):
         check_tensor_parallel(moe.replace(num_dense_layers=1), 4)
+    with pytest.raises(ConfigError, match="shared experts' 66 hidden units"):
+        check_tensor_parallel(moe.replace(num_shared_experts=1), 4)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])

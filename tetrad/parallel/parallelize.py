@@ -41,15 +41,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from tetrad.config import ModelConfig, ParallelConfig
+from tetrad.models.moe import Router
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm
-from tetrad.parallel.context_parallel import ContextParallel, apply_context_parallel
+from tetrad.parallel.context_parallel import (ROUTING_TAG, ContextParallel,
+                                              apply_context_parallel)
 from tetrad.parallel.data_parallel import DataParallel
 from tetrad.parallel.engine import (DataParallelEngine, DataParallelOptions, ParameterView,
                                     WholeAdamW)
 from tetrad.parallel.expert_parallel import ExpertParallel, apply_expert_parallel
 from tetrad.parallel.fsdp import FullyShardedDataParallel, transformer_units
-from tetrad.parallel.mesh import Mesh
+from tetrad.parallel.mesh import Group, Mesh
 from tetrad.parallel.pipeline import PipelineExecutor, partition
 from tetrad.parallel.pipeline.executor import whole_sequences
 from tetrad.parallel.recompute import apply_recompute
@@ -90,7 +92,8 @@ def parallelize(model: Transformer, mesh: Mesh, comm: Comm, parallel: ParallelCo
             context.shard if context else whole_sequences, cut)
     params = pipeline.named_parameters() if pipeline else dict(model.named_parameters())
     expert_ids = {id(p) for p in experts.expert_parameters()} if experts else set()
-    replicated = {name: p for name, p in params.items() if id(p) not in expert_ids}
+    replicated = {name: p for name, p in params.items()
+                  if id(p) not in expert_ids and p.requires_grad}
     engine = _data_parallel(model, replicated, mesh, comm, parallel, options, pipeline)
     expert_names = {n for n, p in params.items() if id(p) in expert_ids}
     # Experts are not sharded: each keeps a whole AdamW of its own, written by its first replica.
@@ -108,6 +111,21 @@ def parallelize(model: Transformer, mesh: Mesh, comm: Comm, parallel: ParallelCo
     return ParallelModel(config, mesh, comm, parallel, pipeline.module if pipeline else model,
                          params, expert_names, engine, expert_optimizer, experts, context, tensor,
                          pipeline)
+
+
+def summed_router_loads(module: nn.Module, comm: Comm, group: Group) -> None:
+    """Aux-loss-free balancing after a step, as on one device: each router's expert loads summed
+    over `group` (the ranks that routed different tokens: dp x cp, over which ep is folded; tp
+    ranks route the same ones), then every rank moves its copy of the bias alike. Every rank of
+    the group holds the same routers (the same pipeline stages), so the sums pair up."""
+    routers = [m for m in module.modules() if isinstance(m, Router) and m.load is not None]
+    if routers and group.size > 1:
+        loads = torch.cat([router.load for router in routers])
+        comm.all_reduce(loads, group, ROUTING_TAG)
+        for router, load in zip(routers, loads.split([r.load.numel() for r in routers])):
+            router.load = load
+    for router in routers:
+        router.update_bias()
 
 
 def _data_parallel(model: Transformer, replicated: dict[str, nn.Parameter], mesh: Mesh,
@@ -164,6 +182,9 @@ class ParallelModel:
     pipeline: PipelineExecutor | None = None
 
     def __post_init__(self) -> None:
+        # Parameters without a gradient (the routing bias of aux-loss-free balancing): no engine
+        # holds them; they are replicated, written by the first dp x cp replica, loaded here.
+        self.frozen = {name: p for name, p in self.params.items() if not p.requires_grad}
         tied = self.pipeline.tied_weight if self.pipeline else None
         # The last pipeline rank's copy of a tied embedding is the first rank's parameter again.
         self.duplicate = {id(tied)} if tied is not None and \
@@ -228,6 +249,7 @@ class ParallelModel:
             if applied:
                 self.expert_optimizer.step(lr)
             self.expert_optimizer.optimizer.zero_grad(set_to_none=True)
+        summed_router_loads(self.module, self.comm, self.mesh["dp_cp"])
         return applied
 
     def counted(self, name: str, param: nn.Parameter, tensor: torch.Tensor
@@ -255,7 +277,16 @@ class ParallelModel:
         sharded checkpoint, each in the single-process tensors' coordinates."""
         experts = (self.expert_optimizer.pieces(kinds, self.placement)
                    if self.expert_optimizer is not None else [])
-        return self.engine.pieces(kinds, self.placement) + experts
+        return self.engine.pieces(kinds, self.placement) + experts + self._frozen_pieces(kinds)
+
+    def _frozen_pieces(self, kinds: tuple[str, ...]) -> list[Piece]:
+        """The frozen parameters, and AdamW moments of zeros as one process writes for them."""
+        if self.mesh["dp_cp"].index != 0:
+            return []
+        return [Piece(kind, name, param.detach() if kind == "model" else torch.zeros_like(param),
+                      *place)
+                for name, param in self.frozen.items()
+                if (place := self.placement(name, param)) is not None for kind in kinds]
 
     def optimizer_step(self) -> int:
         return self.engine.optimizer_step()
@@ -283,12 +314,16 @@ class ParallelModel:
                                  "exp_avg_sq": self.local_named(optimizer["exp_avg_sq"],
                                                                 self.params)}
         self.engine.load(params, moments, loss_scaler_state(whole.get("scaler")))
+        with torch.no_grad():
+            for name, param in self.frozen.items():
+                param.copy_(params[name])
         if self.expert_optimizer is not None:
             self.expert_optimizer.load(params, moments)
 
     def bytes_held(self) -> dict[str, int]:
         """Bytes of the tensors this rank holds, by kind (counted from the tensors)."""
         held = self.engine.bytes_held()
+        held["params"] += sum(p.numel() * p.element_size() for p in self.frozen.values())
         if self.expert_optimizer is not None:
             for kind, count in self.expert_optimizer.bytes_held().items():
                 held[kind] += count

@@ -14,9 +14,14 @@ stay the full model's. Over the tp ranks of a group:
   vocabulary the embedding and an untied head split by vocabulary rows; a tied head multiplies by
              the embedding's own shard. The loss is vocab-parallel (tetrad.parallel.vocab_parallel):
              full logits never exist on one rank.
-  MoE        experts stay whole and every tp rank computes the whole MoE layer (the same numbers
-             on each): experts are spread by expert parallelism, not cut by tp, and sharding
-             them would need the router's gradient summed across ranks too.
+  MLA        split by heads too: q_up (or q) and kv_up column-parallel, out row-parallel; the
+             low-rank down-projections, their norms and the shared rope key whole on every rank,
+             computing for the rank's heads after the block's input entered once (their
+             gradients are partial, summed over tp like SP's).
+  MoE        routed experts stay whole and every tp rank computes them for every token (the same
+             numbers on each): experts are spread by expert parallelism, not cut by tp, and
+             sharding them would need the router's gradient summed across ranks too. Shared
+             experts are split like the MLP, entering by f and leaving by g inside the layer.
   replicated norms, row-parallel biases, learned positions.
 
 The operators between them are tetrad.parallel.tp_operators': f (identity forward, all-reduce
@@ -38,6 +43,8 @@ sequence shard.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -62,15 +69,16 @@ class ColumnParallelLinear(nn.Module):
 
     dim = 0
 
-    def __init__(self, full: nn.Linear, indices: list[torch.Tensor], tp: TensorParallel):
+    def __init__(self, full: nn.Linear, indices: list[torch.Tensor], tp: TensorParallel,
+                 enters: bool = True):
         super().__init__()
-        self.tp, self.indices = tp, indices
+        self.tp, self.indices, self.enters = tp, indices, enters  # enters: through f / g_seq
         rows = indices[tp.index]
         self.weight = nn.Parameter(full.weight.detach()[rows].clone())
         self.bias = None if full.bias is None else nn.Parameter(full.bias.detach()[rows].clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.tp.enter(x), self.weight, self.bias)
+        return F.linear(self.tp.enter(x) if self.enters else x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -153,19 +161,54 @@ class SequenceShardedPositions(nn.Module):
 
 
 def _shard_block(block: nn.Module, config: ModelConfig, tp: TensorParallel) -> None:
+    if config.attention == "mla":
+        _shard_latent_attention(block.attn, config, tp)
+    else:
+        _shard_attention(block.attn, config, tp)
+    if block.is_moe:
+        if block.mlp.shared is not None:
+            # Inside an MoE layer kept whole the input is the whole sequence on every rank
+            # already (gathered under SP), so the shared expert enters by f and leaves by g.
+            _shard_mlp(block.mlp.shared, dataclasses.replace(tp, sequence_parallel=False))
+        if tp.sequence_parallel:
+            keep_moe_whole(block.mlp, tp)
+        return
+    _shard_mlp(block.mlp, tp)
+
+
+def _shard_attention(attn: nn.Module, config: ModelConfig, tp: TensorParallel) -> None:
     size, d = tp.size, config.head_dim
-    attn = block.attn
     attn.qkv = ColumnParallelLinear(attn.qkv, [qkv_rows(config, size, r) for r in range(size)], tp)
     attn.out = RowParallelLinear(attn.out, even_split(config.q_size, size), tp)
     attn.num_heads = config.num_heads // size
     attn.num_kv_heads = len(kv_heads_of(config, size, tp.index))
     attn.q_size, attn.kv_size = attn.num_heads * d, attn.num_kv_heads * d
-    if block.is_moe:
-        if tp.sequence_parallel:
-            keep_moe_whole(block.mlp, tp)
-        return
-    mlp = block.mlp
-    ffn = mlp.ffn_hidden_size
+
+
+def _shard_latent_attention(attn: nn.Module, config: ModelConfig, tp: TensorParallel) -> None:
+    """MLA split by heads: q_up (or q) and kv_up column-parallel, out row-parallel; the low-rank
+    down-projections, their norms and the rope key all heads share stay whole on every rank. The
+    block's input enters once, before them (f, or g_seq under SP), so everything inside computes
+    this rank's heads only: the replicated weights' gradients are then partial (this rank's
+    heads' share) and `sum_partial_gradients` sums them over tp."""
+    size, heads = tp.size, config.num_heads
+
+    def by_heads(width: int) -> list[torch.Tensor]:  # each head's rows are contiguous
+        return even_split(heads * width, size)
+
+    if attn.low_rank_q:
+        attn.q_up = ColumnParallelLinear(attn.q_up, by_heads(attn.qk_dim), tp, enters=False)
+    else:
+        attn.q = ColumnParallelLinear(attn.q, by_heads(attn.qk_dim), tp, enters=False)
+    attn.kv_up = ColumnParallelLinear(attn.kv_up, by_heads(attn.nope_dim + attn.v_dim), tp,
+                                      enters=False)
+    attn.out = RowParallelLinear(attn.out, by_heads(attn.v_dim), tp)
+    attn.num_heads = heads // size
+    attn.register_forward_pre_hook(lambda module, args: (tp.enter(args[0]), *args[1:]))
+
+
+def _shard_mlp(mlp: nn.Module, tp: TensorParallel) -> None:
+    size, ffn = tp.size, mlp.ffn_hidden_size
     mlp.up = ColumnParallelLinear(mlp.up, [up_rows(ffn, mlp.gated, size, r) for r in range(size)],
                                   tp)
     mlp.down = RowParallelLinear(mlp.down, even_split(ffn, size), tp)
@@ -202,9 +245,13 @@ class TensorParallelSplit:
                     self.shards[f"{prefix}.bias"] = (0, module.indices)
         # Under SP every replicated parameter outside an MoE layer sees only a sequence shard
         # (whichever module holds the layer: expert parallelism swaps in its own).
+        # MLA's replicated weights compute for this rank's heads only, SP or not.
         whole_moe = {id(p) for block in model.layers if block.is_moe
                      for p in block.mlp.parameters()}
-        self.partial_params = [p for name, p in model.named_parameters() if tp.sequence_parallel
+        latent = {id(p) for block in model.layers if config.attention == "mla"
+                  for p in block.attn.parameters()}
+        self.partial_params = [p for name, p in model.named_parameters()
+                               if (tp.sequence_parallel or id(p) in latent)
                                and name not in self.shards and id(p) not in whole_moe]
         # Rows several ranks hold (replicated kv heads): (param, local rows, their slots in the
         # union of shared rows, the union's size). And what this rank counts in the gradient

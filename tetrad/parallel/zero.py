@@ -356,6 +356,11 @@ class ZeroDataParallel(ShardedEngine):
     def _after_backward(self) -> None:
         if self.stage == 2:
             self.after_stage_backward(0)
+        elif self._sync:
+            # ZeRO-1's last microbatch: a bucket holding a parameter this rank did not use (an
+            # expert its tokens never chose) never completes. Start it now, before any other
+            # collective (the loss mean), as the ranks that did complete it have.
+            self.orders[0].flush()
 
     def after_stage_backward(self, stage: int) -> None:
         """ZeRO-2: one microbatch's gradients of `stage` (the whole model without a pipeline) are

@@ -68,6 +68,11 @@ def _tensor_parallel_block(ledger: CommLedger, config: ModelConfig, layout: Trai
     the block's last saved tensor: before the MLP's closing g."""
     tp, moe = layout.tp, config.is_moe_layer(layer)
     pairs = 1 if moe else 2  # column-parallel entries and row-parallel exits per block
+    if moe and config.num_shared_experts:
+        # The shared experts, split like a dense MLP inside the whole MoE layer: f and g over
+        # all tokens, SP or not; a recomputed forward stops before their closing g.
+        ledger.add("all_reduce", tp, s_a, count)
+        ledger.add("all_reduce", tp, s_p, count * backwards)
     if not layout.sequence_parallel:
         ledger.add("all_reduce", tp, s_a, count * (pairs + reruns))  # g, forward
         ledger.add("all_reduce", tp, s_p, count * pairs * backwards)  # f, backward
@@ -128,7 +133,7 @@ def _gradients(ledger: CommLedger, config: ModelConfig, layout: TrainLayout,
                precision: TrainingPrecision, pp_rank: int) -> None:
     """The gradient reduction and ZeRO's parameter gathers of one optimizer step."""
     params = rank_parameters(config, layout, pp_rank)
-    replicated = [p for p in params if not p.expert]
+    replicated = [p for p in params if not p.expert and not p.frozen]
     experts = [p for p in params if p.expert]
     pb, gb = precision.param_bytes, precision.grad_bytes
     n, m = layout.zero_group, layout.num_microbatches
@@ -164,6 +169,9 @@ def _scalars(ledger: CommLedger, config: ModelConfig, layout: TrainLayout,
     ledger.add("all_reduce", layout.tp, SCALAR)
     ledger.add("all_reduce", layout.pp, SCALAR)
     ledger.add("all_reduce", layout.pp, 2 * FP32, layout.grad_accum)
+    # Aux-loss-free balancing: the routers' expert loads summed over dp x cp after each step.
+    if config.router_bias_update_rate:
+        ledger.add("all_reduce", dp_cp, sum(p.elements for p in params if p.frozen) * FP32)
     tied = [p for p in params if p.tied]
     if tied:  # summed once per step, after the last backward: ZeRO-2/3 sum their shards of it
         elements = tied[0].elements

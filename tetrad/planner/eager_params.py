@@ -6,7 +6,9 @@ the first stage (and a copy of a tied one on the last), the final norm and head 
 Tensor parallelism keeps 1/tp of the vocabulary rows of the embedding and head, of the query heads
 and the MLP units (kv heads split, or replicated on tp / num_kv_heads ranks when fewer than tp),
 and leaves norms, row-parallel biases, learned positions and MoE layers whole: an MoE layer runs
-whole on every tp rank, its routed experts divided over the ep ranks (E / ep each). Tensors come in
+whole on every tp rank, its routed experts divided over the ep ranks (E / ep each), its shared
+experts split like a dense MLP. MLA is split by heads, its low-rank down-projections and their
+norms whole. Tensors come in
 registration order, which decides ZeRO's buckets.
 
 ZeRO-3's units (tetrad.parallel.fsdp) are, without a pipeline, transformer_units': the embeddings,
@@ -25,6 +27,7 @@ from functools import lru_cache
 from tetrad.config import ModelConfig
 from tetrad.planner.layout import TrainLayout, stage_layer_counts
 from tetrad.planner.model_stats import norm_params
+from tetrad.planner.rules import shared_expert_size
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,7 @@ class Param:
     unit: int | None = None
     root: bool = False
     tied: bool = False
+    frozen: bool = False  # no gradient, no optimizer state: the routing bias of sigmoid routing
 
 
 def stage_layers(config: ModelConfig, layout: TrainLayout) -> tuple[int, ...]:
@@ -94,25 +98,53 @@ def _mlp(config: ModelConfig, ffn: int, tp: int = 1, sequence_parallel: bool = F
     return [replace(p, expert=expert) for p in params]
 
 
-def block_params(config: ModelConfig, layout: TrainLayout, layer: int) -> list[Param]:
-    """A block's tensors on one rank, in registration order."""
-    tp, sp, h = layout.tp, layout.sequence_parallel, config.hidden_size
-    d, kv_heads = config.head_dim, kv_heads_per_rank(config, tp)
+def _attention(config: ModelConfig, tp: int, sp: bool) -> list[Param]:
+    """Attention's tensors split by heads (qkv column-, out row-parallel)."""
+    d, kv_heads, h = config.head_dim, kv_heads_per_rank(config, tp), config.hidden_size
     q = config.num_heads // tp * d
     # With fewer kv heads than tp ranks, every k and v row lives on several ranks.
     shared = 2 * config.kv_size if config.num_kv_heads < tp else 0
+    return (_linear(q + 2 * kv_heads * d, h, config.qkv_bias or config.bias, shared_rows=shared)
+            + _linear(h, q, config.bias, sp))
+
+
+def _latent_attention(config: ModelConfig, tp: int) -> list[Param]:
+    """MLA's tensors (tetrad.models.mla, registration order) split by heads: q_up (or q), kv_up
+    column-parallel, out row-parallel; the down-projections and their norms whole on every rank,
+    where with tp > 1 they compute for the rank's heads only (gradients summed over tp)."""
+    h, heads = config.hidden_size, config.num_heads // tp
+    qk = config.qk_nope_head_dim + config.qk_rope_head_dim
+    latent, q_rank = config.kv_lora_rank, config.q_lora_rank
+
+    def whole(elements: int, matmul: bool = True) -> Param:
+        return Param(elements, matmul=matmul, partial=elements if tp > 1 else 0)
+
+    query = ([whole(q_rank * h), whole(q_rank, matmul=False),
+              Param(heads * qk * q_rank, matmul=True)] if q_rank
+             else [Param(heads * qk * h, matmul=True)])
+    return query + [whole((latent + config.qk_rope_head_dim) * h), whole(latent, matmul=False),
+                    Param(heads * (config.qk_nope_head_dim + config.v_head_dim) * latent,
+                          matmul=True),
+                    Param(h * heads * config.v_head_dim, matmul=True)]
+
+
+def block_params(config: ModelConfig, layout: TrainLayout, layer: int) -> list[Param]:
+    """A block's tensors on one rank, in registration order."""
+    tp, sp, h = layout.tp, layout.sequence_parallel, config.hidden_size
     params = _norm(config, sp)
-    params += _linear(q + 2 * kv_heads * d, h, config.qkv_bias or config.bias,
-                      shared_rows=shared)
-    params += _linear(h, q, config.bias, sp)
+    params += (_latent_attention(config, tp) if config.attention == "mla"
+               else _attention(config, tp, sp))
     params += _norm(config, sp)
     if not config.is_moe_layer(layer):
         return params + _mlp(config, config.ffn_hidden_size, tp, sp)
     # An MoE layer stays whole on every tp rank (under SP it gathers the sequence first); only
     # expert parallelism takes the experts out of the replicated parameters.
     router = [Param(config.num_experts * h, matmul=True)]
-    shared_mlp = (_mlp(config, config.moe_ffn_hidden_size * config.num_shared_experts)
-                  if config.num_shared_experts else [])
+    if config.router_score == "sigmoid":  # the balancing bias, the router's own (listed first)
+        router.insert(0, Param(config.num_experts, frozen=True))
+    # The shared experts are split over tp like a dense MLP (their input is whole inside).
+    shared_mlp = (_mlp(config, shared_expert_size(config), tp) if config.num_shared_experts
+                  else [])
     experts = [p for _ in range(config.num_experts // layout.ep)
                for p in _mlp(config, config.moe_ffn_hidden_size, expert=layout.ep > 1)]
     # ExpertParallelMoE registers the router, the shared expert, then the experts.

@@ -113,11 +113,13 @@ def _expert_state(experts: list[Param]) -> tuple[float, float, float]:
 def model_state(config: ModelConfig, layout: TrainLayout, precision: TrainingPrecision,
                 pp_rank: int) -> ModelState:
     """Parameters, gradients and optimizer state of one rank of pipeline rank `pp_rank`."""
-    params = rank_parameters(config, layout, pp_rank)
+    # The frozen routing bias: held (fp32, as its router's parameters), never stepped.
+    frozen = sum(p.elements for p in rank_parameters(config, layout, pp_rank) if p.frozen) * FP32
+    params = [p for p in rank_parameters(config, layout, pp_rank) if not p.frozen]
     pb, gb = precision.param_bytes, precision.grad_bytes
     if layout.zero == 0:
         elements = sum(p.elements for p in params)
-        return ModelState(elements * pb, elements * gb,
+        return ModelState(elements * pb + frozen, elements * gb,
                           elements * precision.optimizer_state_bytes + len(params) * FP32)
     replicated = [p for p in params if not p.expert]
     expert_params, expert_grads, expert_optimizer = _expert_state(
@@ -138,7 +140,7 @@ def model_state(config: ModelConfig, layout: TrainLayout, precision: TrainingPre
     # offload, where the fp32 master copy and the moments live too). With fp32 parameters the
     # device shard is its own master copy.
     fp32_grad = shard * FP32
-    params_bytes += expert_params
+    params_bytes += expert_params + frozen
     grads += expert_grads
     if layout.offload:
         return ModelState(params_bytes, grads, expert_optimizer, gathered,

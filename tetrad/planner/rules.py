@@ -49,7 +49,14 @@ def tp_fits(config: ModelConfig, tp: int, training: bool = True, kv_replicas: bo
     if not runtime:
         return True
     dense = any(not config.is_moe_layer(layer) for layer in range(config.num_layers))
-    return config.vocab_size % tp == 0 and not (dense and config.ffn_hidden_size % tp)
+    return config.vocab_size % tp == 0 and not (dense and config.ffn_hidden_size % tp) \
+        and not shared_expert_size(config) % tp
+
+
+def shared_expert_size(config: ModelConfig) -> int:
+    """Hidden units of an MoE layer's shared experts (one MLP, split over tp like a dense one)."""
+    return config.num_shared_experts * (config.moe_ffn_hidden_size or config.ffn_hidden_size) \
+        if config.is_moe else 0
 
 
 def valid_tp_degrees(config: ModelConfig, training: bool = True, kv_replicas: bool = False,
@@ -62,9 +69,6 @@ def check_tensor_parallel(config: ModelConfig, tp: int, sequence_parallel: bool 
                           seq_len: int | None = None, training: bool = True,
                           kv_replicas: bool = True, runtime: bool = True) -> None:
     """Raise ConfigError, before anything starts, when `config` cannot be split over `tp` ranks."""
-    if runtime and tp > 1 and config.attention == "mla":
-        raise ConfigError("tensor parallelism does not split multi-head latent attention (MLA) "
-                          "yet: use tp 1 for this model")
     if tp == 1 or (tp_fits(config, tp, training, kv_replicas, runtime)
                    and not (sequence_parallel and seq_len and seq_len % tp)):
         return
@@ -85,6 +89,10 @@ def check_tensor_parallel(config: ModelConfig, tp: int, sequence_parallel: bool 
         padded = -(-config.vocab_size // tp) * tp
         raise ConfigError(f"tp {tp} does not divide vocab_size {config.vocab_size}: pad the "
                           f"vocabulary to {padded} (a multiple of tp){hint}")
+    if shared_expert_size(config) % tp:
+        raise ConfigError(f"tp {tp} does not divide the shared experts' {shared_expert_size(config)}"
+                          f" hidden units (num_shared_experts x moe_ffn_hidden_size): they are "
+                          f"split like a dense MLP{hint}")
     if not tp_fits(config, tp, training, kv_replicas, runtime):
         raise ConfigError(f"tp {tp} does not divide ffn_hidden_size {config.ffn_hidden_size}: "
                           f"the MLP is split by its hidden units{hint}")
@@ -131,18 +139,24 @@ def check_degrees(config: ModelConfig, tp: int, pp: int, ep: int, training: bool
     check_expert_parallel(config, ep)
 
 
-def check_single_process_features(config: ModelConfig, parallel: ParallelConfig) -> None:
-    """DeepSeek's features that the runtime's multi-process layouts do not handle yet (issue 16
-    item 2): tensor parallelism splits a fused QKV that MLA does not have, ring attention and the
-    pipeline are untested with it, and the balancing bias of sigmoid routing would drift apart on
-    ranks that each count only their own tokens."""
-    features = [name for name, present in (
-        ("multi-head latent attention", config.attention == "mla"),
-        ("sigmoid routing (aux-loss-free balancing)", config.router_score == "sigmoid"))
-        if present]
-    if features and parallel.num_processes > 1:
-        raise ConfigError(f"{' and '.join(features)} trains in one process only so far: run "
-                          f"with --nproc 1 (no --dp/--tp/--pp/--cp/--ep/--strategy ps)")
+def check_deepseek_features(config: ModelConfig, parallel: ParallelConfig) -> None:
+    """The layouts DeepSeek's features cannot train under (dp, ZeRO, tp, pp, ep and their
+    compositions all can). Ring attention exchanges each key with its value as one tensor of one
+    width and scales scores by the query's width, while MLA's values are narrower than its keys
+    and its softmax scale is its own (YaRN's mscale). Parameter servers hold the parameters
+    but only see gradients, and the routing bias has none: each worker would move its own copy
+    from its own tokens (and MLA under them is not checked yet)."""
+    if parallel.cp > 1 and config.attention == "mla":
+        raise ConfigError("context parallelism's ring attention needs keys and values of one "
+                          "width and the query-width softmax scale, which multi-head latent "
+                          "attention (MLA) does not have: drop --cp (use --dp, --tp, --pp or --ep)")
+    if parallel.strategy == "ps" and config.router_bias_update_rate > 0:
+        raise ConfigError("--strategy ps cannot move aux-loss-free balancing's routing bias: "
+                          "its servers only see gradients and the bias has none, so each worker "
+                          "would move its own copy from its own tokens; use --dp (and --zero)")
+    if parallel.strategy == "ps" and config.attention == "mla":
+        raise ConfigError("--strategy ps has not been checked against one-process training "
+                          "for multi-head latent attention (MLA) yet: use --dp (and --zero)")
 
 
 def check_layout(config: ModelConfig, parallel: ParallelConfig, seq_len: int,
@@ -150,7 +164,7 @@ def check_layout(config: ModelConfig, parallel: ParallelConfig, seq_len: int,
     """Everything about `parallel` that can be wrong for this model and sequence length, as one
     ConfigError saying the fix. `runtime` adds what tetrad's runtime needs beyond the planner."""
     if runtime:
-        check_single_process_features(config, parallel)
+        check_deepseek_features(config, parallel)
     if parallel.pp == 1 and (parallel.vpp > 1 or runtime and parallel.microbatches > 1):
         raise ConfigError("--microbatches and --vpp are the pipeline's, but --pp is 1: add --pp "
                           "(or use --grad-accum for gradient accumulation)")

@@ -61,7 +61,13 @@ class LocalStrategy:
         self.scaler.scale(loss).backward()
 
     def finish_gradients(self) -> None:
-        """Wait for gradient communication; gradients are final (and unscaled) afterwards."""
+        """Wait for gradient communication; gradients are final (and unscaled) afterwards. A
+        parameter the step did not use (an expert no token chose) gets a zero gradient, as the
+        data-parallel engines' buffers give it: AdamW then decays it and carries its moments on
+        alike in every layout, instead of skipping it here only."""
+        for param in self.model.parameters():
+            if param.requires_grad and param.grad is None:
+                param.grad = torch.zeros_like(param)
         self.scaler.unscale_(self.optimizer)
 
     def clip_grad_norm(self, max_norm: float) -> float:
