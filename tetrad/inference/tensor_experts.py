@@ -4,8 +4,9 @@ where each tp rank holds whole experts instead of every rank computing every exp
 After a layer's attention every tp rank holds the same tokens, so no dispatch is needed: each
 rank routes all of them with the replicated router, runs its own E/T experts on the tokens routed
 there and adds their weighted outputs, and one all-reduce over the tp group sums the ranks'
-partial outputs. The shared expert is split by hidden units like a dense MLP (column-parallel up,
-row-parallel down, its own all-reduce), as the planner counts it.
+partial outputs. The shared expert comes split by hidden units like a dense MLP already
+(apply_tensor_parallel: column-parallel up, row-parallel down, its own all-reduce), as the planner
+counts it.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ import torch
 from torch import nn
 
 from tetrad.models.moe import MoE
-from tetrad.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, even_split,
-                                             up_rows)
 from tetrad.parallel.tp_operators import TensorParallel, g
 
 
@@ -30,13 +29,6 @@ class TensorParallelExperts(nn.Module):
         first = tp.index * per_rank
         self.experts = nn.ModuleDict({str(e): moe.experts[e]
                                       for e in range(first, first + per_rank)})
-        if self.shared is not None:
-            ffn, size = self.shared.ffn_hidden_size, tp.size
-            self.shared.up = ColumnParallelLinear(
-                self.shared.up, [up_rows(ffn, self.shared.gated, size, r) for r in range(size)],
-                tp)
-            self.shared.down = RowParallelLinear(self.shared.down, even_split(ffn, size), tp)
-            self.shared.ffn_hidden_size = ffn // size
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = x.shape
