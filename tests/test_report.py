@@ -117,21 +117,26 @@ def test_relative_errors_and_rank_kinds_of_a_pipeline_report():
     def entry(rank, pp, params):
         return {"rank": rank, "coords": {"dp": rank % 2, "pp": pp}, "idle_fraction": 0.1 * rank,
                 "bytes": {"params": params, "activations_peak": 1000},
-                "comm_bytes": {"p2p": 500, "all_reduce": 0}}
+                "comm_bytes": {"p2p": 500, "all_reduce": 0}, "comm_exposed_s": 0.01 * rank}
     report = {"schema": 1, "config": {"parallel": {"dp": 2, "pp": 2}}, "steps": [],
               "ranks": [entry(0, 0, 100), entry(1, 0, 100), entry(2, 1, 80), entry(3, 1, 80)],
               "predicted": {"bytes": {"params": 110, "activations_peak": 1000},
                             "comm_bytes": {"p2p": 500}, "fullest_stage": 0,
-                            "idle_fraction": 0.2}}
+                            "idle_fraction": 0.2, "comm_exposed_s": 0.005}}
     kinds = rank_kinds(report)
     assert [ranks for ranks, _ in kinds] == [[0, 1], [2, 3]]
     assert kinds[1][1]["idle_fraction"] == pytest.approx(0.3)  # the kind's slowest rank
     first = {row["field"]: row for row in comparison(report, kinds[0][1])}
     assert first["params"]["error"] == pytest.approx(0.1)
+    # Exposed communication: the kind's longest wait (rank 1's) against the prediction.
+    assert first["comm_exposed_s"]["measured"] == pytest.approx(0.01)
+    assert first["comm_exposed_s"]["error"] == pytest.approx(-0.5)
     assert first["activations_peak"]["error"] == 0 and "all_reduce" not in first
     assert all(row["predicted"] is None for row in comparison(report, kinds[1][1]))
     text = format_report(report)
     assert "+10.00%" in text and "ranks 2, 3 (pp 1)" in text
+    exposed = next(line for line in text.splitlines() if "comm_exposed_s" in line)
+    assert exposed.split()[1:] == ["0.0050", "s", "0.0100", "s", "-50.0%"]
     refused = format_report({**report, "predicted": {"error": "pp 2 does not divide 3 layers"}})
     assert "prediction: none (the planner: pp 2 does not divide 3 layers)" in refused
 

@@ -63,6 +63,7 @@ class ParallelConfig:
     microbatches: int = 0  # per pipeline pass; 0 means pp (the fewest that keep every stage busy)
     recompute: str = "none"  # none | selective | full
     collectives: str = "backend"  # backend | ring (tetrad's own ring all-reduce on send/recv)
+    overlap: bool = True  # TP/SP and EP collectives hidden behind compute (chunked, async)
     stage_layers: tuple[int, ...] = ()  # layers per pipeline stage; () balances by cost
     strategy: str = "collective"  # collective | ps (parameter servers)
     servers: int = 0  # ps: server processes after the dp workers

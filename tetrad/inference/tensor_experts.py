@@ -4,9 +4,9 @@ where each tp rank holds whole experts instead of every rank computing every exp
 After a layer's attention every tp rank holds the same tokens, so no dispatch is needed: each
 rank routes all of them with the replicated router, runs its own E/T experts on the tokens routed
 there and adds their weighted outputs, and one all-reduce over the tp group sums the ranks'
-partial outputs. The shared expert comes split by hidden units like a dense MLP already
-(apply_tensor_parallel: column-parallel up, row-parallel down, its own all-reduce), as the planner
-counts it.
+partial outputs. The shared expert is split by hidden units like a dense MLP (column-parallel up,
+row-parallel down, its own all-reduce), as the planner counts it: apply_tensor_parallel did that
+already, as it does for every MoE layer.
 """
 
 from __future__ import annotations

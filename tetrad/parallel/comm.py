@@ -12,13 +12,20 @@ how the tests check that the formula is what a ring really sends.
 Each count carries a tag (what the traffic is for: "grads", "params", "metrics", ...). Tags in
 OFF_STEP_TAGS (the initial broadcast, checkpoints, the end-of-run report) are kept out of the
 per-step numbers of the run report. The autograd-aware operators of tensor and sequence
-parallelism (Megatron's f and g) are to be built on these same calls, so they are counted too.
+parallelism (Megatron's f and g) are built on these same calls, so they are counted too.
+
+The counter also times the communication a rank waits for (exposed): a synchronous call whole,
+an async one (async_op=True, send, recv) only inside Handle.wait(), where the rank stops until
+the collective it overlapped with compute is done. `exposed_per_step` is the run report's
+comm_exposed_s (tetrad.train.metrics).
 """
 
 from __future__ import annotations
 
 import datetime
 import pickle
+import statistics
+import time
 from collections import defaultdict
 from fractions import Fraction
 
@@ -59,13 +66,34 @@ class CommCounter:
     def __init__(self) -> None:
         self._bytes: dict[tuple[str, str], Fraction] = defaultdict(Fraction)
         self.steps = 0
+        self._waiting: dict[str, float] = defaultdict(float)  # this step's exposed seconds
+        self._step_waits: list[dict[str, float]] = []  # every finished step's, by kind
 
     def record(self, kind: str, nbytes: int | Fraction, tag: str) -> None:
         assert kind in KINDS, kind
         self._bytes[tag, kind] += nbytes
 
+    def record_wait(self, kind: str, seconds: float, tag: str) -> None:
+        """Seconds this rank stood still for communication of `kind` (off-step tags left out)."""
+        if tag not in OFF_STEP_TAGS:
+            self._waiting[kind] += seconds
+
     def end_step(self) -> None:
         self.steps += 1
+        self._step_waits.append(dict(self._waiting))
+        self._waiting.clear()
+
+    def exposed_per_step(self) -> tuple[float, dict[str, float]] | None:
+        """Median over the steps after the first (which pays for warm-up; the one step if there
+        is one) of the seconds spent waiting on communication: in all, and by kind. None before
+        any step."""
+        steps = self._step_waits[1:] or self._step_waits
+        if not steps:
+            return None
+        by_kind = {kind: statistics.median(step.get(kind, 0.0) for step in steps)
+                   for kind in KINDS}
+        return (statistics.median(sum(step.values()) for step in steps),
+                {kind: seconds for kind, seconds in by_kind.items() if seconds})
 
     def totals(self, tags: tuple[str, ...] | None = None) -> dict[str, Fraction]:
         """Bytes by kind, over all tags or only `tags`."""
@@ -87,24 +115,32 @@ class CommCounter:
     def reset(self) -> None:
         self._bytes.clear()
         self.steps = 0
+        self._waiting.clear()
+        self._step_waits.clear()
 
 
 class Handle:
     """What an async collective returns: wait() before touching its tensors. `work` is one
-    torch Work, or a list of them (a batch of sends and receives)."""
+    torch Work, or a list of them (a batch of sends and receives). The wait is timed into
+    `counter` (the exposed part of the communication) under its kind and tag."""
 
-    def __init__(self, work=None):
+    def __init__(self, work=None, counter: CommCounter | None = None, kind: str = "p2p",
+                 tag: str = ""):
         self._works = work if isinstance(work, list) else [work] if work is not None else []
+        self._counter, self._kind, self._tag = counter, kind, tag
 
     def wait(self, timeout_s: float | None = None) -> None:
         """`timeout_s` replaces the process group's timeout for this wait (the parameter server
         waits on peers that may legitimately stay silent longer). On gloo a wait that times out
         breaks the process group: only for waits whose failure ends the job."""
+        started = time.perf_counter()
         for work in self._works:
             if timeout_s is None:
                 work.wait()
             else:
                 work.wait(datetime.timedelta(seconds=timeout_s))
+        if self._works and self._counter is not None:
+            self._counter.record_wait(self._kind, time.perf_counter() - started, self._tag)
         self._works = []
 
 
@@ -114,7 +150,8 @@ DONE = Handle()
 class Comm:
     """The collectives, bound to one rank's counter and the algorithm choice. Tensors are
     contiguous; reduce-scatter's input is N equal chunks (the caller pads) and its contents are
-    scratch afterwards. Ring collectives are synchronous: their Handle is already done."""
+    scratch afterwards. Ring collectives are synchronous: their Handle is already done. A call
+    with async_op=False waits before returning, timed like an async call's wait."""
 
     def __init__(self, counter: CommCounter | None = None, algorithm: str = "backend"):
         if algorithm not in ALGORITHMS:
@@ -129,16 +166,31 @@ class Comm:
         return lambda tensor: self.counter.record(kind, tensor.numel() * tensor.element_size(),
                                                   tag)
 
+    def _issued(self, work, kind: str, tag: str, async_op: bool) -> Handle:
+        """The Handle of a backend call issued async; waited for here unless `async_op`."""
+        handle = Handle(work, self.counter, kind, tag)
+        if async_op:
+            return handle
+        handle.wait()
+        return DONE
+
+    def _ring(self, kind: str, tag: str, run, *args) -> Handle:
+        """Run one of tetrad's ring collectives (synchronous: all of it is exposed)."""
+        started = time.perf_counter()
+        run(*args, self._sent(kind, tag))
+        self.counter.record_wait(kind, time.perf_counter() - started, tag)
+        return DONE
+
     def all_reduce(self, tensor: torch.Tensor, group: Group, tag: str, op: str = "sum",
                    async_op: bool = False) -> Handle:
         if group.size == 1:
             return DONE
         if self.algorithm == "ring" and op == "sum":
-            ring_all_reduce_(tensor, group, self._sent("all_reduce", tag))
-            return DONE
+            return self._ring("all_reduce", tag, ring_all_reduce_, tensor, group)
         self._count("all_reduce", _nbytes(tensor), group, tag)
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-        return Handle(dist.all_reduce(tensor, reduce_op, group=group.handle, async_op=async_op))
+        return self._issued(dist.all_reduce(tensor, reduce_op, group=group.handle, async_op=True),
+                            "all_reduce", tag, async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group: Group, tag: str,
                        async_op: bool = False) -> Handle:
@@ -151,13 +203,14 @@ class Comm:
             return DONE
         if self.algorithm == "ring":
             chunks = list(input.view(-1).chunk(group.size))
-            ring_reduce_scatter_(chunks, group, self._sent("reduce_scatter", tag))
+            self._ring("reduce_scatter", tag, ring_reduce_scatter_, chunks, group)
             if output.data_ptr() != chunks[group.index].data_ptr():
                 output.copy_(chunks[group.index].view_as(output))
             return DONE
         self._count("reduce_scatter", _nbytes(input), group, tag)
-        return Handle(_reduce_scatter_single(output, input, group=group.handle,
-                                                 async_op=async_op))
+        return self._issued(_reduce_scatter_single(output, input, group=group.handle,
+                                                   async_op=True),
+                            "reduce_scatter", tag, async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: Group, tag: str,
                    async_op: bool = False) -> Handle:
@@ -172,39 +225,45 @@ class Comm:
             chunks = list(output.view(-1).chunk(group.size))
             if chunks[group.index].data_ptr() != input.data_ptr():
                 chunks[group.index].copy_(input.view(-1))
-            ring_all_gather_(chunks, group, self._sent("all_gather", tag))
-            return DONE
+            return self._ring("all_gather", tag, ring_all_gather_, chunks, group)
         self._count("all_gather", _nbytes(output), group, tag)
-        return Handle(_all_gather_single(output, input, group=group.handle,
-                                             async_op=async_op))
+        return self._issued(_all_gather_single(output, input, group=group.handle,
+                                               async_op=True),
+                            "all_gather", tag, async_op)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, group: Group, tag: str,
                    output_splits: list[int] | None = None,
-                   input_splits: list[int] | None = None) -> None:
+                   input_splits: list[int] | None = None, async_op: bool = False) -> Handle:
         """Chunk i of `input` (along dim 0, sizes `input_splits`) goes to group rank i."""
         if group.size == 1:
             output.copy_(input)
-            return
+            return DONE
         rows = input_splits or [input.shape[0] // group.size] * group.size
         row_bytes = _nbytes(input) // max(input.shape[0], 1)
         self.counter.record("all_to_all", (sum(rows) - rows[group.index]) * row_bytes, tag)
-        dist.all_to_all_single(output, input, output_splits, input_splits, group=group.handle)
+        return self._issued(dist.all_to_all_single(output, input, output_splits, input_splits,
+                                                   group=group.handle, async_op=True),
+                            "all_to_all", tag, async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group, tag: str) -> None:
         """Copy group rank `src`'s tensor to every rank of the group."""
         if group.size == 1:
             return
         self._count("broadcast", _nbytes(tensor), group, tag)
-        dist.broadcast(tensor, group=group.handle, group_src=src)
+        self._issued(dist.broadcast(tensor, group=group.handle, group_src=src, async_op=True),
+                     "broadcast", tag, async_op=False)
 
     def send(self, tensor: torch.Tensor, dst: int, group: Group, tag: str) -> Handle:
         """Send to group rank `dst` (async: wait before reusing `tensor`)."""
         self.counter.record("p2p", _nbytes(tensor), tag)
-        return Handle(dist.isend(tensor, group=group.handle, group_dst=dst))
+        return Handle(dist.isend(tensor, group=group.handle, group_dst=dst), self.counter, "p2p",
+                      tag)
 
-    def recv(self, tensor: torch.Tensor, src: int, group: Group) -> Handle:
-        """Receive from group rank `src`; only the sender counts the bytes."""
-        return Handle(dist.irecv(tensor, group=group.handle, group_src=src))
+    def recv(self, tensor: torch.Tensor, src: int, group: Group, tag: str = "") -> Handle:
+        """Receive from group rank `src`; only the sender counts the bytes (the wait is timed
+        under `tag`)."""
+        return Handle(dist.irecv(tensor, group=group.handle, group_src=src), self.counter, "p2p",
+                      tag)
 
     def exchange(self, outgoing: torch.Tensor, dst: int, incoming: torch.Tensor, src: int,
                  group: Group, tag: str) -> Handle:
@@ -214,7 +273,7 @@ class Comm:
         receive that never starts once the tensor outgrows NCCL's buffers; a batch
         (batch_isend_irecv: one NCCL group) runs both at once. Only the send is counted."""
         self.counter.record("p2p", _nbytes(outgoing), tag)
-        return Handle(exchange_(outgoing, dst, incoming, src, group))
+        return Handle(exchange_(outgoing, dst, incoming, src, group), self.counter, "p2p", tag)
 
     def all_gather_object(self, value, group: Group, tag: str) -> list:
         """Every rank's picklable `value`, in group order (small metadata, e.g. the report)."""
@@ -222,7 +281,9 @@ class Comm:
             return [value]
         self._count("all_gather", len(pickle.dumps(value)) * group.size, group, tag)
         values = [None] * group.size
+        started = time.perf_counter()
         dist.all_gather_object(values, value, group=group.handle)
+        self.counter.record_wait("all_gather", time.perf_counter() - started, tag)
         return values
 
 

@@ -22,21 +22,24 @@ from torch import nn
 from torch.autograd import Variable
 
 from tetrad.parallel.comm import Comm, Handle
-from tetrad.parallel.engine import (DEFAULT_BUCKET_BYTES, Counted, DataParallelOptions,
-                                    LossScaler, ParameterView, Placement, WholeAdamW)
+from tetrad.parallel.engine import (DEFAULT_BUCKET_BYTES, FIRST_BUCKET_BYTES, Counted,
+                                    DataParallelOptions, LossScaler, ParameterView, Placement,
+                                    WholeAdamW)
 from tetrad.parallel.mesh import Group
 from tetrad.sharded_tensors import Piece
 
 
-def bucket_params(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+def bucket_params(params: list[nn.Parameter], bucket_bytes: int,
+                  first_bucket_bytes: int | None = None) -> list[list[nn.Parameter]]:
     """Greedy buckets of about `bucket_bytes`, in reverse registration order (about the order
-    backward produces gradients). A parameter never straddles two buckets."""
+    backward produces gradients); the first of about `first_bucket_bytes` when given. A
+    parameter never straddles two buckets."""
     buckets: list[list[nn.Parameter]] = [[]]
-    size = 0
+    size, limit = 0, first_bucket_bytes or bucket_bytes
     for param in reversed(params):
-        if size >= bucket_bytes:
+        if size >= limit:
             buckets.append([])
-            size = 0
+            size, limit = 0, bucket_bytes
         buckets[-1].append(param)
         size += param.numel() * param.element_size()
     return buckets
@@ -90,7 +93,11 @@ class DataParallel:
         self.adamw = WholeAdamW(named, options, group)
         self.scaler = LossScaler() if options.compute_dtype == torch.float16 else None
         params = [p for p in named.values() if p.requires_grad]
-        self.buckets = bucket_params(params, options.bucket_bytes)
+        # A small first bucket (torch DDP's) starts communicating while backward has most of the
+        # model left: a model under bucket_bytes would otherwise be one bucket, reduced after
+        # backward with nothing left to hide it behind.
+        self.buckets = bucket_params(params, options.bucket_bytes,
+                                     min(FIRST_BUCKET_BYTES, options.bucket_bytes))
         self.grads: list[torch.Tensor] = []
         self.handles: list[Handle] = []
         self.order = LaunchInOrder([len(b) for b in self.buckets], self._launch)

@@ -17,7 +17,9 @@ One MoE layer on one rank, for its own tokens:
             through the residual (and the shared experts). Without it routing is dropless.
   splits    the slots, sorted by expert (hence by owner rank), give how many rows go to each
             rank; one all-to-all of the per-expert counts tells every owner what it receives
-  dispatch  all-to-all of the slot rows [slots, hidden] with those uneven splits
+  dispatch  all-to-all of the slot rows [slots, hidden] with those uneven splits; with
+            `overlap` and shared experts it is issued async and the shared experts compute
+            while it travels (and in backward, while its reverse travels)
   experts   each local expert runs on its rows from every source
   combine   the reverse all-to-all brings each row home; it is weighted by its routing weight and
             added to its token's output
@@ -84,13 +86,66 @@ class _AllToAll(torch.autograd.Function):
         return ctx.exchange(grad.contiguous(), input_splits, output_splits), None, None, None
 
 
+class _Pending:
+    """An all-to-all on its way: its handle and the buffer it fills."""
+
+    def __init__(self) -> None:
+        self.handle, self.buffer = None, None
+
+    def take(self) -> torch.Tensor:
+        self.handle.wait()
+        buffer, self.handle, self.buffer = self.buffer, None, None
+        return buffer
+
+
+class _DispatchIssue(torch.autograd.Function):
+    """The dispatch all-to-all, issued: returns the buffer it is still filling (read it only
+    after _DispatchWait). Backward waits for the reverse all-to-all _DispatchWait issued: it
+    ignores the gradient handed to it, which is what went into that all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x, pending: _Pending, exchange, output_splits: list[int],
+                input_splits: list[int]):
+        ctx.pending = pending
+        pending.buffer, pending.handle = exchange(x, output_splits, input_splits, True)
+        return pending.buffer
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.pending.take(), None, None, None, None
+
+
+class _DispatchWait(torch.autograd.Function):
+    """Where the forward waits for the dispatch. Backward issues the reverse all-to-all of the
+    gradient and returns at once: autograd runs nodes made later first, so what was computed
+    between _DispatchIssue and this wait in forward (the shared experts) runs its backward while
+    the gradient travels, and _DispatchIssue's backward waits for it."""
+
+    @staticmethod
+    def forward(ctx, received, pending: _Pending, exchange, output_splits: list[int],
+                input_splits: list[int]):
+        ctx.pending, ctx.exchange = pending, exchange
+        ctx.splits = (output_splits, input_splits)
+        pending.take()
+        return received.view_as(received)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        ctx.pending.buffer, ctx.pending.handle = ctx.exchange(grad.contiguous(), input_splits,
+                                                              output_splits, True)
+        return grad, None, None, None, None
+
+
 class ExpertParallelMoE(nn.Module):
     """A MoE layer holding only this ep rank's experts. Parameter names stay the single-process
     ones (router.gate.weight, experts.{global index}.*, shared.*)."""
 
-    def __init__(self, moe: MoE, group: Group, comm: Comm, capacity_factor: float | None = None):
+    def __init__(self, moe: MoE, group: Group, comm: Comm, capacity_factor: float | None = None,
+                 overlap: bool = False):
         super().__init__()
         self.group, self.comm, self.capacity_factor = group, comm, capacity_factor
+        self.overlap = overlap and moe.shared is not None  # the compute that hides the dispatch
         self.router, self.shared = moe.router, moe.shared
         self.num_experts = len(moe.experts)
         self.num_local = self.num_experts // group.size
@@ -117,14 +172,23 @@ class ExpertParallelMoE(nn.Module):
         self.comm.all_to_all(recv_counts, send_counts, self.group, SPLITS_TAG)
         input_splits = send_counts.sum(1).tolist()
         output_splits = recv_counts.sum(1).tolist()
-        received = _AllToAll.apply(tokens[order // top_k], self._exchange, output_splits,
-                                   input_splits)  # [received slots, hidden]: by source, expert
+        rows = tokens[order // top_k]
+        shared = None
+        if self.overlap:  # the shared experts compute while the dispatch travels
+            pending = _Pending()
+            splits = (self._exchange, output_splits, input_splits)
+            received = _DispatchIssue.apply(rows, pending, *splits)
+            shared = self.shared(tokens)
+            received = _DispatchWait.apply(received, pending, *splits)
+        else:
+            received = _AllToAll.apply(rows, self._exchange, output_splits, input_splits)
+        # received: [received slots, hidden], by source, then expert
         outputs = self._run_experts(received, recv_counts)
         returned = _AllToAll.apply(outputs, self._exchange, input_splits, output_splits)
         contribution = returned * weights.reshape(-1)[order].unsqueeze(-1)  # [sent, hidden]
         out = torch.zeros_like(tokens).index_add(0, order // top_k, contribution)
         if self.shared is not None:
-            out = out + self.shared(tokens)
+            out = out + (shared if shared is not None else self.shared(tokens))
         return out.view(shape), aux_loss
 
     def _run_experts(self, received: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
@@ -139,25 +203,28 @@ class ExpertParallelMoE(nn.Module):
                              for expert, piece in zip(self.experts.values(), pieces)])
         return outputs[torch.argsort(by_expert)]
 
-    def _exchange(self, x: torch.Tensor, output_splits: list[int],
-                  input_splits: list[int]) -> torch.Tensor:
+    def _exchange(self, x: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                  async_op: bool = False):
+        """The all-to-all of rows `x`; with `async_op` (output, Handle) without waiting."""
         out = x.new_empty((sum(output_splits), x.shape[1]))
-        self.comm.all_to_all(out, x.contiguous(), self.group, TOKENS_TAG, output_splits,
-                             input_splits)
-        return out
+        handle = self.comm.all_to_all(out, x.contiguous(), self.group, TOKENS_TAG,
+                                      output_splits, input_splits, async_op)
+        return (out, handle) if async_op else out
 
 
 class ExpertParallel:
     """What expert parallelism did to a model, and the gradient handling the trainer calls."""
 
     def __init__(self, model: Transformer, mesh: Mesh, comm: Comm,
-                 capacity_factor: float | None = None, layers: Iterable[int] | None = None):
+                 capacity_factor: float | None = None, layers: Iterable[int] | None = None,
+                 overlap: bool = False):
         self.model, self.mesh, self.comm = model, mesh, comm
         self.layers: dict[int, ExpertParallelMoE] = {}
         kept = range(len(model.layers)) if layers is None else set(layers)
         for index, block in enumerate(model.layers):
             if block.is_moe and index in kept:
-                block.mlp = ExpertParallelMoE(block.mlp, mesh["ep"], comm, capacity_factor)
+                block.mlp = ExpertParallelMoE(block.mlp, mesh["ep"], comm, capacity_factor,
+                                              overlap)
                 self.layers[index] = block.mlp
 
     def expert_parameters(self) -> list[nn.Parameter]:
@@ -177,9 +244,11 @@ class ExpertParallel:
 
 def apply_expert_parallel(model: Transformer, mesh: Mesh, comm: Comm,
                           capacity_factor: float | None = None,
-                          layers: Iterable[int] | None = None) -> ExpertParallel:
+                          layers: Iterable[int] | None = None,
+                          overlap: bool = False) -> ExpertParallel:
     """Keep this rank's experts of `model` (the full model, built with the same seed on every
     rank) and dispatch tokens to the others' over mesh["ep"]. capacity_factor None: dropless.
-    `layers`: only these blocks (the ones a pipeline rank runs; None: all of them)."""
+    `layers`: only these blocks (the ones a pipeline rank runs; None: all of them). `overlap`:
+    the dispatch travels while the shared experts compute (forward and backward)."""
     check_expert_parallel(model.config, mesh.dims.ep, capacity_factor)
-    return ExpertParallel(model, mesh, comm, capacity_factor, layers)
+    return ExpertParallel(model, mesh, comm, capacity_factor, layers, overlap)

@@ -29,7 +29,8 @@ backward) into a column-parallel layer, g (all-reduce forward, identity backward
 row-parallel one. With --sequence-parallel the stretch between the layers (norms, residual adds)
 holds a sequence shard [b, s/tp, h] and the pair becomes all-gather / reduce-scatter along the
 sequence: the same bytes (an all-reduce is a reduce-scatter plus an all-gather), and the
-activations the norms keep are 1/tp each.
+activations the norms keep are 1/tp each. With `overlap` the parallel layers run those
+collectives chunk by chunk behind their own matmuls instead (tetrad.parallel.tp_overlap).
 
 Traffic per microbatch, each of one [b, s, h] activation: per dense layer 2 all-reduces forward
 (g after attention and after the MLP) and 2 backward (f before each), one forward after the
@@ -56,6 +57,7 @@ from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm
 from tetrad.parallel.mesh import Group, Mesh
 from tetrad.parallel.tp_operators import TensorParallel, keep_moe_whole
+from tetrad.parallel.tp_overlap import OverlappedColumnLinear, OverlappedRowLinear
 from tetrad.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from tetrad.planner.rules import check_tensor_parallel
 
@@ -78,7 +80,11 @@ class ColumnParallelLinear(nn.Module):
         self.bias = None if full.bias is None else nn.Parameter(full.bias.detach()[rows].clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.tp.enter(x) if self.enters else x, self.weight, self.bias)
+        if not self.enters:  # the caller entered already (MLA's heads)
+            return F.linear(x, self.weight, self.bias)
+        if self.tp.overlap:
+            return OverlappedColumnLinear.apply(x, self.weight, self.bias, self.tp)
+        return F.linear(self.tp.enter(x), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -95,7 +101,8 @@ class RowParallelLinear(nn.Module):
         self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.leave(F.linear(x, self.weight))
+        out = (OverlappedRowLinear.apply(x, self.weight, self.tp) if self.tp.overlap
+               else self.tp.leave(F.linear(x, self.weight)))
         return out if self.bias is None else out + self.bias
 
 
@@ -138,14 +145,16 @@ def even_split(size: int, tp: int) -> list[torch.Tensor]:
 
 
 def apply_tensor_parallel(model: Transformer, mesh_or_group: Mesh | Group, comm: Comm,
-                          sequence_parallel: bool = False, seq_len: int | None = None
-                          ) -> "TensorParallelSplit":
+                          sequence_parallel: bool = False, seq_len: int | None = None,
+                          overlap: bool = False) -> "TensorParallelSplit":
     """Split `model` (built with the same seed on every rank) over the tp group: its modules are
     swapped in place for their parallel versions, and `model` then computes this rank's
-    vocabulary slice of the logits. `seq_len`, when given, is checked against SP up front."""
+    vocabulary slice of the logits. `seq_len`, when given, is checked against SP up front.
+    `overlap`: the parallel layers hide their collectives behind their matmuls
+    (tetrad.parallel.tp_overlap)."""
     group = mesh_or_group["tp"] if isinstance(mesh_or_group, Mesh) else mesh_or_group
     check_tensor_parallel(model.config, group.size, sequence_parallel, seq_len)
-    return TensorParallelSplit(model, TensorParallel(group, comm, sequence_parallel))
+    return TensorParallelSplit(model, TensorParallel(group, comm, sequence_parallel, overlap))
 
 
 class SequenceShardedPositions(nn.Module):

@@ -29,12 +29,14 @@ ACTIVATION_TAG = "activations"  # the operators' traffic; the loss uses "loss", 
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """The tp group one rank works in, the Comm that counts its traffic, and whether the space
-    between the parallel layers is sequence-parallel."""
+    """The tp group one rank works in, the Comm that counts its traffic, whether the space
+    between the parallel layers is sequence-parallel, and whether the parallel layers overlap
+    their collectives with their matmuls (tetrad.parallel.tp_overlap)."""
 
     group: Group
     comm: Comm
     sequence_parallel: bool = False
+    overlap: bool = False
 
     @property
     def size(self) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from tetrad.config import ModelConfig, ParallelConfig
 from tetrad.hardware import GPU, Cluster, cluster as make_cluster
 from tetrad.planner import eager
+from tetrad.planner.eager_time import rank_time
 from tetrad.planner.comm import CommLedger
 from tetrad.planner.layout import TrainLayout
 from tetrad.planner.memory import MemoryBreakdown, eager_breakdown
@@ -49,8 +50,10 @@ def predict_training(model_config: ModelConfig, parallel_config: ParallelConfig,
     ({"total", "compute", "communication_exposed", "bubble"}; None without `gpu`: a catalog name,
     a profile file or a GPU, e.g. one `tetrad calibrate` measured), "hardware" (its name),
     "model_flops_per_step",
-    "hardware_flops_per_step", "num_parameters"}, and with the tetrad runtime and a pipeline
-    "stages": each pipeline rank's {"bytes", "comm_bytes", "comm_payload_bytes"}. `precision`
+    "hardware_flops_per_step", "num_parameters"}, with the tetrad runtime and `gpu`
+    "comm_exposed_s" (seconds per step the fullest rank waits on communication:
+    tetrad.planner.eager_overlap), and with the tetrad runtime and a pipeline "stages": each
+    pipeline rank's {"bytes", "comm_bytes", "comm_payload_bytes"} (and "comm_exposed_s"). `precision`
     overrides the recipe `dtype` implies (e.g. fp32 master params under autocast). `runtime`
     "tetrad" (the default: the trainer reports against it) counts tetrad's own eager runtime on
     every rank (tetrad.planner.eager); "megatron" Megatron's fused kernels, the published runs'
@@ -95,10 +98,19 @@ def predict_run(resolved: ResolvedLayout, micro_batch: int, num_microbatches: in
         "hardware_flops_per_step": estimate.hardware_flops_per_step,
         "num_parameters": count_parameters(model_config),
     }
+    # Seconds per step a rank of each pipeline rank waits on communication (tetrad's runtime,
+    # timed: with a GPU or profile), against the run report's measured comm_exposed_s.
+    exposed = ([rank_time(model_config, world, layout, seq_len, workload.precision,
+                          flash_attention, r).communication for r in range(layout.pp)]
+               if gpu and runtime == "tetrad" else None)
+    if exposed:
+        predicted["comm_exposed_s"] = exposed[estimate.fullest_stage]
     if runtime == "tetrad" and layout.pp > 1:
         predicted["stages"] = [
             _rank_bytes(eager_breakdown(rank), layout, rank.comm)
             for rank in eager.pipeline_ranks(model_config, layout, seq_len, workload.precision)]
+        for stage, seconds in zip(predicted["stages"], exposed or ()):
+            stage["comm_exposed_s"] = seconds
     return predicted
 
 

@@ -23,7 +23,7 @@ residual stream's dtype (the parameters') and S_a of the compute dtype:
        the first's), in the parameters' dtype.
   Full recomputation runs each block's forward again up to its last saved tensor (PyTorch's
   checkpoint stops there): every forward collective but the MLP's closing g (SP: its
-  reduce-scatter). Zero bubble's W walks a stage's graph a second time for the weight
+  reduce-scatter), which overlap (tetrad.parallel.tp_overlap) runs too. Zero bubble's W walks a stage's graph a second time for the weight
   gradients: on every stage but the first (whose B has no input gradient to compute, so W does
   the whole backward) each backward collective, and the recomputation, run twice.
 
@@ -60,26 +60,29 @@ INDEX = 8
 SCALAR = 8  # the fp64 scalars all-reduced for the logs and the gradient norm
 
 
-def _tensor_parallel_block(ledger: CommLedger, config: ModelConfig, layout: TrainLayout,
+def tensor_parallel_block(ledger: CommLedger, config: ModelConfig, layout: TrainLayout,
                            layer: int, s_p: float, s_a: float, count: int, backwards: int,
                            reruns: int) -> None:
     """One block's f/g (or SP's gathers and scatters) over `count` microbatches, each with
     `backwards` backward passes through it and `reruns` recomputed forwards, which stop after
-    the block's last saved tensor: before the MLP's closing g."""
+    the block's last saved tensor: before the MLP's closing g, unless overlap is on (the
+    overlapped row-parallel layer's saved tensors are packed when it returns, after its g)."""
     tp, moe = layout.tp, config.is_moe_layer(layer)
     pairs = 1 if moe else 2  # column-parallel entries and row-parallel exits per block
+    exits = pairs + reruns * (pairs if layout.overlap else 1)  # g (g_bar_seq), forwards
     if moe and config.num_shared_experts:
         # The shared experts, split like a dense MLP inside the whole MoE layer: f and g over
-        # all tokens, SP or not; a recomputed forward stops before their closing g.
-        ledger.add("all_reduce", tp, s_a, count)
+        # all tokens, SP or not; a recomputed forward stops before their closing g (without
+        # overlap).
+        ledger.add("all_reduce", tp, s_a, count * (1 + (reruns if layout.overlap else 0)))
         ledger.add("all_reduce", tp, s_p, count * backwards)
     if not layout.sequence_parallel:
-        ledger.add("all_reduce", tp, s_a, count * (pairs + reruns))  # g, forward
+        ledger.add("all_reduce", tp, s_a, count * exits)  # g, forward
         ledger.add("all_reduce", tp, s_p, count * pairs * backwards)  # f, backward
         return
     ledger.add("all_gather", tp, s_p, count * pairs * (1 + reruns))  # g_seq, forward
     ledger.add("reduce_scatter", tp, s_p, count * pairs * backwards)  # g_seq, backward
-    ledger.add("reduce_scatter", tp, s_a, count * (pairs + reruns))  # g_bar_seq, forward
+    ledger.add("reduce_scatter", tp, s_a, count * exits)  # g_bar_seq, forward
     ledger.add("all_gather", tp, s_a, count * pairs * backwards)  # g_bar_seq, backward
     if moe:  # the whole MoE layer gathers its input, and its output's gradient
         ledger.add("all_gather", tp, s_p, count * (1 + reruns + backwards))
@@ -100,7 +103,7 @@ def _activations(ledger: CommLedger, config: ModelConfig, layout: TrainLayout, s
         reruns = backwards if layout.recompute == "full" else 0
         forwards = 1 + reruns
         for layer in stage_blocks(config, layout, stage):
-            _tensor_parallel_block(ledger, config, layout, layer, t * h * stream, t * h * act, m,
+            tensor_parallel_block(ledger, config, layout, layer, t * h * stream, t * h * act, m,
                                    backwards, reruns)
             ledger.add("p2p", 1, kv * act, m * (layout.cp - 1) * (forwards + backwards))
             ledger.add("p2p", 1, kv * FP32, m * (layout.cp - 1) * backwards)

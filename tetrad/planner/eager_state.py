@@ -24,6 +24,7 @@ from tetrad.planner.precision import TrainingPrecision
 
 FP32 = 4
 BUCKET_BYTES = 25 * 2**20  # tetrad.parallel.engine.DEFAULT_BUCKET_BYTES (torch DDP's)
+FIRST_BUCKET_BYTES = 2**20  # tetrad.parallel.engine.FIRST_BUCKET_BYTES: DDP's first bucket
 
 
 @dataclass(frozen=True)
@@ -43,13 +44,15 @@ def padded(elements: int, group: int) -> int:
     return -(-elements // group) * group
 
 
-def bucket_elements(params: list[Param], group: int) -> list[int]:
-    """Padded elements of each flat bucket of `params` (data_parallel.bucket_params)."""
-    buckets, size = [0], 0
+def bucket_elements(params: list[Param], group: int, first_bytes: int | None = None
+                    ) -> list[int]:
+    """Padded elements of each flat bucket of `params` (data_parallel.bucket_params; the first
+    of about `first_bytes` when given, as DDP's)."""
+    buckets, size, limit = [0], 0, first_bytes or BUCKET_BYTES
     for param in reversed(params):
-        if size >= BUCKET_BYTES:
+        if size >= limit:
             buckets.append(0)
-            size = 0
+            size, limit = 0, BUCKET_BYTES
         buckets[-1] += param.elements
         size += param.elements * FP32
     return [padded(elements, group) for elements in buckets]

@@ -37,6 +37,7 @@ from tetrad.hardware import Cluster, EfficiencyProfile
 from tetrad.planner import comm
 from tetrad.planner.compute import head_times, layer_times, optimizer_time
 from tetrad.planner.eager import pipeline_ranks
+from tetrad.planner.eager_overlap import hidden_communication
 from tetrad.planner.eager_params import rank_parameters, rank_stages, stage_blocks
 from tetrad.planner.layout import TrainLayout
 from tetrad.planner.precision import TrainingPrecision
@@ -95,7 +96,7 @@ class RankTime:
     backward: float
     weight_backward: float  # the part of backward zero bubble defers (the forward's matmuls)
     optimizer: float
-    communication: float  # every call of the step, one after another
+    communication: float  # every call of the step, less what compute hides (eager_overlap)
 
 
 def rank_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, seq_len: int,
@@ -143,8 +144,10 @@ def rank_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, seq_le
     scale = profile.step_scale or 1.0
     # Each call also waits for its peers to be scheduled when the ranks share the cores.
     waits = sum(ledger.calls.values()) * profile.sync_wait_s(layout.world_size)
+    hidden = hidden_communication(config, cluster, layout, seq_len, precision, pp_rank, args,
+                                  scale)
     return RankTime(forward * scale, backward * scale, matmul * scale, optimizer * scale,
-                    comm.ledger_time(cluster, ledger) + waits)
+                    comm.ledger_time(cluster, ledger) + waits - hidden)
 
 
 @lru_cache(maxsize=1024)

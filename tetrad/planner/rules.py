@@ -89,10 +89,11 @@ def check_tensor_parallel(config: ModelConfig, tp: int, sequence_parallel: bool 
         padded = -(-config.vocab_size // tp) * tp
         raise ConfigError(f"tp {tp} does not divide vocab_size {config.vocab_size}: pad the "
                           f"vocabulary to {padded} (a multiple of tp){hint}")
-    if shared_expert_size(config) % tp:
-        raise ConfigError(f"tp {tp} does not divide the shared experts' {shared_expert_size(config)}"
-                          f" hidden units (num_shared_experts x moe_ffn_hidden_size): they are "
-                          f"split like a dense MLP{hint}")
+    shared = shared_expert_size(config)
+    if shared % tp:
+        raise ConfigError(f"tp {tp} does not divide the shared experts' {shared} hidden units "
+                          f"(num_shared_experts x moe_ffn_hidden_size): they are split like a "
+                          f"dense MLP{hint}")
     if not tp_fits(config, tp, training, kv_replicas, runtime):
         raise ConfigError(f"tp {tp} does not divide ffn_hidden_size {config.ffn_hidden_size}: "
                           f"the MLP is split by its hidden units{hint}")
@@ -149,7 +150,8 @@ def check_deepseek_features(config: ModelConfig, parallel: ParallelConfig) -> No
     if parallel.cp > 1 and config.attention == "mla":
         raise ConfigError("context parallelism's ring attention needs keys and values of one "
                           "width and the query-width softmax scale, which multi-head latent "
-                          "attention (MLA) does not have: drop --cp (use --dp, --tp, --pp or --ep)")
+                          "attention (MLA) does not have: drop --cp (use --dp, --tp, --pp or "
+                          "--ep)")
     if parallel.strategy == "ps" and config.router_bias_update_rate > 0:
         raise ConfigError("--strategy ps cannot move aux-loss-free balancing's routing bias: "
                           "its servers only see gradients and the bias has none, so each worker "

@@ -19,15 +19,21 @@ def empty_comm_bytes() -> dict[str, int]:
 def rank_entry(rank: int, coords: dict[str, int], bytes_held: dict[str, int],
                activations_peak: int, comm_bytes: dict[str, int] | None,
                idle_fraction: float = 0.0, step_times: list[float] | None = None,
-               cuda_memory: dict[str, int] | None = None) -> dict[str, Any]:
+               cuda_memory: dict[str, int] | None = None,
+               comm_exposed: tuple[float, dict[str, float]] | None = None) -> dict[str, Any]:
     """One rank's measurements; `step_time_s` is the median of its step times after the
     first (which pays for warm-up), or of the one step there is. `cuda_memory` (on a GPU):
-    the CUDA allocator's `allocated_peak` and `reserved_peak` bytes over the run, None on CPU."""
+    the CUDA allocator's `allocated_peak` and `reserved_peak` bytes over the run, None on CPU.
+    `comm_exposed` (the byte counter's exposed_per_step: seconds per step spent waiting on
+    communication, in all and by kind) becomes "comm_exposed_s" and "comm_exposed_by_kind_s"
+    (0 and {} without collectives)."""
     timed = (step_times or [])[1:] or step_times
     median = statistics.median(timed) if timed else None
+    exposed, exposed_by_kind = comm_exposed or (0.0, {})
     return {"rank": rank, "coords": coords,
             "bytes": {**bytes_held, "activations_peak": activations_peak},
             "comm_bytes": {**empty_comm_bytes(), **(comm_bytes or {})},
+            "comm_exposed_s": exposed, "comm_exposed_by_kind_s": exposed_by_kind,
             "idle_fraction": idle_fraction, "step_time_s": median, "cuda_memory": cuda_memory}
 
 

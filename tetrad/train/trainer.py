@@ -196,7 +196,8 @@ def train(config: TrainConfig, make_strategy: Callable[..., Strategy] = build_st
     ranks = strategy.gather(rank_entry(
         strategy.rank, strategy.coords, held, strategy.activations_peak,
         strategy.comm.totals_per_step() if strategy.comm else None, strategy.idle_fraction,
-        [record["time_s"] for record in steps], cuda_memory(device)))
+        [record["time_s"] for record in steps], cuda_memory(device),
+        strategy.comm.exposed_per_step() if strategy.comm else None))
     whole = strategy.whole_model()  # collective: the model with every parameter whole
     report = build_report(
         config={**config.to_dict(), "model_config": model_config.to_dict()}, steps=steps,

@@ -39,7 +39,8 @@ def relative_error(predicted: float | None, measured: float | None) -> float | N
 
 def rank_kinds(report: dict[str, Any]) -> list[tuple[list[int], dict[str, Any]]]:
     """Ranks grouped by what they hold and send (data-parallel replicas are one kind), each kind
-    as (its ranks, the entry of its first rank with the largest idle fraction of the kind)."""
+    as (its ranks, the entry of its first rank with the largest idle fraction and exposed
+    communication time of the kind)."""
     kinds: dict[str, tuple[list[int], dict[str, Any]]] = {}
     for entry in report["ranks"]:
         key = json.dumps([entry["bytes"], entry["comm_bytes"], entry["coords"].get("pp", 0)],
@@ -48,8 +49,9 @@ def rank_kinds(report: dict[str, Any]) -> list[tuple[list[int], dict[str, Any]]]
             kinds[key] = ([], dict(entry))
         ranks, first = kinds[key]
         ranks.append(entry["rank"])
-        first["idle_fraction"] = max(first.get("idle_fraction", 0.0),
-                                     entry.get("idle_fraction", 0.0))
+        for field in ("idle_fraction", "comm_exposed_s"):
+            if entry.get(field) is not None:
+                first[field] = max(first.get(field) or 0.0, entry[field])
         if entry.get("cuda_memory") and first.get("cuda_memory"):  # the kind's largest peaks
             first["cuda_memory"] = {key: max(value, entry["cuda_memory"][key])
                                     for key, value in first["cuda_memory"].items()}
@@ -128,6 +130,11 @@ def comparison(report: dict[str, Any], entry: dict[str, Any]) -> list[dict[str, 
         p, m = step_time, entry.get("step_time_s")
         rows.append({"section": "time", "field": "step_time_s", "predicted": p, "measured": m,
                      "error": relative_error(p, m)})
+    # Seconds per step waiting on communication (reports before it was measured have none).
+    p, m = predicted.get("comm_exposed_s"), entry.get("comm_exposed_s")
+    if p is not None or m is not None:
+        rows.append({"section": "time", "field": "comm_exposed_s", "predicted": p,
+                     "measured": m, "error": relative_error(p, m)})
     return rows
 
 
