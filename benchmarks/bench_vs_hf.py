@@ -1,13 +1,17 @@
 """One training step (forward + backward + AdamW) of tetrad's Transformer against transformers'
 LlamaForCausalLM of the same shape and the same weights, on the same batch, in one process.
 
-    .venv/bin/python benchmarks/bench_vs_hf.py [--steps 5] [--threads 2]
+    .venv/bin/python benchmarks/bench_vs_hf.py [--steps 5] [--threads 2] [--compile]
 
 The two models alternate step by step, so that load from other processes on a shared machine
 hits both alike; the median of --steps timed steps follows --warmup untimed ones. Next to wall
 time it prints process CPU time (user + system, all threads), which other processes' load barely
 moves: on a busy machine, compare those. Before timing, the first losses are checked to agree,
 which shows that both models compute the same thing.
+
+With --compile tetrad's blocks are compiled (`tetrad train --compile`, tetrad.parallel.compile)
+and transformers' model stays eager; the compiling happens in the first warm-up step, and its
+time is printed apart.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from tetrad.config import ModelConfig
 from tetrad.hf_config import hf_from_model_config
 from tetrad.models.hf import to_hf_state_dict
 from tetrad.models.transformer import Transformer
+from tetrad.parallel.compile import CompileClock, apply_compile
 
 
 def parse_args() -> argparse.Namespace:
@@ -39,6 +44,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--compile", action="store_true",
+                        help="compile tetrad's transformer blocks (transformers stays eager)")
     return parser.parse_args()
 
 
@@ -53,6 +60,8 @@ def train_step(model, logits_of, optimizer, inputs, targets) -> float:
 
 def main() -> None:
     args = parse_args()
+    if args.compile and args.warmup < 1:
+        raise SystemExit("--compile needs --warmup 1 or more: the first step compiles")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     config = ModelConfig(name="bench", vocab_size=args.vocab, hidden_size=args.hidden,
@@ -62,6 +71,10 @@ def main() -> None:
     hf_model = LlamaForCausalLM(LlamaConfig(**hf_from_model_config(config), attention_dropout=0.0,
                                             attn_implementation="sdpa")).train()
     hf_model.load_state_dict(to_hf_state_dict(tetrad_model), strict=True)
+    clock = None
+    if args.compile:
+        apply_compile(tetrad_model)
+        clock = CompileClock()
 
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -89,6 +102,8 @@ def main() -> None:
           f"{args.seq}, fp32, {torch.get_num_threads()} threads, torch {torch.__version__}")
     print(f"first-step loss: tetrad {first['tetrad']:.6f}, "
           f"transformers {first['transformers']:.6f}")
+    if clock is not None:
+        print(f"tetrad compiled ({clock.seconds:.1f} s of compiling in the warm-up steps)")
     median = {name: statistics.median(values) for name, values in wall.items()}
     median_cpu = {name: statistics.median(values) for name, values in cpu.items()}
     for name, values in wall.items():
@@ -96,7 +111,9 @@ def main() -> None:
               f"{min(values) * 1e3:.1f}, max {max(values) * 1e3:.1f}, n={len(values)}), "
               f"{median_cpu[name] * 1e3:8.1f} ms/step CPU")
     print(f"ratio tetrad / transformers: {median['tetrad'] / median['transformers']:.3f} wall, "
-          f"{median_cpu['tetrad'] / median_cpu['transformers']:.3f} CPU")
+          f"{median_cpu['tetrad'] / median_cpu['transformers']:.3f} CPU; tokens/s tetrad / "
+          f"transformers: {median['transformers'] / median['tetrad']:.3f} wall, "
+          f"{median_cpu['transformers'] / median_cpu['tetrad']:.3f} CPU")
 
 
 if __name__ == "__main__":

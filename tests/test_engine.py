@@ -210,3 +210,29 @@ def test_kv_pool_is_sized_from_the_memory_budget():
         plan_kv_pool(config, "fp32", torch.device("cpu"), 16, 100, 0, 128)
     with pytest.raises(ConfigError, match="memory size"):
         parse_bytes("lots")
+
+
+def test_a_step_takes_in_requests_and_hashes_waiting_prompts_before_reading_its_ids(monkeypatch):
+    """The host work that no sampled token changes happens in the window where the device
+    computes the step, before the one device-to-host copy (the sampled ids)."""
+    llm = engine(random_model(), max_num_seqs=1)
+    llm.add_request(PROMPTS[3], GREEDY.replace(max_tokens=2))
+    step_reads, tolist = [], torch.Tensor.tolist
+
+    def read(tensor):
+        step_reads.append([(seq.request_id, len(seq.block_hashes))
+                           for seq in llm.scheduler.waiting])
+        return tolist(tensor)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", read)
+    original_execute = llm._execute
+
+    def execute_while_a_request_arrives(plan):
+        llm.add_request(PROMPTS[0], GREEDY.replace(max_tokens=2), request_id="late")
+        return original_execute(plan)
+
+    llm._execute = execute_while_a_request_arrives
+    llm.step()
+    # The request that arrived during the step waits (one sequence at a time), hashed already:
+    # its 12 tokens fill 2 blocks of 4 before the last token's block.
+    assert step_reads == [[("late", (len(PROMPTS[0]) - 1) // 4)]]

@@ -1,8 +1,10 @@
-"""Attention in place on the paged pool and decode steps from static buffers: FlexAttention over
-a paged block mask equals gathered attention on ragged batches and on chunks over cached context,
-and visits only each sequence's own blocks; the engine decodes greedily like full recompute with
-it, with decode steps padded to batch-size buckets (the CUDA-graph path, replayed eagerly on CPU),
-and with a compiled forward."""
+"""Attention in place on the paged pool and decode steps from static buffers: the CPU decode
+kernel equals gathered attention (GQA, MLA's narrower values, bf16) and reads each context's K/V
+rows exactly once (counted by the kernel), and the engine decodes with it like full recompute;
+FlexAttention over a paged block mask equals gathered attention on ragged batches and on chunks
+over cached context, and visits only each sequence's own blocks; the engine decodes greedily like
+full recompute with it, with decode steps padded to batch-size buckets (the CUDA-graph path,
+replayed eagerly on CPU), and with a compiled forward."""
 
 import warnings
 
@@ -11,10 +13,13 @@ import torch
 from test_engine import GREEDY, PROMPTS, engine, naive_paged_attention, random_model, \
     reference_greedy
 
-from tetrad.inference.attention import (flex_paged_attention, paged_block_mask,
+from tetrad.errors import ConfigError
+from tetrad.inference import cpu_kernels
+from tetrad.inference.attention import (flex_paged_attention, kernel_paged_decode,
+                                        paged_block_mask, sdpa_paged_attention,
                                         varlen_paged_attention)
 from tetrad.inference.cuda_graphs import DecodeGraphs, bucket_for, graph_buckets
-from tetrad.inference.runner import StepPlan
+from tetrad.inference.runner import StepPlan, resolve_backend
 
 # Eager FlexAttention (the dense reference form) warns that it is not compiled.
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -37,6 +42,75 @@ def ragged_batch(seed=0):
     positions = context[:, None] - new[:, None] + offsets
     q = torch.randn(3, 5, heads, head_dim)
     return q, k_cache, v_cache, tables, used, positions, new
+
+
+@pytest.mark.parametrize("dtype,latent", [(torch.float32, False), (torch.float32, True),
+                                          (torch.bfloat16, False)])
+def test_the_cpu_kernel_equals_gathered_attention_reading_each_context_row_once(dtype, latent):
+    """Ragged contexts (1 to 37 tokens) in shuffled blocks, tables padded with other sequences'
+    blocks; GQA (3 query heads per KV head), or MLA's one latent head whose values are the first
+    columns of its keys (a strided view of the pool). The call first writes each sequence's
+    newest K/V row at its slot, as the engine's decode steps do."""
+    torch.manual_seed(0)
+    num_blocks, block_size, head_dim = 40, 8, 16
+    kv_heads, heads = (1, 4) if latent else (2, 6)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
+    v_cache = k_cache[..., :10] if latent else torch.randn_like(k_cache)
+    context = torch.tensor([37, 1, 8, 9, 20])
+    tables = torch.randperm(num_blocks)[:25].view(5, 5)  # every row 5 wide, padding included
+    q = torch.randn(5, heads, head_dim).to(dtype)
+    new_k = torch.randn(1, kv_heads, 5, head_dim).to(dtype)
+    new_v = None if latent else torch.randn(1, kv_heads, 5, head_dim).to(dtype)
+    last = context - 1
+    slots = tables[torch.arange(5), last // block_size] * block_size + last % block_size
+    k_written = k_cache.clone()
+    v_written = k_written[..., :10] if latent else v_cache.clone()
+    k_written.view(-1, kv_heads, head_dim)[slots] = new_k[0].transpose(0, 1)
+    if not latent:
+        v_written.view(-1, kv_heads, head_dim)[slots] = new_v[0].transpose(0, 1)
+    expected = sdpa_paged_attention(q.unsqueeze(1), k_written, v_written, tables,
+                                    last[:, None])[:, 0]
+    rows_read = torch.zeros(1, dtype=torch.long)
+    out = kernel_paged_decode(q.transpose(0, 1)[None], k_cache, v_cache, tables, context,
+                              rows_read, (new_k, new_v, slots))[0].transpose(0, 1)
+    assert torch.equal(k_cache, k_written) and torch.equal(v_cache, v_written)
+    tolerance = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else {}
+    torch.testing.assert_close(out, expected, **tolerance)
+    # K and V, each context token once per KV head: no padding, no block read twice.
+    assert rows_read.item() == 2 * kv_heads * int(context.sum())
+
+
+def test_the_cpu_kernel_refuses_tables_that_leave_the_pool():
+    cache, q = torch.randn(4, 2, 1, 8), torch.randn(1, 1, 1, 8)  # 4 blocks of 2 slots
+    with pytest.raises(RuntimeError, match="block id outside the pool"):
+        kernel_paged_decode(q, cache, cache, torch.tensor([[7]]), torch.tensor([2]))
+    with pytest.raises(RuntimeError, match="context longer than its table"):
+        kernel_paged_decode(q, cache, cache, torch.tensor([[1]]), torch.tensor([3]))
+    with pytest.raises(RuntimeError, match="slot outside the pool"):
+        kernel_paged_decode(q, cache, cache, torch.tensor([[1]]), torch.tensor([2]), None,
+                            (torch.randn(1, 1, 1, 8), None, torch.tensor([8])))
+
+
+def test_the_engine_decodes_with_the_cpu_kernel_like_full_recompute():
+    model = random_model()
+    prompts = PROMPTS[:3]
+    expected = [reference_greedy(model, prompt, 6) for prompt in prompts]
+    llm = engine(model, max_num_batched_tokens=7)  # decodes beside prefill chunks, then alone
+    assert llm.runner.backend == "cpu"  # the CPU's auto
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY.replace(max_tokens=6))] == expected
+
+
+def test_without_a_compiler_auto_gathers_and_cpu_stops(monkeypatch, tmp_path):
+    monkeypatch.setenv("TETRAD_KERNEL_CACHE", str(tmp_path))  # nothing built there
+    monkeypatch.setenv("CXX", str(tmp_path / "no-compiler"))
+    cpu_kernels.load_cpu_kernels.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="gathering attention"):
+            assert resolve_backend("auto", torch.device("cpu"), 16) == "auto"
+        with pytest.raises(ConfigError, match="--attention cpu: cannot run the C"):
+            resolve_backend("cpu", torch.device("cpu"), 16)
+    finally:
+        cpu_kernels.load_cpu_kernels.cache_clear()
 
 
 def test_flex_over_a_paged_block_mask_equals_gathered_attention_on_a_ragged_batch():

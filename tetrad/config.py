@@ -204,6 +204,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     grad_accum: int = 1
     dtype: str = "fp32"
+    compile: bool = False  # torch.compile each transformer block (tetrad.parallel.compile)
     device: str = "auto"  # DEVICES
     report: str = ""
     hardware: str = ""  # profile or catalog GPU the report's predicted time is for ("": default)

@@ -59,6 +59,9 @@ def add_parser(subparsers) -> None:
     for flag, kind, help_text in TRAIN_FLAGS:
         parser.add_argument(flag, type=kind, help=help_text)
     parser.add_argument("--dtype", choices=DTYPES, help="compute precision (autocast)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile each transformer block (regional compilation); "
+                             "the compile time is reported apart from the step times")
     parser.add_argument("--device", choices=DEVICES,
                         help="auto (default): a GPU per local rank (NCCL) when there are enough, "
                              "else the CPU (gloo); cpu: the CPU beside GPUs; cuda: a GPU per "
@@ -187,6 +190,9 @@ def finish(result, config) -> int:
               f"(step {steps[-1]['step']})", end="")
         validation = result.report.get("validation_loss")
         print(f", validation loss {validation:.4f}" if validation is not None else "")
+    if "compile_time_s" in result.report:
+        print(f"compiling took {result.report['compile_time_s']:.1f} s (kept out of the step "
+              f"times)")
     if result.sample:
         print("--- sample ---")
         print(result.sample.strip())

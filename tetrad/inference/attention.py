@@ -9,12 +9,19 @@ Reading in place (what serving on a GPU uses; no copy of any context is made):
   pool. Compiled (torch.compile; a Triton kernel on GPU, C++ on CPU) it reads in place; run eagerly
   torch evaluates it densely over the whole pool, which only tests use.
 
-Gathering (the CPU path, and the reference the tests hold the others to):
+- `kernel_paged_decode`: the CPU's decode attention, a C++ kernel (paged_decode.cpp, built on
+  first use by cpu_kernels.py) that walks each sequence's block table and reads every K and V
+  row of its context once, straight from the pool, with a running max and sum per head.
+
+Gathering (the CPU path for prefill chunks over a cached context, and the reference the tests
+hold the others to):
 - `sdpa_paged_attention` gathers each sequence's K/V into one contiguous tensor and calls torch's
   fused scaled_dot_product_attention with a mask;
 - `tiled_paged_attention` is the flash-attention algorithm written in torch: it walks the block
   table a tile of blocks at a time, keeping a running max and log-sum-exp per query, so neither
   the [queries, context] score matrix nor a contiguous copy of the whole context is built.
+
+`resolve_backend` picks among them for a device (the engine's --attention).
 
 Shapes of the batched functions: q [batch, queries, heads, head_dim]; k_cache, v_cache
 [num_blocks, block_size, kv_heads, head_dim]; block_tables [batch, max_blocks], as wide as the
@@ -28,10 +35,16 @@ of the first columns of its cache entries) are narrower than its keys.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from tetrad.errors import ConfigError
+from tetrad.inference.cpu_kernels import KernelUnavailable, load_cpu_kernels
+
+VARLEN_BLOCK_MULTIPLE = 256  # flash-attention's rule for paged K/V: blocks of a multiple of it
 
 
 def visible_keys(block_tables: torch.Tensor, query_positions: torch.Tensor, block_size: int
@@ -96,6 +109,24 @@ def tiled_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 
 
+def kernel_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, context_lens: torch.Tensor,
+                        rows_read: torch.Tensor | None = None,
+                        new: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None
+                        ) -> torch.Tensor:
+    """One query per sequence, on a CPU, in the model's layout: q [1, heads, seqs, head_dim] over
+    keys 0..context_lens[b] - 1 of sequence b (int64 block_tables and context_lens) -> [1, heads,
+    seqs, v's head_dim]. `new`: (k, v, slots), the step's keys and values [1, kv_heads, seqs,
+    head_dim] (v None for MLA, whose values live in its keys), written at `slots` first, in the
+    same call. `rows_read` (int64 [1]), when given, gains the K and V rows the kernel read (one
+    per token and KV head each): what tests and the benchmark count. Raises KernelUnavailable
+    where the kernel cannot be built."""
+    load_cpu_kernels()  # built or loaded once per process; a cached no-op after that
+    new_k, new_v, slots = new or (None, None, None)
+    return torch.ops.tetrad.paged_decode(q, k_cache, v_cache, block_tables, context_lens,
+                                         q.shape[-1] ** -0.5, new_k, new_v, slots, rows_read)
+
+
 def paged_block_mask(block_tables: torch.Tensor, num_table_blocks: torch.Tensor,
                      query_positions: torch.Tensor, num_blocks: int, block_size: int
                      ) -> BlockMask:
@@ -153,3 +184,34 @@ def varlen_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return varlen_attn(q, k_cache, v_cache, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=True,
                        enable_gqa=k_cache.shape[2] != q.shape[1], seqused_k=context_lens,
                        block_table=block_tables)
+
+
+def resolve_backend(attention: str, device: torch.device, block_size: int,
+                    latent: bool = False) -> str:
+    """"auto" on a GPU: flash-attention's varlen kernel when the block size suits it (a multiple
+    of 256), FlexAttention otherwise; on a CPU the C++ decode kernel ("cpu"), or where it cannot
+    be built (no C++ compiler) the gathering kernels (sdpa or tiled by size).
+    `latent`: MLA's cache, whose values are narrower than its keys, which flash-attention's
+    kernel does not take."""
+    if attention == "varlen" and latent:
+        raise ConfigError("--attention varlen cannot read an MLA model's latent cache "
+                          "(flash-attention needs keys and values of one width): use --attention "
+                          "flex or auto")
+    if attention == "varlen" and (device.type != "cuda" or block_size % VARLEN_BLOCK_MULTIPLE):
+        raise ConfigError(f"--attention varlen needs a GPU and a --block-size that is a multiple "
+                          f"of {VARLEN_BLOCK_MULTIPLE} (flash-attention's paged K/V rule)")
+    if attention == "cpu" and device.type != "cpu":
+        raise ConfigError("--attention cpu is the CPU's decode kernel: on a GPU use --attention "
+                          "auto, flex or varlen")
+    if attention in ("auto", "cpu") and device.type == "cpu":
+        try:
+            load_cpu_kernels()
+        except KernelUnavailable as error:
+            if attention == "cpu":
+                raise ConfigError(f"--attention cpu: {error}") from None
+            warnings.warn(f"gathering attention on the CPU: {error}", stacklevel=2)
+            return "auto"
+        return "cpu"
+    if attention != "auto":
+        return attention
+    return "varlen" if block_size % VARLEN_BLOCK_MULTIPLE == 0 and not latent else "flex"

@@ -101,13 +101,16 @@ class BlockManager:
 
     def _hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
         """The first num_full_blocks entries of the sequence's hash chain (extended lazily)."""
+        self._extend_hashes(seq, num_full_blocks)
+        return seq.block_hashes[:num_full_blocks]
+
+    def _extend_hashes(self, seq: Sequence, num_full_blocks: int) -> None:
         size = self.block_size
         while len(seq.block_hashes) < num_full_blocks:
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if i else ROOT_HASH
             tokens = tuple(seq.token_ids[i * size:(i + 1) * size])
             seq.block_hashes.append(block_hash(parent, tokens))
-        return seq.block_hashes[:num_full_blocks]
 
     def _register(self, seq: Sequence, first: int, end: int) -> None:
         """Put the sequence's full blocks first..end-1 in the prefix cache (if no twin is there)."""
@@ -120,6 +123,12 @@ class BlockManager:
                 block.hash = hashes[i]
                 block.tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
                 self.cached[block.hash] = block.block_id
+
+    def hash_prompt(self, seq: Sequence) -> None:
+        """Compute the hash chain prefix_hits will look up (kept on the sequence): work that no
+        step's outcome changes, which the engine does while a step computes."""
+        if self.enable_prefix_caching:
+            self._extend_hashes(seq, (len(seq) - 1) // self.block_size)
 
     def prefix_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks that hold the start of a sequence with no blocks yet. The block holding the

@@ -15,7 +15,7 @@ from tetrad.config import check_choice, check_positive
 from tetrad.errors import ConfigError
 from tetrad.inference.kv_cache import DTYPE_BYTES, KVPlan
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "tiled", "flex", "varlen")
+ATTENTION_BACKENDS = ("auto", "sdpa", "tiled", "cpu", "flex", "varlen")
 
 
 @dataclass(frozen=True)

@@ -107,6 +107,10 @@ class DataParallelScheduler:
     def sequences(self) -> list[Sequence]:
         return [seq for scheduler in self.schedulers for seq in scheduler.sequences()]
 
+    def prepare_admission(self) -> None:
+        for scheduler in self.schedulers:
+            scheduler.prepare_admission()
+
     def schedule(self) -> DataParallelBatch:
         return DataParallelBatch([scheduler.schedule() for scheduler in self.schedulers])
 

@@ -204,12 +204,22 @@ class LLM:
         seqs = [seq for seq, _ in to_sample]
         if picked != list(range(len(logits))):  # forked samples share a row; prompt rows go
             logits = logits[torch.tensor(picked, dtype=torch.long, device=logits.device)]
+        token_ids = self.sampler(logits[:, :self.num_sampleable], seqs).token_ids if seqs else None
+        self._prepare_next_step()
         # The step's one device-to-host copy: the sampled ids.
-        tokens = (self.sampler(logits[:, :self.num_sampleable], seqs).token_ids.tolist()
-                  if seqs else [])
+        tokens = token_ids.tolist() if seqs else []
         logprobs = sampled_logprobs(logits, seqs, tokens)
         self.scheduler.append_tokens(list(zip(seqs, tokens)), self.eos_token_ids)
         return list(zip(seqs, tokens, logprobs))
+
+    def _prepare_next_step(self) -> None:
+        """Host work for the next step that this step's tokens cannot change, done while the
+        device computes them (before the sampled ids are read back): new requests join the
+        waiting queue and their prompts' prefix-cache hashes are computed. Who runs next, and
+        with which tokens, waits for the ids: a sampled end-of-sequence or stop string finishes a
+        sequence, and aborts free blocks the step may still be writing."""
+        self.tracker.take_in(self.scheduler)
+        self.scheduler.prepare_admission()
 
     # ---- the other ranks -----------------------------------------------------------------------
 

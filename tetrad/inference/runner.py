@@ -22,9 +22,10 @@ import torch
 from torch import nn
 
 from tetrad.errors import ConfigError
-from tetrad.inference.attention import (flex_attention, flex_paged_attention, paged_block_mask,
-                                        sdpa_paged_attention, tiled_paged_attention,
-                                        varlen_paged_attention, visible_keys)
+from tetrad.inference.attention import (flex_attention, flex_paged_attention, kernel_paged_decode,
+                                        paged_block_mask, resolve_backend, sdpa_paged_attention,
+                                        tiled_paged_attention, varlen_paged_attention,
+                                        visible_keys)
 from tetrad.inference.config import ATTENTION_BACKENDS
 from tetrad.inference.cuda_graphs import DecodeGraphs
 from tetrad.inference.kv_cache import (TORCH_DTYPES, KVCache, KVPlan, parse_bytes,
@@ -35,7 +36,6 @@ from tetrad.models.layers import causal_attention
 if TYPE_CHECKING:
     from tetrad.inference.config import EngineConfig, RankShare
 
-VARLEN_BLOCK_MULTIPLE = 256
 # With "auto", a call whose gathered K/V copy would exceed this many bytes goes to the tiled
 # kernel, which never builds it. On CPU (benchmarks/bench_serving.py --attention) SDPA is twice
 # as fast for prefill chunks over a cached context and on par for small decode batches; the tiled
@@ -124,10 +124,11 @@ class StepContext:
     """What attention needs to know about one step, built once and used by every layer.
 
     In-place backends (flex, varlen) attend every sequence of the step in one call straight from
-    the pool. The gathering backends (sdpa, tiled: the CPU path) attend the single-token
-    sequences (decodes) together in one batched call; a chunk of several tokens with no cached
-    context before it is plain causal attention over the chunk (the training path's SDPA); any
-    other chunk attends over its cached context through its table."""
+    the pool. The CPU backends attend the single-token sequences (decodes) together in one
+    batched call: the C++ kernel in place ("cpu"), or gathered (sdpa, tiled, and "auto" where
+    the kernel cannot be built); a chunk of several tokens with no cached context before it is
+    plain causal attention over the chunk (the training path's SDPA); any other chunk attends
+    over its cached context through its table, gathered."""
 
     def __init__(self, kv_cache: KVCache, backend: str, block_size: int,
                  flex: Callable = flex_attention):
@@ -145,6 +146,9 @@ class StepContext:
         self.varlen: tuple = ()  # varlen: (tables int32, cu_seq_q, cu_seq_k, lens, max_q, max_k)
         self.decode_seqs: torch.Tensor | None = None  # gathering: [decodes] their seq indices
         self.decode_rows: torch.Tensor | None = None  # gathering: [decodes] their token rows
+        self.decode_tables: torch.Tensor | None = None  # cpu: [decodes, width]
+        self.decode_lens: torch.Tensor | None = None  # cpu: [decodes] their context lengths
+        self.rows_read: torch.Tensor | None = None  # cpu: int64 [1], counts K/V rows when set
         # gathering: (first row, end row, seq index; None when no cached context)
         self.chunks: list[tuple[int, int, int | None]] = []
         self.num_table_blocks: list[int] = []  # gathering: [seqs] table entries in use
@@ -154,7 +158,8 @@ class StepContext:
                  ) -> torch.Tensor:
         # K and V of every table entry, as SDPA's contiguous copy would hold them.
         size = 2 * tables.numel() * math.prod(k_cache.shape[1:]) * k_cache.element_size()
-        if self.backend == "tiled" or (self.backend == "auto" and size > GATHER_LIMIT_BYTES):
+        if self.backend == "tiled" or (self.backend in ("auto", "cpu")
+                                       and size > GATHER_LIMIT_BYTES):
             return tiled_paged_attention(q, k_cache, v_cache, tables, positions)
         return sdpa_paged_attention(q, k_cache, v_cache, tables, positions, mask)
 
@@ -162,9 +167,13 @@ class StepContext:
                ) -> torch.Tensor:
         """q: [1, heads, tokens, head_dim]; k, v: [1, kv_heads, tokens, head_dim] -> [1, heads,
         tokens, v's head_dim] (narrower than q's for MLA, whose values are its latents)."""
+        k_cache, v_cache = self.kv_cache.layer(layer)
+        if self.all_decodes and self.backend == "cpu":  # one op: the write, then attention
+            return kernel_paged_decode(q, k_cache, v_cache, self.decode_tables, self.decode_lens,
+                                       self.rows_read,
+                                       (k, None if self.kv_cache.latent else v, self.slots))
         q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))  # [tokens, heads, head_dim]
         self.kv_cache.write(layer, self.slots, k, v)
-        k_cache, v_cache = self.kv_cache.layer(layer)
         if self.backend == "varlen":
             out = varlen_paged_attention(q, k_cache, v_cache, *self.varlen)
         elif self.backend == "flex":
@@ -183,7 +192,12 @@ class StepContext:
 
     def _gathered_mixed(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
         out = q.new_empty(*q.shape[:-1], v.shape[-1])
-        if self.decode_rows is not None:
+        if self.decode_rows is not None and self.backend == "cpu":
+            queries = q[self.decode_rows].transpose(0, 1).unsqueeze(0)  # the kernel's layout
+            out[self.decode_rows] = kernel_paged_decode(
+                queries, k_cache, v_cache, self.decode_tables, self.decode_lens,
+                self.rows_read)[0].transpose(0, 1)
+        elif self.decode_rows is not None:
             seqs = self.decode_seqs
             out[self.decode_rows] = self.gathered(
                 q[self.decode_rows].unsqueeze(1), k_cache, v_cache, self.tables[seqs],
@@ -283,8 +297,14 @@ class ModelRunner:
             extra.update(cu_q=batch.add([0, *itertools.accumulate(plan.num_tokens)]),
                          cu_k=batch.add([0, *itertools.accumulate(lens)]),
                          lens=batch.add(lens), max_k=max(lens))
-        if self.backend in ("auto", "sdpa", "tiled") and decodes and not context.all_decodes:
+        gathering = self.backend in ("auto", "sdpa", "tiled", "cpu")
+        if gathering and decodes and not context.all_decodes:
             extra.update(decode_seqs=batch.add(decodes), decode_rows=batch.add(decode_rows))
+        if self.backend == "cpu" and decodes:
+            extra.update(decode_lens=batch.add([plan.starts[i] + 1 for i in decodes]))
+            if not context.all_decodes:
+                extra.update(decode_tables=batch.add(
+                    [tables[i * width + j] for i in decodes for j in range(width)]))
         sent = batch.send(self.device)
         input_ids, positions_t, context.slots, context.logits_indices, tables_t, qpos_t = (
             sent[i] for i in ids)
@@ -306,6 +326,10 @@ class ModelRunner:
         if "decode_seqs" in extra:
             context.decode_seqs = sent[extra["decode_seqs"]]
             context.decode_rows = sent[extra["decode_rows"]]
+        if "decode_lens" in extra:
+            context.decode_lens = sent[extra["decode_lens"]]
+            context.decode_tables = (context.tables if context.all_decodes
+                                     else sent[extra["decode_tables"]].view(len(decodes), width))
         return input_ids, positions_t, context
 
     @torch.inference_mode()
@@ -320,24 +344,6 @@ class ModelRunner:
             return self.graphs.run(plan)
         input_ids, positions, context = self.prepare(plan)
         return self.forward(input_ids.unsqueeze(0), positions, cache=context)[0]
-
-
-def resolve_backend(attention: str, device: torch.device, block_size: int,
-                    latent: bool = False) -> str:
-    """"auto" on a GPU: flash-attention's varlen kernel when the block size suits it (a multiple
-    of 256), FlexAttention otherwise; on a CPU the gathering kernels (sdpa or tiled by size).
-    `latent`: MLA's cache, whose values are narrower than its keys, which flash-attention's
-    kernel does not take."""
-    if attention == "varlen" and latent:
-        raise ConfigError("--attention varlen cannot read an MLA model's latent cache "
-                          "(flash-attention needs keys and values of one width): use --attention "
-                          "flex or auto")
-    if attention == "varlen" and (device.type != "cuda" or block_size % VARLEN_BLOCK_MULTIPLE):
-        raise ConfigError(f"--attention varlen needs a GPU and a --block-size that is a multiple "
-                          f"of {VARLEN_BLOCK_MULTIPLE} (flash-attention's paged K/V rule)")
-    if attention != "auto" or device.type != "cuda":
-        return attention
-    return "varlen" if block_size % VARLEN_BLOCK_MULTIPLE == 0 and not latent else "flex"
 
 
 def load_runner(model: nn.Module, config: "EngineConfig", max_model_len: int,

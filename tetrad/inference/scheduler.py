@@ -16,6 +16,7 @@ Finished sequences free their blocks the moment they finish. A request that coul
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -178,6 +179,14 @@ class Scheduler:
             self._start(seq, num_new, batch)
             budget -= num_new
         return batch
+
+    def prepare_admission(self) -> None:
+        """The part of admitting waiting requests that no step's outcome changes (their prompts'
+        prefix-cache hashes), done ahead while a step computes; the admission itself (blocks,
+        the budget) waits for schedule(). Only the queue's head can be admitted next."""
+        for seq in itertools.islice(self.waiting, self.config.max_num_seqs):
+            if seq.params.prompt_logprobs is None:
+                self.block_manager.hash_prompt(seq)
 
     def _num_seqs(self) -> int:
         """Running sequences, counting the samples a prompt still being prefilled will fork into."""

@@ -55,13 +55,17 @@ class RequestTracker:
 
     # ---- the engine thread ---------------------------------------------------------------------
 
-    def begin_step(self, scheduler: Scheduler) -> dict[str, TrackedRequest]:
-        """Take in new requests and aborts; the requests touched so far this step."""
-        touched: dict[str, TrackedRequest] = {}
+    def take_in(self, scheduler: Scheduler) -> None:
+        """Queue the new requests in the scheduler (waiting: no running step is affected)."""
         for request in iter_queue(self._incoming):
             self.requests[request.output.request_id] = request
             scheduler.add_request(request.output.request_id, request.output.prompt_token_ids,
                                   request.params)
+
+    def begin_step(self, scheduler: Scheduler) -> dict[str, TrackedRequest]:
+        """Take in new requests and aborts; the requests touched so far this step."""
+        touched: dict[str, TrackedRequest] = {}
+        self.take_in(scheduler)
         for request_id in iter_queue(self._aborts):
             if request_id in self.requests:
                 self._stop(scheduler, request_id, "abort", touched)

@@ -18,6 +18,9 @@ The counter also times the communication a rank waits for (exposed): a synchrono
 an async one (async_op=True, send, recv) only inside Handle.wait(), where the rank stops until
 the collective it overlapped with compute is done. `exposed_per_step` is the run report's
 comm_exposed_s (tetrad.train.metrics).
+
+Under --compile every collective and every wait is a graph break (`eager_collective`): it runs
+eagerly between compiled pieces.
 """
 
 from __future__ import annotations
@@ -119,6 +122,12 @@ class CommCounter:
         self._step_waits.clear()
 
 
+def eager_collective(method):
+    """A collective runs outside any torch.compile graph (tetrad.parallel.compile): the block
+    around it is compiled in pieces, and the call, its byte count and its handle stay Python."""
+    return torch.compiler.disable(method, recursive=True)
+
+
 class Handle:
     """What an async collective returns: wait() before touching its tensors. `work` is one
     torch Work, or a list of them (a batch of sends and receives). The wait is timed into
@@ -129,6 +138,7 @@ class Handle:
         self._works = work if isinstance(work, list) else [work] if work is not None else []
         self._counter, self._kind, self._tag = counter, kind, tag
 
+    @eager_collective
     def wait(self, timeout_s: float | None = None) -> None:
         """`timeout_s` replaces the process group's timeout for this wait (the parameter server
         waits on peers that may legitimately stay silent longer). On gloo a wait that times out
@@ -181,6 +191,7 @@ class Comm:
         self.counter.record_wait(kind, time.perf_counter() - started, tag)
         return DONE
 
+    @eager_collective
     def all_reduce(self, tensor: torch.Tensor, group: Group, tag: str, op: str = "sum",
                    async_op: bool = False) -> Handle:
         if group.size == 1:
@@ -192,6 +203,7 @@ class Comm:
         return self._issued(dist.all_reduce(tensor, reduce_op, group=group.handle, async_op=True),
                             "all_reduce", tag, async_op)
 
+    @eager_collective
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group: Group, tag: str,
                        async_op: bool = False) -> Handle:
         """Sum `input` over the group; this rank gets chunk `group.index` in `output`. `output`
@@ -212,6 +224,7 @@ class Comm:
                                                    async_op=True),
                             "reduce_scatter", tag, async_op)
 
+    @eager_collective
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: Group, tag: str,
                    async_op: bool = False) -> Handle:
         """Concatenate every rank's `input` into `output`; `input` may be this rank's chunk of
@@ -231,6 +244,7 @@ class Comm:
                                                async_op=True),
                             "all_gather", tag, async_op)
 
+    @eager_collective
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, group: Group, tag: str,
                    output_splits: list[int] | None = None,
                    input_splits: list[int] | None = None, async_op: bool = False) -> Handle:
@@ -245,6 +259,7 @@ class Comm:
                                                    group=group.handle, async_op=True),
                             "all_to_all", tag, async_op)
 
+    @eager_collective
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group, tag: str) -> None:
         """Copy group rank `src`'s tensor to every rank of the group."""
         if group.size == 1:
@@ -253,18 +268,21 @@ class Comm:
         self._issued(dist.broadcast(tensor, group=group.handle, group_src=src, async_op=True),
                      "broadcast", tag, async_op=False)
 
+    @eager_collective
     def send(self, tensor: torch.Tensor, dst: int, group: Group, tag: str) -> Handle:
         """Send to group rank `dst` (async: wait before reusing `tensor`)."""
         self.counter.record("p2p", _nbytes(tensor), tag)
         return Handle(dist.isend(tensor, group=group.handle, group_dst=dst), self.counter, "p2p",
                       tag)
 
+    @eager_collective
     def recv(self, tensor: torch.Tensor, src: int, group: Group, tag: str = "") -> Handle:
         """Receive from group rank `src`; only the sender counts the bytes (the wait is timed
         under `tag`)."""
         return Handle(dist.irecv(tensor, group=group.handle, group_src=src), self.counter, "p2p",
                       tag)
 
+    @eager_collective
     def exchange(self, outgoing: torch.Tensor, dst: int, incoming: torch.Tensor, src: int,
                  group: Group, tag: str) -> Handle:
         """Send `outgoing` to group rank `dst` and receive `incoming` from `src`, posted as one

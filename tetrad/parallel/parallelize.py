@@ -8,7 +8,8 @@ model's; then, on each rank:
   2. context parallelism  ring attention over the cp ranks, each holding 2 of 2*cp sequence chunks
   3. tensor parallelism   heads, MLP units and the vocabulary split over tp (+ sequence
                           parallelism between the layers)
-  4. recomputation        none | selective | full, on the blocks as they now are
+  4. compilation          (--compile) torch.compile of each block's forward as it now is
+     recomputation        none | selective | full, on the blocks as they now are
   5. pipeline             this rank's stages of the model so far, and the executor of the schedule
   6. data parallelism     gradients of the replicated parameters averaged over dp x cp (DDP), or
                           sharded there with the optimizer state (ZeRO 1-3; under a pipeline
@@ -17,7 +18,8 @@ model's; then, on each rank:
 
 Why this order: EP swaps a block's MoE layer and CP its attention core, both on the single-device
 blocks; TP then splits the matmuls around them (it keeps MoE layers whole and leaves the core
-alone); recomputation wraps each block once everything is inside it; the pipeline cuts the
+alone); compilation sees each block as it will run, and recomputation wraps each block (its
+compiled forward) once everything is inside it; the pipeline cuts the
 finished model, so a stage computes exactly what the model computes; the data-parallel engine
 comes last because it buckets, shards or broadcasts exactly the parameters this rank ends up with.
 Tensor-parallel gradients that ranks hold only in part (SP's replicated norms, replicated kv rows)
@@ -44,6 +46,7 @@ from tetrad.config import ModelConfig, ParallelConfig
 from tetrad.models.moe import Router
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm
+from tetrad.parallel.compile import apply_compile
 from tetrad.parallel.context_parallel import (ROUTING_TAG, ContextParallel,
                                               apply_context_parallel)
 from tetrad.parallel.data_parallel import DataParallel
@@ -57,6 +60,7 @@ from tetrad.parallel.pipeline.executor import whole_sequences
 from tetrad.parallel.recompute import apply_recompute
 from tetrad.parallel.tensor_parallel import TensorParallelSplit, apply_tensor_parallel
 from tetrad.parallel.zero import NORM_TAG, Pipelined, ZeroDataParallel
+from tetrad.schedules.generate import SPLIT_BACKWARD
 from tetrad.sharded_tensors import CHECKPOINT_KINDS, LazyMapping, Piece, assemble
 
 
@@ -65,12 +69,13 @@ from tetrad.sharded_tensors import CHECKPOINT_KINDS, LazyMapping, Piece, assembl
 
 def parallelize(model: Transformer, mesh: Mesh, comm: Comm, parallel: ParallelConfig,
                 seq_len: int, options: DataParallelOptions,
-                autocast: Callable[[], ContextManager] = contextlib.nullcontext
-                ) -> "ParallelModel":
+                autocast: Callable[[], ContextManager] = contextlib.nullcontext,
+                compile: bool = False) -> "ParallelModel":
     """Apply `parallel` to `model` (the full model, built with the same seed on every rank) on
     this rank, in the order of the module docstring. Collective: every rank calls it. `parallel`
     is a run's resolved layout (tetrad.planner.rules.resolve_layout: checked for this model,
-    stage_layers its pipeline cut), which parallelize trusts."""
+    stage_layers its pipeline cut), which parallelize trusts. `compile`: regional compilation
+    (tetrad.parallel.compile)."""
     config = model.config
     runs = range(config.num_layers)
     cut = None
@@ -84,6 +89,8 @@ def parallelize(model: Transformer, mesh: Mesh, comm: Comm, parallel: ParallelCo
     tensor = (apply_tensor_parallel(model, mesh, comm, parallel.sequence_parallel,
                                     seq_len // parallel.cp, parallel.overlap)
               if parallel.tp > 1 else None)
+    if compile:
+        apply_compile(model, parallel.pp > 1 and parallel.schedule in SPLIT_BACKWARD)
     apply_recompute(model, parallel.recompute)
     pipeline = None
     if parallel.pp > 1:

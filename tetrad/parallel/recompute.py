@@ -22,14 +22,13 @@ parallelism's all-to-alls) during backward; the byte counters see that traffic.
 
 from __future__ import annotations
 
-import types
 from typing import Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from tetrad.errors import ConfigError
-from tetrad.models.transformer import Block, Transformer
+from tetrad.models.transformer import Transformer
 from tetrad.parallel.context_parallel import RingAttention
 
 MODES = ("none", "selective", "full")
@@ -48,21 +47,28 @@ class RecomputedAttention:
         return checkpoint(self.core, q, k, v, use_reentrant=False)
 
 
-def _recomputed_forward(block: Block, x: torch.Tensor, rope, attend=None) -> torch.Tensor:
-    """Block.forward under a checkpoint. Installed on the instance, so parameter names (and the
-    checkpoint format) stay those of the plain model."""
-    if not torch.is_grad_enabled():
-        return Block.forward(block, x, rope, attend)
-    return checkpoint(Block.forward, block, x, rope, attend, use_reentrant=False)
+class RecomputedBlock:
+    """A block's forward under a checkpoint. Installed on the instance, so parameter names (and
+    the checkpoint format) stay those of the plain model; it wraps the forward the block has
+    (a compiled one under --compile, which then runs again in backward)."""
+
+    def __init__(self, forward: Callable):
+        self.forward = forward
+
+    def __call__(self, x: torch.Tensor, rope, attend=None) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return self.forward(x, rope, attend)
+        return checkpoint(self.forward, x, rope, attend, use_reentrant=False)
 
 
 def apply_recompute(model: Transformer, mode: str) -> None:
     """Recompute `mode` on every block of `model`. Apply after context parallelism (selective
-    recognizes ring attention) and after expert parallelism; losses and gradients are unchanged."""
+    recognizes ring attention), after expert parallelism and after compilation (full wraps the
+    compiled forward); losses and gradients are unchanged."""
     if mode not in MODES:
         raise ConfigError(f"--recompute must be one of {', '.join(MODES)}, got {mode!r}")
     for block in model.layers:
         if mode == "full":
-            block.forward = types.MethodType(_recomputed_forward, block)
+            block.forward = RecomputedBlock(block.forward)
         elif mode == "selective" and not isinstance(block.attn.core, RingAttention):
             block.attn.core = RecomputedAttention(block.attn.core)

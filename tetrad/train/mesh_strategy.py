@@ -46,7 +46,7 @@ class MeshStrategy:
             COMPUTE_DTYPES[config.dtype], bucket_bytes)
         self.autocast = partial(autocast, device, config.dtype)  # the pipeline's stages too
         self.parallel = parallelize(model, mesh, collectives, config.parallel, config.seq_len,
-                                    options, self.autocast)
+                                    options, self.autocast, config.compile)
         self.model = self.parallel.module
         # After the engine moved the parameters (the meter tells them from activations).
         self.loop = MicrobatchLoop(self.model, device, config.grad_accum, config.dtype,

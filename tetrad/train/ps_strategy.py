@@ -19,6 +19,7 @@ from torch import nn
 
 from tetrad.config import TrainConfig
 from tetrad.parallel.comm import Comm
+from tetrad.parallel.compile import apply_compile
 from tetrad.parallel.mesh import Group
 from tetrad.parallel.ps.protocol import PSOptions, check_run, nbytes
 from tetrad.parallel.ps.worker import WorkerClient
@@ -41,6 +42,8 @@ class ParameterServerStrategy:
         check_run(config.batch_size, config.grad_accum, config.dtype, device, self.num_workers)
         self.clip_scale = 1.0
         self.summary: dict | None = None  # the scheduler's run summary, after gather
+        if config.compile:
+            apply_compile(model)
         # After the client moved the parameters into its flat buffer.
         self.loop = MicrobatchLoop(model, device, config.grad_accum, config.dtype,
                                    whole_sequences, self.loss, self.backward)

@@ -19,6 +19,7 @@ from torch import nn
 
 from tetrad.config import TrainConfig
 from tetrad.parallel.comm import Comm, CommCounter
+from tetrad.parallel.compile import apply_compile
 from tetrad.parallel.mesh import Mesh
 from tetrad.parallel.recompute import apply_recompute
 from tetrad.planner.precision import TrainingPrecision, training_precision
@@ -92,8 +93,11 @@ def build_strategy(model: nn.Module, config: TrainConfig, device: torch.device,
                    mesh: Mesh | None = None, collectives: Comm | None = None) -> Strategy:
     """The strategy for config.parallel on this rank's mesh (none: single process)."""
     if mesh is None:
-        # One process still honours --recompute: it changes what backward keeps, never the
-        # numbers (multi-rank layouts apply it in parallelize's fixed order).
+        # One process still honours --compile and --recompute, in parallelize's order: they
+        # change how a step runs and what backward keeps (compiled fp32 arithmetic differs from
+        # eager by about 1e-7 relative, docs/compile.md).
+        if config.compile:
+            apply_compile(model)
         apply_recompute(model, config.parallel.recompute)
         return LocalStrategy(model, config, device)
     return MeshStrategy(model, config, device, mesh, collectives)

@@ -21,6 +21,7 @@ from tetrad.errors import ConfigError, TetradError
 from tetrad.hardware import GPU, gpu_from_device_name
 from tetrad.hardware_profile import default_profile_path, gpu_or_profile, load_profile
 from tetrad.models.transformer import Transformer, count_parameters
+from tetrad.parallel.compile import CompileClock
 from tetrad.parallel.launch import local_device, rank_device
 from tetrad.planner import predict_run
 from tetrad.planner.rules import ResolvedLayout, resolve_layout
@@ -162,11 +163,16 @@ def train(config: TrainConfig, make_strategy: Callable[..., Strategy] = build_st
     saved, last_saved_step = resume_from, start_step if resume_from else None
     tokens_per_step = config.batch_size * config.seq_len
     is_main = strategy.rank == 0
+    # Compiling is kept out of the step times: a step's time_s leaves out what this rank spent
+    # compiling (in a multi-rank run the first step may still wait for another rank's compile,
+    # which is why the report's medians skip it).
+    clock = CompileClock() if config.compile else None
     progress = tqdm(range(start_step, config.steps), initial=start_step, total=config.steps,
                     desc=f"train {model_config.name} ({num_parameters / 1e6:.2f}M)",
                     disable=not (show_progress and is_main), dynamic_ncols=True)
     for step in progress:
         started = time.perf_counter()
+        compiled_before = clock.seconds if clock else 0.0
         loss, aux = strategy.forward_backward(dataset.train.batch(step, config.batch_size))
         strategy.finish_gradients()
         held = {k: max(v, held.get(k, 0)) for k, v in strategy.bytes_held().items()}
@@ -176,12 +182,15 @@ def train(config: TrainConfig, make_strategy: Callable[..., Strategy] = build_st
         held = {k: max(v, held.get(k, 0)) for k, v in strategy.bytes_held().items()}
         if device.type == "cuda":  # the optimizer step's kernels are this step's time too
             torch.cuda.synchronize(device)
-        elapsed = time.perf_counter() - started
+        compile_s = clock.seconds - compiled_before if clock else 0.0
+        elapsed = time.perf_counter() - started - compile_s
         record = {"step": step + 1, "loss": loss, "grad_norm": grad_norm, "time_s": elapsed,
                   "tokens": tokens_per_step, "tokens_per_s": tokens_per_step / elapsed,
                   "lr": learning_rate(step, config), "applied": applied}
         if aux is not None:
             record["aux_loss"] = aux
+        if compile_s:
+            record["compile_s"] = compile_s
         if peak_flops:
             record["mfu"] = predicted["model_flops_per_step"] / elapsed / peak_flops
         steps.append(record)
@@ -191,19 +200,25 @@ def train(config: TrainConfig, make_strategy: Callable[..., Strategy] = build_st
             saved = save(strategy, config, model_config, tokenizer, step + 1)
             last_saved_step = step + 1
     progress.close()
+    if clock:
+        clock.close()
     if config.checkpoint_dir and last_saved_step != config.steps:
         saved = save(strategy, config, model_config, tokenizer, config.steps)
     ranks = strategy.gather(rank_entry(
         strategy.rank, strategy.coords, held, strategy.activations_peak,
         strategy.comm.totals_per_step() if strategy.comm else None, strategy.idle_fraction,
         [record["time_s"] for record in steps], cuda_memory(device),
-        strategy.comm.exposed_per_step() if strategy.comm else None))
+        strategy.comm.exposed_per_step() if strategy.comm else None)
+        | ({"compile_time_s": clock.seconds} if clock else {}))
     whole = strategy.whole_model()  # collective: the model with every parameter whole
     report = build_report(
         config={**config.to_dict(), "model_config": model_config.to_dict()}, steps=steps,
         ranks=ranks, predicted=predicted, num_parameters=num_parameters,
         device={"type": device.type, "gpu": gpu.name if gpu else None},
         validation_loss=evaluate(whole, dataset, config, device) if is_main else None,
+        # The slowest rank's compile time (--compile; parameter servers compile nothing).
+        **({"compile_time_s": max(rank.get("compile_time_s", 0.0) for rank in ranks)}
+           if clock else {}),
         # The parameter server's run summary (modes, staleness, dead workers); set by gather.
         **({"parameter_server": strategy.summary} if strategy.summary is not None else {}))
     if config.report and is_main:
