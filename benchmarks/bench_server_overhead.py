@@ -155,10 +155,16 @@ def main() -> None:
             warm_up = new_prompts()[:2]
             run_server(server, port, warm_up, args, stream=True)
             run_generate(llm, warm_up, args)
+            sides = {"generate": lambda: run_generate(llm, new_prompts(), args),
+                     "serve_stream": lambda: run_server(server, port, new_prompts(), args, True),
+                     "serve": lambda: run_server(server, port, new_prompts(), args, False)}
+            order = list(sides)
             for _ in range(args.repeats):
-                runs["generate"].append(run_generate(llm, new_prompts(), args))
-                runs["serve_stream"].append(run_server(server, port, new_prompts(), args, True))
-                runs["serve"].append(run_server(server, port, new_prompts(), args, False))
+                # The order rotates each round: whichever side runs last in a round was measured
+                # slower (the machine's state drifts within a round), so no side always goes last.
+                for name in order:
+                    runs[name].append(sides[name]())
+                order = order[1:] + order[:1]
         finally:
             server.terminate()
             server.wait()

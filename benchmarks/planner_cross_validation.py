@@ -2,6 +2,7 @@
 validation, and print (or write into docs/planner.md) the error per source.
 
     PYTHONPATH=. .venv/bin/python benchmarks/planner_cross_validation.py [--write docs/planner.md]
+        [--without SOURCE ...]
 
 The rows are benchmarks/published_runs.py. Each architecture's profile (Ampere: the A100s;
 Hopper: H100 and H800) has a few fitted fractions - matmul efficiency; on Hopper also the
@@ -22,8 +23,8 @@ import dataclasses
 import statistics
 from pathlib import Path
 
-from benchmarks.published_runs import (Run, all_runs, known_gaps, predict, predict_serving,
-                                       serve_runs)
+from benchmarks.published_runs import Run, all_runs, known_gaps, predict
+from benchmarks.published_serving import predict_serving, serve_runs
 from tetrad.hardware import AMPERE, HOPPER, EfficiencyProfile, gpu
 
 # Llama 3 (Dubey et al. 2024, section 3.3.4): "higher than 90% effective training time" on the
@@ -121,8 +122,8 @@ def _pct(values: list[float]) -> str:
     return f"{statistics.mean(abs(v) for v in values):.1%}"
 
 
-def report() -> str:
-    runs = all_runs()
+def report(without: tuple[str, ...] = ()) -> str:
+    runs = [run for run in all_runs() if run.source not in without]
     sources = list(dict.fromkeys(run.source for run in runs))
     full = fit(runs)
     in_sample = dict(zip((run.name for run in runs), errors(runs, full)))
@@ -182,8 +183,10 @@ def report() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", metavar="DOC", help="replace the marked block in DOC")
+    parser.add_argument("--without", metavar="SOURCE", action="append", default=[],
+                        help="leave a source's rows out altogether (what it adds to the fit)")
     args = parser.parse_args()
-    text = report()
+    text = report(tuple(args.without))
     print(text)
     if args.write:
         path = Path(args.write)

@@ -75,3 +75,28 @@ def test_measured_step_scale_and_concurrent_slowdown_scale_compute():
     calls = (step(sync_wait=((2, 1e-3),)).communication_exposed
              - plain.communication_exposed) / 1e-3
     assert calls >= 1 and calls == pytest.approx(round(calls))
+
+
+def test_calls_right_behind_another_do_not_wait_again():
+    """The step's closing burst (gradient reduction, norms, losses) waits for its peers once;
+    ZeRO-1/2 wait once more for the gather after the optimizer; every tensor-parallel call
+    sits between computations and waits each time."""
+    from tetrad.planner.comm import CommLedger
+    from tetrad.planner.eager_comm import _activations, rank_comm, waiting_calls
+    from tetrad.planner.precision import training_precision
+
+    config, precision = preset("tiny"), training_precision("fp32")
+
+    def calls(layout):
+        return (sum(rank_comm(config, layout, 32, precision, 0).calls.values()),
+                waiting_calls(config, layout, 32, precision, 0))
+
+    total, waiting = calls(TrainLayout(dp=2, micro_batch=2))
+    assert total == 3 and waiting == 1  # gradients, loss, norm: one burst
+    total, waiting = calls(TrainLayout(dp=2, zero=1, micro_batch=2))
+    assert total == 5 and waiting == 2
+    tp = TrainLayout(tp=2, micro_batch=2)
+    during = CommLedger()
+    _activations(during, config, tp, 32, precision, 0)
+    total, waiting = calls(tp)
+    assert waiting == sum(during.calls.values()) + 1 < total

@@ -221,6 +221,18 @@ def test_one_rank_layer_equals_the_moe_layer_and_drops_over_capacity():
     assert torch.allclose(out, manual, rtol=1e-5, atol=1e-6)
 
 
+def test_an_expert_no_row_reached_keeps_the_autocast_dtype():
+    """Under bf16 autocast a rank whose rows skip an expert sends bf16 like every other rank (an
+    fp32 empty piece once promoted the whole output and the all-to-all sizes disagreed)."""
+    torch.manual_seed(SEED)
+    layer = ExpertParallelMoE(MoE(MOE), one_rank_mesh()["ep"], Comm())
+    received = torch.randn(5, MOE.hidden_size)
+    counts = torch.tensor([[2, 0, 3, 0][:MOE.num_experts]])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer._run_experts(received, counts)
+    assert out.dtype == torch.bfloat16 and out.shape == received.shape
+
+
 def test_bad_layouts_say_what_to_change():
     with pytest.raises(ConfigError, match="needs a mixture-of-experts model.*set --ep 1"):
         check_expert_parallel(preset("tiny"), 2)

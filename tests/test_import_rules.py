@@ -36,8 +36,8 @@ ALLOWED = {
     "viz": ["errors", "hardware", "schedules"],
     # Microbenchmarks: the activation meter every strategy runs, train.launch's spawned ranks,
     # and a calibration model's training step set against the planner's time model.
-    "calibrate": ["config", "errors", "hardware", "hardware_profile", "memory", "planner",
-                  "train"],
+    "calibrate": ["config", "errors", "hardware", "hardware_profile", "memory", "parallel",
+                  "planner", "train"],
     "cli": [*SHARED, *BASE, "calibrate", "inference", "modelfile", "models", "planner", "store",
             "train", "viz"],
 }

@@ -10,8 +10,8 @@ from tetrad.hardware import GB, cluster
 from tetrad.planner import comm, predict_training
 from tetrad.planner.model_stats import count_parameters
 from tetrad.planner.timeline import (bubble_fraction_of_step, closed_form_in_flight,
-                                     closed_form_makespan, pipeline_bubble_ratio,
-                                     pipeline_in_flight)
+                                     closed_form_makespan, overlapped,
+                                     pipeline_bubble_ratio, pipeline_in_flight)
 from tetrad.presets import preset
 from tetrad.schedules import Durations, build_schedule, peak_in_flight, simulate
 
@@ -161,3 +161,13 @@ def test_prediction_api_shape():
                                            + parts["bubble"])
     assert _predict(ParallelConfig())["step_time_s"] is None
     assert result["num_parameters"] == count_parameters(preset("small"))
+
+
+def test_overlapped_collectives_slow_the_compute_they_hide_behind():
+    """A collective behind compute slows it by comm_interference of its own length (the SMs
+    its kernels take from the GEMMs); one longer than the slowed compute sets the step."""
+    assert overlapped(2.0, 5.0, True) == 0.0
+    assert overlapped(2.0, 5.0, True, 0.25) == pytest.approx(0.5)  # compute 5 -> 5.5
+    assert overlapped(4.8, 5.0, True, 0.25) == pytest.approx(1.2)  # compute 5 -> 6.2
+    assert overlapped(8.0, 5.0, True, 0.25) == pytest.approx(3.0)  # the collective sets 8
+    assert overlapped(7.0, 5.0, False, 0.25) == 7.0

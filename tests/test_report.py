@@ -45,9 +45,10 @@ def assert_bytes_equal(report, ids_slack=0):
 @pytest.mark.parametrize("overrides", [
     dict(), dict(dtype="bf16"), dict(dtype="fp16", grad_accum=2), dict(model="tiny-moe"),
     dict(model="tiny-moe", dtype="bf16", model_overrides={"num_dense_layers": 1}),
+    dict(dtype="fp8"), dict(model="tiny-moe", dtype="fp8"),
     dict(model_overrides={"norm": "layernorm", "bias": True, "position": "learned",
                           "mlp": "gelu", "tie_embeddings": True}),
-], ids=["fp32", "bf16", "fp16-accum", "moe", "moe-bf16", "gpt2-style"])
+], ids=["fp32", "bf16", "fp16-accum", "moe", "moe-bf16", "fp8", "moe-fp8", "gpt2-style"])
 def test_single_process_prediction_is_exact(corpus_file, overrides):
     report = run_one(corpus_file, **overrides)
     assert report["predicted"]["runtime"] == "tetrad"
@@ -58,7 +59,8 @@ def test_single_process_prediction_is_exact(corpus_file, overrides):
 
 ZERO_CASES = [dict(zero=0, grad_accum=2), dict(zero=1, dtype="bf16"),
               dict(zero=2, grad_accum=2, offload=True), dict(zero=3),
-              dict(zero=3, dtype="bf16", offload=True, model="tiny-moe")]
+              dict(zero=3, dtype="bf16", offload=True, model="tiny-moe"),
+              dict(zero=1, dtype="fp8", model="tiny-moe")]
 
 
 def train_zero_cases(rank, world_size, corpus_file):

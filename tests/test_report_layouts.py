@@ -32,6 +32,9 @@ CASES = {
                                 parallel=dict(pp=2, schedule="interleaved", vpp=2)),
         "cp2": dict(parallel=dict(cp=2)),
         "cp2 bf16 full": dict(dtype="bf16", parallel=dict(cp=2, recompute="full")),
+        # FP8 linears on tp shards (the gathered sequence's FP8 copies) and after ring attention.
+        "tp2 sp fp8": dict(dtype="fp8", parallel=dict(tp=2, sequence_parallel=True)),
+        "cp2 fp8": dict(dtype="fp8", parallel=dict(cp=2)),
         "dp2 full": dict(parallel=dict(dp=2, recompute="full")),
         "dp2 selective": dict(parallel=dict(dp=2, recompute="selective")),
         # One step, one microbatch: each rank's peak is one forward, so the ep group's sum of
@@ -58,6 +61,8 @@ CASES = {
             dtype="bf16", model_overrides={**FOUR_LAYERS, **TIED},
             parallel=dict(pp=2, dp=2, zero=2, schedule="interleaved", vpp=2, offload=True)),
         "pp2 dp2 zero3 gpipe": dict(parallel=dict(pp=2, dp=2, zero=3, schedule="gpipe")),
+        "pp2 dp2 zero3 gpipe fp8": dict(dtype="fp8",
+                                        parallel=dict(pp=2, dp=2, zero=3, schedule="gpipe")),
         # Zero bubble's W gathers every unit again, but on the first stage (whose B is empty).
         "pp2 dp2 zero3 zb": dict(batch_size=8, parallel=dict(pp=2, dp=2, zero=3, schedule="zb",
                                                              microbatches=4)),

@@ -29,7 +29,9 @@ CASES = {
     "tp2.pp2": dict(tp=2, pp=2),
     # The dense layer and an MoE layer on the first stage, an MoE layer on the second.
     "pp2.dp2.ep2 zero1": dict(pp=2, dp=2, ep=2, zero=1, stage_layers=(2, 1)),
-    "dp2.tp2.ep2 sp": dict(dp=2, tp=2, ep=2, sequence_parallel=True),  # DDP
+    # DDP; overlap hides the dispatch behind the tp-split shared expert; full recompute.
+    "dp2.tp2.ep2 sp overlap full": dict(dp=2, tp=2, ep=2, sequence_parallel=True, overlap=True,
+                                        recompute="full"),
 }
 # Sigmoid routing with a moving bias under ring attention (MHA: cp refuses MLA). It leaves some
 # expert unused on one rank and not on another: ZeRO-1 must start that bucket after backward.

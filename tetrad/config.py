@@ -19,7 +19,7 @@ from typing import Any
 from tetrad.errors import ConfigError, check_choice, check_positive
 from tetrad.parallel_config import ParallelConfig
 
-DTYPES = ("fp32", "bf16", "fp16")
+DTYPES = ("fp32", "bf16", "fp16", "fp8")
 # auto: a GPU per local rank when there are enough (NCCL), else the CPU (gloo)
 DEVICES = ("auto", "cpu", "cuda")
 

@@ -42,6 +42,8 @@ class EfficiencyProfile:
     kernel_overhead_s: launch and tail cost paid by every kernel, so small matmuls are slow.
     intra_link / inter_link: fraction of NVLink-or-PCIe / NIC bandwidth a collective reaches.
     intra_latency_s / inter_latency_s: per-hop latency of a collective inside / across nodes.
+    comm_interference: how much a collective slows the compute it is overlapped with, per second
+        of overlap: NCCL's kernels occupy SMs and HBM bandwidth that the GEMMs then lack.
 
     A profile measured by `tetrad calibrate` (tetrad/calibrate) also carries what a datasheet
     cannot say, each left empty (zero) in the catalog, where the formulas above stand alone:
@@ -76,6 +78,7 @@ class EfficiencyProfile:
     inter_latency_s: float
     portable_attention: float = 0.0  # 0: as fast as `attention`
     fp8_matmul: float = 0.0  # fraction of the fp8 peak an fp8 GEMM reaches; 0: `matmul`
+    comm_interference: float = 0.0
     matmul_curve: tuple[tuple[float, float], ...] = ()
     op_forward_s: float = 0.0
     op_backward_s: float = 0.0
@@ -167,18 +170,24 @@ def by_ranks(points: tuple[tuple[int, float], ...], ranks: int, alone: float) ->
 # MosaicML's FSDP runs. Its vendor attention is not fitted (no Megatron run of the time used
 # flash attention): FlashAttention-2's paper measures 50-73% of peak for forward + backward on
 # A100; 0.6 is used.
-AMPERE = EfficiencyProfile(matmul=0.66, attention=0.6, memory=0.75, kernel_overhead_s=2e-6,
+# An overlapped collective runs one NCCL block per channel, each on an SM the GEMMs then lack: 24
+# for an all-gather on an H100 in an Nsight trace (NVIDIA developer forums, "Compute-Communication
+# Overlap Causes Severe GEMM Performance Degradation because of Tail Effect"). Not fitted.
+NCCL_SMS = 24
+AMPERE = EfficiencyProfile(matmul=0.68, attention=0.6, memory=0.75, kernel_overhead_s=2e-6,
                            intra_link=0.85, inter_link=0.9, intra_latency_s=8e-6,
-                           inter_latency_s=20e-6, portable_attention=0.62)
-# Hopper: NVIDIA's DGX-Cloud recipes (NeMo 24.09 on DGX H100, BF16 and FP8), Llama 3's 8K-16K-GPU
-# runs and MosaicML's single-node H100 runs. Sustained matmul efficiency is lower than on Ampere:
-# at scale the 700 W H100 runs GEMMs near 600 TFLOP/s, not the 800 of a cool, short benchmark;
-# fp8 GEMMs reach a still smaller share of their doubled peak. FlashAttention-2 reaches about 35%
-# of the H100's peak (Shah et al. 2024, FlashAttention-3, abstract); Hopper's own kernels (cuDNN,
-# FlashAttention-3) reach more.
-HOPPER = EfficiencyProfile(matmul=0.59, attention=0.62, memory=0.85, kernel_overhead_s=6e-6,
+                           inter_latency_s=20e-6, portable_attention=0.54,
+                           comm_interference=NCCL_SMS / 108)
+# Hopper: NVIDIA's DGX-Cloud recipes (NeMo 24.09 on DGX H100, BF16 and FP8), Megatron-Bridge's FP8
+# rows, Llama 3's 8K-16K-GPU runs and MosaicML's single-node H100 runs. Sustained matmul
+# efficiency is lower than on Ampere: at scale the 700 W H100 runs GEMMs near 600 TFLOP/s, not the
+# 800 of a cool, short benchmark; fp8 GEMMs reach a still smaller share of their doubled peak.
+# FlashAttention-2 reaches about 35% of the H100's peak (Shah et al. 2024, FlashAttention-3,
+# abstract); Hopper's own kernels (cuDNN, FlashAttention-3) reach more.
+HOPPER = EfficiencyProfile(matmul=0.58, attention=0.68, memory=0.85, kernel_overhead_s=6e-6,
                            intra_link=0.7, inter_link=0.9, intra_latency_s=8e-6,
-                           inter_latency_s=20e-6, portable_attention=0.30, fp8_matmul=0.48)
+                           inter_latency_s=20e-6, portable_attention=0.30, fp8_matmul=0.52,
+                           comm_interference=NCCL_SMS / 132)
 # No published large-scale runs exist for these; each takes the profile of its nearest calibrated
 # architecture (Ada and GA102 -> Ampere's, whose tensor cores they share; Blackwell -> Hopper's).
 ADA = AMPERE

@@ -143,7 +143,7 @@ def hf_from_model_config(config: ModelConfig) -> dict[str, Any]:
                 "initializer_range": config.init_std,
                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
     if model_type == "deepseek_v3":
-        raise ConfigError("exporting MLA (deepseek_v3) models is not supported")
+        return _deepseek_hf(config)
     if config.norm != "rmsnorm" or config.mlp != "swiglu" or config.bias:
         raise ConfigError(f"a rope model exports as {model_type}, which needs rmsnorm, swiglu "
                           f"and bias = false")
@@ -169,6 +169,41 @@ def hf_from_model_config(config: ModelConfig) -> dict[str, Any]:
         hf.update(num_local_experts=config.num_experts,
                   num_experts_per_tok=config.num_experts_per_token,
                   router_aux_loss_coef=config.router_aux_loss_coef)
+    return hf
+
+
+def _deepseek_hf(config: ModelConfig) -> dict[str, Any]:
+    """An MLA model as transformers' DeepseekV3 config, its rope rows as tetrad holds them
+    (half-split: rope_interleave false), so no weight is reordered on the way out."""
+    if config.router_score != "sigmoid" or not config.is_moe or config.bias or config.qkv_bias:
+        raise ConfigError("an MLA model exports as deepseek_v3, which needs MoE layers with "
+                          "router_score = 'sigmoid' and no biases")
+    hf: dict[str, Any] = {
+        "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "intermediate_size": config.ffn_hidden_size,
+        "moe_intermediate_size": config.moe_ffn_hidden_size,
+        "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_heads, "n_shared_experts": config.num_shared_experts,
+        "n_routed_experts": config.num_experts, "num_experts_per_tok":
+        config.num_experts_per_token, "first_k_dense_replace": config.num_dense_layers,
+        "routed_scaling_factor": config.routed_scaling_factor,
+        "norm_topk_prob": config.norm_topk_prob, "n_group": config.num_expert_groups,
+        "topk_group": config.topk_expert_groups, "kv_lora_rank": config.kv_lora_rank,
+        "q_lora_rank": config.q_lora_rank or None, "qk_rope_head_dim": config.qk_rope_head_dim,
+        "qk_nope_head_dim": config.qk_nope_head_dim, "v_head_dim": config.v_head_dim,
+        "rope_interleave": False, "max_position_embeddings": config.max_seq_len,
+        "rms_norm_eps": config.norm_eps, "hidden_act": "silu",
+        "tie_word_embeddings": config.tie_embeddings, "initializer_range": config.init_std,
+        "num_nextn_predict_layers": 0, "attention_bias": False,
+    }
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
+    if config.rope_scaling == "yarn":
+        rope.update(rope_type="yarn", factor=config.rope_factor,
+                    original_max_position_embeddings=config.rope_original_max_seq_len,
+                    beta_fast=config.yarn_beta_fast, beta_slow=config.yarn_beta_slow,
+                    mscale=config.yarn_mscale, mscale_all_dim=config.yarn_mscale_all_dim)
+    hf.update(rope_theta=config.rope_theta, rope_scaling=rope, rope_parameters=rope)
     return hf
 
 

@@ -16,6 +16,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from tetrad.parallel.comm import all_gather_single, reduce_scatter_single
+
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast")
 MESSAGE_BYTES = (256, 64 * 1024, 1024 * 1024)  # latency-bound to bandwidth-bound
 REPS = 12
@@ -49,9 +51,9 @@ def collective_call(kind: str, size: int, tensor: torch.Tensor, group) -> Callab
     if kind == "all_reduce":
         return lambda: dist.all_reduce(tensor, group=group)
     if kind == "reduce_scatter":
-        return lambda: dist.reduce_scatter_single(shard, tensor, group=group)
+        return lambda: reduce_scatter_single(shard, tensor, group=group)
     if kind == "all_gather":
-        return lambda: dist.all_gather_single(tensor, shard, group=group)
+        return lambda: all_gather_single(tensor, shard, group=group)
     if kind == "all_to_all":
         received = torch.empty_like(tensor)
         return lambda: dist.all_to_all_single(received, tensor, group=group)
@@ -90,22 +92,26 @@ def concurrent_steps(rank: int, sizes: list[int]) -> list[tuple[int, float]]:
     return points
 
 
-SYNC_CALLS = 40
+SYNC_CALLS = 20
 
 
 def sync_waits(rank: int, world_size: int, sizes: list[int]) -> list[tuple[int, float]]:
-    """(n, seconds): with the first n ranks each alternating a little compute and a 256-byte
-    all-reduce with its neighbour (ranks 0-1, 2-3, ...), what a call costs beyond the compute
-    (the same loop without the calls, run by the same ranks at once): the slowest rank's."""
+    """(n, seconds): with the first n ranks each alternating the calibration model's forward
+    and a 256-byte all-reduce with its neighbour (ranks 0-1, 2-3, ...), what a call costs beyond
+    the compute (the same loop without the calls, run by the same ranks at once): the slowest
+    rank's. The compute between the calls lasts as long as a training step's between two of
+    its collectives (milliseconds), long enough for a waiting rank's threads to be put to
+    sleep and to need waking again, which tens of microseconds of compute would not show."""
+    from tetrad.calibrate.step import forward_pass
+
     pairs = [dist.new_group([first, first + 1]) for first in range(0, world_size - 1, 2)]
-    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    forward = forward_pass()
     message = torch.ones(64)
 
     def loop(with_calls: bool) -> float:
         started = time.perf_counter()
         for _ in range(SYNC_CALLS):
-            for _ in range(8):
-                torch.mm(a, b)
+            forward()
             if with_calls:
                 dist.all_reduce(message, group=pairs[rank // 2])
         return time.perf_counter() - started

@@ -29,18 +29,37 @@ def calibration_config() -> TrainConfig:
     return TrainConfig(**CALIBRATION_RUN, nproc=1, parallel=ParallelConfig())
 
 
-def training_step() -> Callable[[], None]:
-    """One optimizer step of the calibration model in this process (one thread, as a rank)."""
-    from tetrad.train.strategy import build_strategy
+def _calibration_model() -> tuple[TrainConfig, torch.nn.Module, torch.Tensor]:
+    """The calibration run's config, its model and a batch of token ids (seq_len + 1 wide)."""
     from tetrad.train.trainer import build_model, prepare, resolve_run
 
     config = calibration_config()
     model_config, _, _ = prepare(config, resolve_run(config).model)
     model = build_model(model_config, config)
-    strategy = build_strategy(model, config, torch.device("cpu"))
     generator = torch.Generator().manual_seed(0)
     batch = torch.randint(0, model_config.vocab_size, (config.batch_size, config.seq_len + 1),
                           generator=generator)
+    return config, model, batch
+
+
+def forward_pass() -> Callable[[], None]:
+    """The calibration model's forward alone: the kind of compute a rank runs between two
+    collectives of a training step (a few blocks' worth, milliseconds on a CPU)."""
+    _, model, batch = _calibration_model()
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(batch[:, :-1])
+
+    return forward
+
+
+def training_step() -> Callable[[], None]:
+    """One optimizer step of the calibration model in this process (one thread, as a rank)."""
+    from tetrad.train.strategy import build_strategy
+
+    config, model, batch = _calibration_model()
+    strategy = build_strategy(model, config, torch.device("cpu"))
 
     def step() -> None:
         strategy.forward_backward(batch)

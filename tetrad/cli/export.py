@@ -16,6 +16,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("checkpoint", help="checkpoint step folder, checkpoint root, or a stored "
                                            "model's name (tetrad list)")
     parser.add_argument("--out", required=True, help="folder to write the HF model to")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp8"),
+                        help="tensor dtype: auto (as stored), fp32, bf16, or fp8 (DeepSeek-V3's "
+                             "layout: E4M3 projections with a weight_scale_inv per 128x128 "
+                             "block, the rest bf16)")
     parser.set_defaults(run=run)
 
 
@@ -27,8 +31,9 @@ def run(args: argparse.Namespace) -> int:
     folder, _ = resolve_model_argument(args.checkpoint)
     model = load_pretrained(folder)
     tokenizer = load_tokenizer(folder)
-    save_hf(model, args.out, eos_id=tokenizer.eos_id)
+    save_hf(model, args.out, eos_id=tokenizer.eos_id, dtype=args.dtype)
     # A byte-level tokenizer has no HF file form: the folder then holds the model only.
     tokenizer.save(args.out)
-    print(f"wrote {model.config.name} as an HF model to {args.out}")
+    print(f"wrote {model.config.name} as an HF model to {args.out}"
+          + ("" if args.dtype == "auto" else f" ({args.dtype})"))
     return 0

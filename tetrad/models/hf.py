@@ -26,7 +26,10 @@ from tetrad.errors import ConfigError
 from tetrad.hf_config import (hf_from_model_config, hf_model_type, model_config_from_hf,
                               read_hf_config, resolve_checkpoint, rope_scaling_parameters,
                               rope_scaling_type)
+from tetrad.models.fp8 import BLOCK
 from tetrad.models.hf_deepseek import check_deepseek_support, deepseek_rules, is_extra_layer
+from tetrad.models.hf_fp8 import (QUANTIZATION_CONFIG, block_size, quantize_state_dict,
+                                  read_weight, scale_names)
 from tetrad.models.hf_rules import Rule
 from tetrad.models.rope import make_rotary
 from tetrad.models.transformer import Transformer
@@ -127,9 +130,11 @@ def check_runtime_support(hf: dict[str, Any]) -> None:
 class HFWeights:
     """The tensors of an HF folder (one model.safetensors, or shards listed in
     model.safetensors.index.json), read one at a time so that peak memory stays near one copy of
-    the model."""
+    the model. DeepSeek's FP8 weights come dequantised per `block` (tetrad.models.hf_fp8), their
+    weight_scale_inv tensors folded in."""
 
-    def __init__(self, folder: Path, device: torch.device | str = "cpu"):
+    def __init__(self, folder: Path, device: torch.device | str = "cpu", block: int = BLOCK):
+        self.block = block
         index = folder / "model.safetensors.index.json"
         if index.is_file():
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -148,10 +153,11 @@ class HFWeights:
             self._handles.update({key: handle for key in handle.keys()})
 
     def names(self) -> set[str]:
-        return set(self._handles)
+        return set(self._handles) - scale_names(set(self._handles))
 
     def get(self, name: str) -> torch.Tensor:
-        return self._handles[name].get_tensor(name)
+        return read_weight(lambda key: self._handles[key].get_tensor(key), name,
+                           set(self._handles), self.block)
 
     def first(self) -> torch.Tensor:
         return self.get(next(iter(self._handles)))
@@ -170,7 +176,7 @@ def _hf_tensors(config: ModelConfig, folder: Path, device: torch.device | str = 
     are exactly the ones the model needs."""
     hf = read_hf_config(folder)
     check_runtime_support(hf)
-    weights = HFWeights(folder, device)
+    weights = HFWeights(folder, device, block_size(hf))
     names = weights.names()
     prefix = "transformer." if any(n.startswith("transformer.") for n in names) else ""
     model_rules = rules(config, hf["model_type"], prefix, hf.get("rope_interleave", True))
@@ -216,7 +222,9 @@ def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     config = model.config
     params = model.state_dict()
     out = {}
-    for rule in rules(config, hf_model_type(config)):
+    # DeepSeek's rope rows are written as tetrad holds them (its config says rope_interleave
+    # false), so the rules read them in place.
+    for rule in rules(config, hf_model_type(config), rope_interleave=False):
         tensor = params[rule.tetrad].detach()
         pieces = tensor.split(list(rule.sizes)) if rule.sizes else (tensor,)
         for name, piece in zip(rule.hf, pieces, strict=True):
@@ -225,17 +233,29 @@ def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_hf(model: Transformer, folder: str | Path, eos_id: int | None = None) -> None:
+def save_hf(model: Transformer, folder: str | Path, eos_id: int | None = None,
+            dtype: str = "auto") -> None:
     """Write config.json and model.safetensors that transformers' from_pretrained loads.
-    `eos_id` is the tokenizer's end-of-text id, which HF generation stops at."""
+    `eos_id` is the tokenizer's end-of-text id, which HF generation stops at. `dtype`: "auto"
+    (as the model holds them), "fp32", "bf16", or "fp8" (DeepSeek-V3's block-scaled layout,
+    tetrad.models.hf_fp8)."""
     folder = Path(folder)
     hf = hf_from_model_config(model.config)  # raises first when the model has no HF form
     tensors = to_hf_state_dict(model)
+    if dtype == "fp8":
+        if hf["model_type"] == "gpt2":
+            raise ConfigError("--dtype fp8 export needs [out, in] linear weights: GPT-2's "
+                              "Conv1D layout has no FP8 checkpoint form (export fp32 or bf16)")
+        tensors = quantize_state_dict(tensors)
+        hf["quantization_config"] = dict(QUANTIZATION_CONFIG)
+    elif dtype != "auto":
+        cast = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+        tensors = {name: tensor.to(cast) for name, tensor in tensors.items()}
+    stored = "bfloat16" if dtype == "fp8" else str(next(iter(tensors.values())).dtype)
     folder.mkdir(parents=True, exist_ok=True)
     # Explicit token ids, else transformers fills in its per-family defaults (GPT-2's 50256),
     # which name tokens of a different vocabulary.
-    hf.update(bos_token_id=None, eos_token_id=eos_id,
-              dtype=str(next(iter(tensors.values())).dtype).removeprefix("torch."))
+    hf.update(bos_token_id=None, eos_token_id=eos_id, dtype=stored.removeprefix("torch."))
     (folder / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     save_tensors(tensors, folder / "model.safetensors", metadata={"format": "pt"})
 
@@ -323,7 +343,10 @@ def load_pretrained(path: str | Path, device: torch.device | str = "cpu",
         config = from_dict(ModelConfig, values)
         tensors = _checkpoint_tensors(_parameter_names(config), folder)
     elif (folder / "config.json").is_file():
-        config = model_config_from_hf(read_hf_config(folder), name=folder.resolve().name)
+        hf = read_hf_config(folder)
+        config = model_config_from_hf(hf, name=folder.resolve().name)
+        if dtype is None and hf.get("quantization_config"):
+            dtype = checkpoint_dtype(folder)  # FP8 weights come dequantised: in the model's dtype
         # safetensors reads straight into device memory.
         tensors = _hf_tensors(config, folder, device)
     else:

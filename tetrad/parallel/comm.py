@@ -39,8 +39,8 @@ from tetrad.parallel.mesh import Group
 
 # torch 2.13 (requirements.txt) renamed all_gather_into_tensor / reduce_scatter_tensor; older
 # releases, such as the 2.11 of the GPU machines the benchmarks run on, have only the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
                           or dist.reduce_scatter_tensor)
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "p2p")
@@ -220,7 +220,7 @@ class Comm:
                 output.copy_(chunks[group.index].view_as(output))
             return DONE
         self._count("reduce_scatter", _nbytes(input), group, tag)
-        return self._issued(_reduce_scatter_single(output, input, group=group.handle,
+        return self._issued(reduce_scatter_single(output, input, group=group.handle,
                                                    async_op=True),
                             "reduce_scatter", tag, async_op)
 
@@ -240,7 +240,7 @@ class Comm:
                 chunks[group.index].copy_(input.view(-1))
             return self._ring("all_gather", tag, ring_all_gather_, chunks, group)
         self._count("all_gather", _nbytes(output), group, tag)
-        return self._issued(_all_gather_single(output, input, group=group.handle,
+        return self._issued(all_gather_single(output, input, group=group.handle,
                                                async_op=True),
                             "all_gather", tag, async_op)
 

@@ -22,7 +22,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from tetrad.parallel.comm import Comm, Handle
-from tetrad.parallel.engine import (DEFAULT_BUCKET_BYTES, FIRST_BUCKET_BYTES, Counted,
+from tetrad.parallel.engine import (FIRST_BUCKET_BYTES, Counted,
                                     DataParallelOptions, LossScaler, ParameterView, Placement,
                                     WholeAdamW)
 from tetrad.parallel.mesh import Group

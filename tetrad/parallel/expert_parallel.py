@@ -198,8 +198,13 @@ class ExpertParallelMoE(nn.Module):
         row_expert = local.repeat(self.group.size).repeat_interleave(recv_counts.flatten())
         by_expert = torch.argsort(row_expert, stable=True)
         pieces = received[by_expert].split(recv_counts.sum(0).tolist())
-        # An expert no row reached is skipped, as on one device: its gradient stays None.
-        outputs = torch.cat([expert(piece) if piece.shape[0] else piece
+        # An expert no row reached is skipped, as on one device: its gradient stays None. Its
+        # empty piece takes the dtype the experts compute in (bf16 under autocast): an fp32 piece
+        # would promote the rank's whole output, and the all-to-all sizes would disagree.
+        device_type = received.device.type
+        dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
+                 else received.dtype)
+        outputs = torch.cat([expert(piece) if piece.shape[0] else piece.to(dtype)
                              for expert, piece in zip(self.experts.values(), pieces)])
         return outputs[torch.argsort(by_expert)]
 

@@ -46,6 +46,7 @@ sequence shard.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +54,7 @@ from torch import nn
 
 from tetrad.config import ModelConfig
 from tetrad.errors import ConfigError
+from tetrad.models.fp8 import FP8Linear, fp8_linear
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm
 from tetrad.parallel.mesh import Group, Mesh
@@ -60,6 +62,14 @@ from tetrad.parallel.tp_operators import TensorParallel, keep_moe_whole
 from tetrad.parallel.tp_overlap import OverlappedColumnLinear, OverlappedRowLinear
 from tetrad.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from tetrad.planner.rules import check_tensor_parallel
+
+
+def matmul_of(full: nn.Linear) -> Callable[..., torch.Tensor]:
+    """The shard runs its matmul as the layer it was cut from did: FP8 (each rank scales its own
+    shard's 128x128 blocks, so FP8 tensor parallelism is close to, not equal to, one process).
+    FP8 shards run their collectives unchunked: the overlapped path's chunks are bf16 matmuls."""
+    return fp8_linear if isinstance(full, FP8Linear) else F.linear
+
 
 # The layers. Each remembers which rows (or columns) of the full weight every rank holds:
 # `indices[r]` for rank r, along `dim`, which is what gathering a whole checkpoint needs.
@@ -76,15 +86,16 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.tp, self.indices, self.enters = tp, indices, enters  # enters: through f / g_seq
         rows = indices[tp.index]
+        self.matmul = matmul_of(full)
         self.weight = nn.Parameter(full.weight.detach()[rows].clone())
         self.bias = None if full.bias is None else nn.Parameter(full.bias.detach()[rows].clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.enters:  # the caller entered already (MLA's heads)
-            return F.linear(x, self.weight, self.bias)
-        if self.tp.overlap:
+            return self.matmul(x, self.weight, self.bias)
+        if self.tp.overlap and self.matmul is F.linear:
             return OverlappedColumnLinear.apply(x, self.weight, self.bias, self.tp)
-        return F.linear(self.tp.enter(x), self.weight, self.bias)
+        return self.matmul(self.tp.enter(x), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -97,12 +108,14 @@ class RowParallelLinear(nn.Module):
     def __init__(self, full: nn.Linear, indices: list[torch.Tensor], tp: TensorParallel):
         super().__init__()
         self.tp, self.indices = tp, indices
+        self.matmul = matmul_of(full)
         self.weight = nn.Parameter(full.weight.detach()[:, indices[tp.index]].clone())
         self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = (OverlappedRowLinear.apply(x, self.weight, self.tp) if self.tp.overlap
-               else self.tp.leave(F.linear(x, self.weight)))
+        out = (OverlappedRowLinear.apply(x, self.weight, self.tp)
+               if self.tp.overlap and self.matmul is F.linear
+               else self.tp.leave(self.matmul(x, self.weight)))
         return out if self.bias is None else out + self.bias
 
 
@@ -177,8 +190,10 @@ def _shard_block(block: nn.Module, config: ModelConfig, tp: TensorParallel) -> N
     if block.is_moe:
         if block.mlp.shared is not None:
             # Inside an MoE layer kept whole the input is the whole sequence on every rank
-            # already (gathered under SP), so the shared expert enters by f and leaves by g.
-            _shard_mlp(block.mlp.shared, dataclasses.replace(tp, sequence_parallel=False))
+            # already (gathered under SP), so the shared expert enters by f and leaves by g,
+            # never chunked (overlap hides expert parallelism's dispatch behind it instead).
+            _shard_mlp(block.mlp.shared,
+                       dataclasses.replace(tp, sequence_parallel=False, overlap=False))
         if tp.sequence_parallel:
             keep_moe_whole(block.mlp, tp)
         return

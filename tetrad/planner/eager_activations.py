@@ -15,7 +15,7 @@ from functools import lru_cache
 from tetrad.config import ModelConfig
 from tetrad.planner.eager_params import block_params, kv_heads_per_rank, stage_blocks
 from tetrad.planner.layout import TrainLayout
-from tetrad.planner.precision import TrainingPrecision
+from tetrad.planner.precision import FP8_BLOCK, TrainingPrecision
 from tetrad.schedules import build_schedule
 from tetrad.schedules.generate import SPLIT_BACKWARD
 
@@ -38,19 +38,44 @@ def norm_bytes(config: ModelConfig, tokens: float, stream: float) -> float:
     return tokens * stream * (h + 2)
 
 
-def mlp_bytes(config: ModelConfig, tokens: float, ffn: int, act: float) -> float:
-    """A dense MLP's saved tensors past its input: up output(s) and down input."""
-    return tokens * ffn * act * (4 if config.mlp == "swiglu" else 2)
+def fp8_input(tokens: float, width: int, groups: int = 1) -> float:
+    """An FP8 linear's input as its backward keeps it (tetrad.models.fp8): E4M3 bytes and one
+    fp32 scale per 128 tokens of each column, for `groups` equal sets of tokens (experts)."""
+    return tokens * width + groups * -(-tokens / groups // FP8_BLOCK) * width * FP32
+
+
+def linear_input(tokens: float, width: int, precision: TrainingPrecision) -> float:
+    """What a block linear keeps of its input: its autocast copy, or under fp8 its FP8 copy."""
+    if precision.compute_dtype == "fp8":
+        return fp8_input(tokens, width)
+    return tokens * width * precision.activation_bytes
+
+
+def mlp_bytes(config: ModelConfig, tokens: float, ffn: int, precision: TrainingPrecision,
+              groups: int = 1) -> float:
+    """A dense MLP's saved tensors past its input: up output(s) and down input (under fp8 the
+    down projection's FP8 copy; `groups`: experts sharing the tokens equally)."""
+    act = precision.activation_bytes
+    up_side = tokens * ffn * act * (3 if config.mlp == "swiglu" else 1)
+    if precision.compute_dtype == "fp8":
+        return up_side + fp8_input(tokens, ffn, groups)
+    return up_side + tokens * ffn * act
 
 
 def weight_casts(config: ModelConfig, layout: TrainLayout, layer: int,
                  precision: TrainingPrecision) -> float:
     """Under autocast, every matmul weight not already in the compute dtype is cast in each
     forward and the copy saved: all of them over fp32 parameters, only the fp32 experts that
-    ZeRO leaves alone over 16-bit ones."""
-    act = precision.activation_bytes
-    return sum(p.elements * act for p in block_params(config, layout, layer)
-               if p.matmul and (FP32 if p.expert else precision.param_bytes) != act)
+    ZeRO leaves alone over 16-bit ones. Under fp8 a block linear keeps its E4M3 copy and one
+    fp32 scale per 128x128 block instead (the router's gate is cast as under bf16)."""
+    act, fp8 = precision.activation_bytes, precision.compute_dtype == "fp8"
+    total = 0.0
+    for p in block_params(config, layout, layer):
+        if fp8 and p.fp8_blocks:
+            total += p.elements + p.fp8_blocks * FP32
+        elif p.matmul and (FP32 if p.expert else precision.param_bytes) != act:
+            total += p.elements * act
+    return total
 
 
 def _moe_bytes(config: ModelConfig, layout: TrainLayout, tokens: int,
@@ -65,17 +90,23 @@ def _moe_bytes(config: ModelConfig, layout: TrainLayout, tokens: int,
     # Router: softmax probabilities, top-k indices and weights, their sum, the routed fraction.
     total = tokens * (e * FP32 + k * (INDEX + FP32) + FP32) + e * FP32
     # Per routed copy: its gate weight and weighted contribution in the stream's dtype, the
-    # expert's input and output in the compute dtype, and the expert's MLP.
-    total += routed * (stream * (1 + h) + 2 * h * act)
-    total += mlp_bytes(config, routed, config.moe_ffn_hidden_size, act)
+    # expert's input and output in the compute dtype (under fp8 its FP8 input, scaled per 128
+    # tokens of each of the rank's experts), and the expert's MLP.
+    experts = e // layout.ep
+    total += routed * (stream * (1 + h) + h * act)
+    total += (fp8_input(routed, h, experts) if precision.compute_dtype == "fp8"
+              else routed * h * act)
+    total += mlp_bytes(config, routed, config.moe_ffn_hidden_size, precision, experts)
     # Indices: token and slot per copy on one device; with ep, three per copy sent (which
     # token, which weight, where to add it back) and two per copy received (sorting by expert
     # and back).
     total += routed * (5 if layout.ep > 1 else 2) * INDEX
     if config.num_shared_experts:
         total += mlp_bytes(config, tokens, config.moe_ffn_hidden_size * config.num_shared_experts,
-                           act)
-        if act != stream:
+                           precision)
+        if precision.compute_dtype == "fp8":
+            total += fp8_input(tokens, h)  # the shared expert's FP8 copy of the router input
+        elif act != stream:
             total += tokens * h * act  # the shared expert's own cast of the router input
     return total
 
@@ -89,22 +120,27 @@ def block_bytes(config: ModelConfig, layout: TrainLayout, layer: int, seq_len: i
         return stream_tokens * h * stream  # the checkpoint keeps the block's input only
     heads = config.num_heads // layout.tp
     q, kv = heads * config.head_dim, kv_heads_per_rank(config, layout.tp) * config.head_dim
+    fp8 = precision.compute_dtype == "fp8"
     total = 2 * norm_bytes(config, stream_tokens, stream)
-    total += 2 * t * h * act  # inputs of the QKV and of the first MLP (or router) matmul
+    total += linear_input(t, h, precision)  # the QKV's input
+    # The first MLP matmul's input; an MoE router's gate is not FP8.
+    total += t * h * act if config.is_moe_layer(layer) else linear_input(t, h, precision)
     total += t * (q + 2 * kv) * act  # the fused QKV output, kept whole through v
     if config.position == "rope":
         total += t * (q + kv) * act  # rotated q and k
-    total += t * q * act  # the attention output (the output projection's input)
+    total += t * q * act  # the attention output (also the output projection's input)
+    if fp8 and layout.cp == 1:
+        total += fp8_input(t, q)  # the output projection keeps its own FP8 copy
     if layout.cp > 1:
         # Ring attention keeps its log-sum-exp (selective recomputation leaves it alone) and
-        # hands the output projection a copy in token order.
-        total += t * (heads * FP32 + q * act)
+        # hands the output projection a copy in token order (which keeps it, or its FP8 copy).
+        total += t * heads * FP32 + linear_input(t, q, precision)
     elif layout.recompute != "selective":
         total += t * heads * FP32  # SDPA's log-sum-exp (recomputed under selective)
     if config.is_moe_layer(layer):
         total += _moe_bytes(config, layout, t, precision)
     else:
-        total += mlp_bytes(config, t, config.ffn_hidden_size // layout.tp, act)
+        total += mlp_bytes(config, t, config.ffn_hidden_size // layout.tp, precision)
     return total + weight_casts(config, layout, layer, precision)
 
 

@@ -72,9 +72,10 @@ def tensor_parallel_block(ledger: CommLedger, config: ModelConfig, layout: Train
     exits = pairs + reruns * (pairs if layout.overlap else 1)  # g (g_bar_seq), forwards
     if moe and config.num_shared_experts:
         # The shared experts, split like a dense MLP inside the whole MoE layer: f and g over
-        # all tokens, SP or not; a recomputed forward stops before their closing g (without
-        # overlap).
-        ledger.add("all_reduce", tp, s_a, count * (1 + (reruns if layout.overlap else 0)))
+        # all tokens, SP or overlap or not. A recomputed forward stops before their closing g,
+        # unless overlap runs them behind expert parallelism's dispatch, mid-layer.
+        rerun = reruns if layout.overlap and layout.ep > 1 else 0
+        ledger.add("all_reduce", tp, s_a, count * (1 + rerun))
         ledger.add("all_reduce", tp, s_p, count * backwards)
     if not layout.sequence_parallel:
         ledger.add("all_reduce", tp, s_a, count * exits)  # g, forward
@@ -192,3 +193,31 @@ def rank_comm(config: ModelConfig, layout: TrainLayout, seq_len: int,
     _gradients(ledger, config, layout, precision, pp_rank)
     _scalars(ledger, config, layout, precision, pp_rank)
     return ledger
+
+
+@lru_cache(maxsize=1024)
+def waiting_calls(config: ModelConfig, layout: TrainLayout, seq_len: int,
+                  precision: TrainingPrecision, pp_rank: int) -> float:
+    """How many of rank_comm's calls start right after compute, each waiting for its peers to be
+    scheduled again (EfficiencyProfile.sync_wait): every call between computations (tensor,
+    context, expert and pipeline traffic; ZeRO-3's gathers and reduce-scatters; ZeRO-2's
+    reduce-scatter after every backward but the last) and the first call of each burst at the
+    step's end (the gradient reduction, with the norms and losses right behind it; ZeRO-1/2's
+    parameter gather after the optimizer). The calls of a burst follow each other with no
+    compute between them: their peers are already there."""
+    during = CommLedger()
+    _activations(during, config, layout, seq_len, precision, pp_rank)
+    calls = sum(during.calls.values())
+    end = CommLedger()
+    _gradients(end, config, layout, precision, pp_rank)
+    n = layout.zero_group
+    if layout.zero >= 2:
+        sharded = sum(count for (kind, size, _), count in end.calls.items()
+                      if size == n and kind in ("all_gather", "reduce_scatter"))
+        # ZeRO-3 gathers and reduces unit by unit inside the microbatches; ZeRO-2 reduces
+        # after every backward, the last one's leading the end burst.
+        calls += sharded - 1 if layout.zero == 3 else layout.num_microbatches - 1
+    _scalars(end, config, layout, precision, pp_rank)
+    if end.calls:
+        calls += 1 + (layout.zero in (1, 2) and n > 1)
+    return float(calls)

@@ -27,6 +27,7 @@ from functools import lru_cache
 from tetrad.config import ModelConfig
 from tetrad.planner.layout import TrainLayout, stage_layer_counts
 from tetrad.planner.model_stats import norm_params
+from tetrad.planner.precision import FP8_BLOCK
 from tetrad.planner.rules import shared_expert_size
 
 
@@ -42,6 +43,7 @@ class Param:
     elements: int
     expert: bool = False
     matmul: bool = False  # a matmul weight: autocast casts it in every forward that uses it
+    fp8_blocks: int = 0  # 128x128 blocks of a weight --dtype fp8 quantizes (block linears only)
     partial: int = 0
     stage: int = 0
     unit: int | None = None
@@ -77,7 +79,8 @@ def _linear(rows: int, cols: int, bias: bool, partial_bias: bool = False,
     """A linear layer's weight [rows, cols] and bias: `partial_bias` when the bias is whole on
     every rank and sequence parallelism hands it a shard of the tokens; `shared_rows` of the
     weight's (and bias's) rows other tp ranks hold too."""
-    weight = Param(rows * cols, matmul=True, partial=shared_rows * cols)
+    weight = Param(rows * cols, matmul=True, partial=shared_rows * cols,
+                   fp8_blocks=-(-rows // FP8_BLOCK) * -(-cols // FP8_BLOCK))
     if not bias:
         return [weight]
     return [weight, Param(rows, partial=rows if partial_bias else shared_rows)]

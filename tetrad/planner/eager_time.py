@@ -21,10 +21,11 @@ against this sum of parts) scales every rank's compute: what the parts leave out
 and hooks, the autograd engine, slow element-wise kernels, clipping). Its `concurrent_slowdown`
 (that step run by several ranks at once) scales a rank's compute by how many share the cores,
 and the step cannot end before the cores have done every rank's work at the slowdown of all
-ranks at once. Its `sync_wait` adds to every collective call what a call costs beyond compute
-when that many ranks alternate compute and calls (a blocked peer waits for a core). Without it, on a machine whose ranks share fewer cores than there are ranks
-(`concurrent_ranks`), the step is the longer of the critical path and the total compute over
-the cores.
+ranks at once. Its `sync_wait` adds to every collective call that starts after compute what a
+call costs beyond compute when that many ranks alternate compute and calls (a blocked peer waits
+for a core; eager_comm.waiting_calls says which calls). Without it, on a machine whose ranks
+share fewer cores than there are ranks (`concurrent_ranks`), the step is the longer of the
+critical path and the total compute over the cores.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from tetrad.hardware import Cluster, EfficiencyProfile
 from tetrad.planner import comm
 from tetrad.planner.compute import head_times, layer_times, optimizer_time
 from tetrad.planner.eager import pipeline_ranks
+from tetrad.planner.eager_comm import waiting_calls
 from tetrad.planner.eager_overlap import hidden_communication
 from tetrad.planner.eager_params import rank_parameters, rank_stages, stage_blocks
 from tetrad.planner.layout import TrainLayout
@@ -103,7 +105,13 @@ def rank_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, seq_le
               precision: TrainingPrecision, flash: bool, pp_rank: int) -> RankTime:
     gpu = cluster.gpu
     profile = gpu.efficiency
-    weight_bytes = 1.0 if precision.compute_dtype == "fp8" else precision.param_bytes
+    fp8 = precision.compute_dtype == "fp8"
+    weight_bytes = 1.0 if fp8 else precision.param_bytes
+    # tetrad's FP8 linears quantize their weight from the master copy in every forward
+    # (tetrad.models.fp8), and the LM head stays bf16.
+    fp8_casts = "inputs+weights" if fp8 else ""
+    head_dtype, head_weight_bytes = ("bf16", precision.param_bytes) if fp8 else (
+        precision.compute_dtype, weight_bytes)
     act = precision.activation_bytes
     args = (layout.micro_batch, seq_len, layout.tp, layout.cp, layout.ep,
             layout.sequence_parallel, layout.recompute, flash, False, precision.compute_dtype,
@@ -113,7 +121,8 @@ def rank_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, seq_le
     last_stage = layout.pp * layout.vpp - 1
     for stage in rank_stages(layout, pp_rank):
         for layer in stage_blocks(config, layout, stage):
-            kernels = layer_times(config, gpu, layer, *args, portable_attention=True)
+            kernels = layer_times(config, gpu, layer, *args, portable_attention=True,
+                                  fp8_casts=fp8_casts)
             ops = block_operators(config, layout, layer)
             forward += kernels.forward
             backward += kernels.backward + kernels.recompute
@@ -125,7 +134,7 @@ def rank_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, seq_le
         backward_ops += outer.backward
         if stage == last_stage:
             head = head_times(config, gpu, layout.micro_batch, seq_len, layout.tp, layout.cp,
-                              precision.compute_dtype, act, weight_bytes)
+                              head_dtype, act, head_weight_bytes)
             forward += head.forward
             backward += head.backward
             matmul += head.matmul_forward
@@ -142,8 +151,10 @@ def rank_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, seq_le
                  + tensors * (profile.optimizer_tensor_s + 2 * profile.op_forward_s))
     ledger = pipeline_ranks(config, layout, seq_len, precision)[pp_rank].comm
     scale = profile.step_scale or 1.0
-    # Each call also waits for its peers to be scheduled when the ranks share the cores.
-    waits = sum(ledger.calls.values()) * profile.sync_wait_s(layout.world_size)
+    # A call after compute also waits for its peers to be scheduled again when the ranks share
+    # the cores; calls right behind another (the step's closing burst) find them running.
+    waits = (waiting_calls(config, layout, seq_len, precision, pp_rank)
+             * profile.sync_wait_s(layout.world_size))
     hidden = hidden_communication(config, cluster, layout, seq_len, precision, pp_rank, args,
                                   scale)
     return RankTime(forward * scale, backward * scale, matmul * scale, optimizer * scale,

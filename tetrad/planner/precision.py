@@ -18,6 +18,7 @@ ELEMENT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "fp8-e4m3": 
 # channel, a few bytes per row: negligible).
 BLOCK_SCALE_BYTES = {"fp8": 4 / (128 * 128), "fp8-e4m3": 4 / (128 * 128),
                      "fp8-e5m2": 4 / (128 * 128), "int4": 2 * 2 / 128}
+FP8_BLOCK = 128  # DeepSeek-V3's groups: 128x128 weight blocks, 1x128 activation tiles
 # The tensor-core format a matmul runs in for each storage format.
 COMPUTE_DTYPE = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp8": "fp8", "fp8-e4m3": "fp8",
                  "fp8-e5m2": "fp8", "int8": "int8", "int4": "bf16"}
@@ -66,9 +67,18 @@ class TrainingPrecision:
 
 
 def training_precision(dtype: str, fp32_grads: bool = False) -> TrainingPrecision:
-    """The recipe for `--dtype`: fp32, bf16/fp16 mixed precision, or fp8 (Transformer Engine:
-    fp8 matmuls on bf16 params with fp32 master weights and moments). `fp32_grads` accumulates
-    gradients in fp32 (Megatron's --accumulate-allreduce-grads-in-fp32): 18 bytes/param."""
+    """The recipe for `--dtype`: fp32, bf16/fp16 mixed precision, or fp8. `fp32_grads`
+    accumulates gradients in fp32 (Megatron's --accumulate-allreduce-grads-in-fp32): 18
+    bytes/param.
+
+    fp8 is DeepSeek-V3's recipe as tetrad runs it (tetrad.models.fp8): the three matmuls of every
+    block linear (attention, MLP and expert projections) in E4M3, weights scaled per 128x128
+    block and activations and gradients per 1x128 tile (fp32 scales); embeddings, norms, router,
+    LM head, attention and the residual stream in bf16; fp32 master weights and two fp32 Adam
+    moments. Model state is bf16 mixed precision's, 2 + 2 + 4 + 8 (ZeRO's bf16 parameters; one
+    process and DDP keep fp32 parameters, train.strategy.planned_precision). What backward keeps
+    of an FP8 linear, its E4M3 input and weight copies and their scales (one fp32 per 128 tokens
+    of a column, per 128x128 block), is counted by the tetrad profile (eager_activations)."""
     if dtype == "fp32":
         return TrainingPrecision("fp32", 4, 4, 0, 8, 4)
     if dtype in ("bf16", "fp16"):

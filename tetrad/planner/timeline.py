@@ -143,6 +143,11 @@ class StepTime:
                 "communication_exposed": self.communication_exposed, "bubble": self.bubble}
 
 
-def overlapped(comm: float, window: float, enabled: bool) -> float:
-    """The part of `comm` that sticks out of the compute `window` it runs behind."""
-    return max(0.0, comm - window) if enabled else comm
+def overlapped(comm: float, window: float, enabled: bool, interference: float = 0.0) -> float:
+    """What `comm` adds to the step when it runs behind the compute `window`. While it runs, the
+    compute loses `interference` of its speed (EfficiencyProfile.comm_interference: the SMs
+    NCCL's kernels occupy), which stretches the window by interference * comm; the step lasts
+    the longer of that and the communication itself."""
+    if not enabled:
+        return comm
+    return max(0.0, comm - window, interference * comm)

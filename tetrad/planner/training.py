@@ -131,6 +131,7 @@ def _microbatch_comm(config: ModelConfig, cluster: Cluster, layout: TrainLayout,
     num_moe = sum(1 for layer in range(first, first + num_layers) if config.is_moe_layer(layer))
     passes = 3 if layout.recompute == "full" else 2  # forward, backward, forward again
     exposed = 0.0
+    interference = cluster.gpu.efficiency.comm_interference
     if layout.tp > 1:
         size = tokens * config.hidden_size * act
         # Two all-reduces per block and pass, or with sequence parallelism an all-gather and a
@@ -141,7 +142,8 @@ def _microbatch_comm(config: ModelConfig, cluster: Cluster, layout: TrainLayout,
         tp_time = num_collectives * _tp_collective_time(cluster, layout, size)
         if workload.overlap_tp_comm:
             # Chunked GEMMs hide the collective except its first chunk.
-            tp_time = max(tp_time / layout.tp, tp_time - 3 * kernels.matmul_forward)
+            tp_time = max(tp_time / layout.tp, tp_time - 3 * kernels.matmul_forward,
+                          interference * tp_time)
         exposed += tp_time
         if ledger is not None:
             kinds = (("all_gather", 0.5), ("reduce_scatter", 0.5)) \
@@ -156,7 +158,7 @@ def _microbatch_comm(config: ModelConfig, cluster: Cluster, layout: TrainLayout,
         group = comm.place_group(cluster, layout.cp, layout.tp)
         step = comm.p2p_time(cluster, not group.intra_node, chunk)
         ring = 3 * (layout.cp - 1) * step * num_layers  # forward K/V, backward K/V and dK/dV
-        exposed += overlapped(ring, kernels.attention_forward * 3.5, True)
+        exposed += overlapped(ring, kernels.attention_forward * 3.5, True, interference)
         if ledger is not None:
             ledger.add("p2p", layout.cp, chunk, 3 * (layout.cp - 1) * num_layers)
     if layout.ep > 1 and num_moe:
@@ -179,6 +181,7 @@ def _data_parallel(config: ModelConfig, cluster: Cluster, layout: TrainLayout,
                                  layout.expert_tp)
     m = layout.num_microbatches
     exposed = 0.0
+    interference = cluster.gpu.efficiency.comm_interference
     for elements, size, stride in ((dense, layout.zero_group, layout.tp),
                                    (expert, layout.expert_zero_group,
                                     layout.expert_tp * layout.ep)):
@@ -193,23 +196,28 @@ def _data_parallel(config: ModelConfig, cluster: Cluster, layout: TrainLayout,
         gather_time = comm.all_gather_time(cluster, group, params)
         if layout.zero == 0:
             exposed += overlapped(comm.all_reduce_time(cluster, group, grads), backward,
-                                  workload.overlap_grad_reduce)
+                                  workload.overlap_grad_reduce, interference)
             ledger.add("all_reduce", size, grads)
         elif layout.zero == 1:
-            exposed += overlapped(reduce_time, backward, workload.overlap_grad_reduce)
-            exposed += overlapped(gather_time, forward, workload.overlap_param_gather)
+            exposed += overlapped(reduce_time, backward, workload.overlap_grad_reduce,
+                                  interference)
+            exposed += overlapped(gather_time, forward, workload.overlap_param_gather,
+                                  interference)
             ledger.add("reduce_scatter", size, grads)
             ledger.add("all_gather", size, params)
         elif layout.zero == 2:
-            exposed += m * overlapped(reduce_time, backward, workload.overlap_grad_reduce)
-            exposed += overlapped(gather_time, forward, workload.overlap_param_gather)
+            exposed += m * overlapped(reduce_time, backward, workload.overlap_grad_reduce,
+                                      interference)
+            exposed += overlapped(gather_time, forward, workload.overlap_param_gather,
+                                  interference)
             ledger.add("reduce_scatter", size, grads, m)
             ledger.add("all_gather", size, params)
         else:
             backward_gathers = 2 if flat and layout.recompute == "full" else 1
-            exposed += m * overlapped(gather_time, forward, workload.overlap_param_gather)
+            exposed += m * overlapped(gather_time, forward, workload.overlap_param_gather,
+                                      interference)
             exposed += m * overlapped(backward_gathers * gather_time + reduce_time, backward,
-                                      workload.overlap_grad_reduce)
+                                      workload.overlap_grad_reduce, interference)
             ledger.add("all_gather", size, params, (1 + backward_gathers) * m)
             ledger.add("reduce_scatter", size, grads, m)
     return exposed

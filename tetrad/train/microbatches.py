@@ -12,13 +12,21 @@ import torch
 from torch import nn
 
 from tetrad.memory import ActivationMeter
+from tetrad.models.fp8 import convert_to_fp8
 
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# fp8 autocasts to bf16 around its FP8 linears (tetrad.models.fp8): the rest of the model is bf16.
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 COMPUTE_DTYPES = {"fp32": torch.float32, **AUTOCAST_DTYPES}
 
 Split = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, Any]]
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Backward = Callable[[torch.Tensor, bool], None]
+
+
+def apply_precision(model: nn.Module, dtype: str) -> nn.Module:
+    """What `dtype` changes in the model itself before any layout splits it: fp8 swaps the
+    block linears for FP8 ones (their tensor-parallel shards inherit it)."""
+    return convert_to_fp8(model) if dtype == "fp8" else model
 
 
 @contextlib.contextmanager

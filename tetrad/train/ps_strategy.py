@@ -24,7 +24,7 @@ from tetrad.parallel.mesh import Group
 from tetrad.parallel.ps.protocol import PSOptions, check_run, nbytes
 from tetrad.parallel.ps.worker import WorkerClient
 from tetrad.sharded_tensors import Piece
-from tetrad.train.microbatches import MicrobatchLoop, whole_sequences
+from tetrad.train.microbatches import MicrobatchLoop, apply_precision, whole_sequences
 
 
 class ParameterServerStrategy:
@@ -33,6 +33,7 @@ class ParameterServerStrategy:
     def __init__(self, model: nn.Module, config: TrainConfig, device: torch.device, world: Group,
                  comm: Comm, options: PSOptions):
         """`config`: batch_size, grad_accum and dtype are read (the checks of check_run)."""
+        apply_precision(model, config.dtype)  # before the client flattens the parameters
         self.model, self.config, self.device, self.options = model, config, device, options
         self.client = WorkerClient(model, world, comm, options)
         self.comm, self.received = self.client.sent, self.client.received

@@ -26,6 +26,7 @@ from tetrad.planner.precision import TrainingPrecision, training_precision
 from tetrad.sharded_tensors import Piece
 from tetrad.train.local_strategy import LocalStrategy
 from tetrad.train.mesh_strategy import MeshStrategy
+from tetrad.train.microbatches import apply_precision
 
 __all__ = ["Strategy", "LocalStrategy", "MeshStrategy", "build_strategy", "planned_precision"]
 
@@ -92,6 +93,7 @@ def planned_precision(config: TrainConfig) -> TrainingPrecision:
 def build_strategy(model: nn.Module, config: TrainConfig, device: torch.device,
                    mesh: Mesh | None = None, collectives: Comm | None = None) -> Strategy:
     """The strategy for config.parallel on this rank's mesh (none: single process)."""
+    apply_precision(model, config.dtype)
     if mesh is None:
         # One process still honours --compile and --recompute, in parallelize's order: they
         # change how a step runs and what backward keeps (compiled fp32 arithmetic differs from

@@ -1,0 +1,206 @@
+"""FP8 (E4M3) numerics in DeepSeek-V3's fine-grained recipe, for training matmuls (`--dtype fp8`)
+and for FP8 checkpoint weights (tetrad.models.hf_fp8).
+
+Scales are amax-based, `scale = amax / 448` (448 is E4M3's largest finite value), one fp32 scale
+per group of elements, and a value is stored as `round_e4m3(x / scale)`, so `x ≈ q * scale`
+(DeepSeek calls that scale `weight_scale_inv`). The groups are DeepSeek-V3's (arXiv 2412.19437,
+section 3.3): weights per 128x128 block, activations and gradients per 1x128 tile along the
+dimension the matmul sums over. E4M3 everywhere, gradients included: the small groups make its
+narrow range enough, so E5M2 is not needed.
+
+The product. In torch 2.13 `torch._scaled_mm` takes one scale per tensor or one per row of `a`
+and per column of `b` (both measured on this CPU; a block-shaped scale is refused with "Invalid
+scaling configuration"), and the per-tensor CPU kernel is ~500x slower than the row-wise one. So a
+block-scaled product is computed exactly as DeepSeek's kernel does: the summed dimension K is cut
+into 128-wide blocks, inside one block every row of `a` and every column of `b` has a single scale,
+so each block is one row-wise `_scaled_mm` with fp32 output, and the blocks' partial products are
+summed in fp32.
+
+The linear layer (`fp8_linear`), for Y = X W^T with X [M, K] and W [N, K]:
+  forward  X in 1x128 tiles along K, W in 128x128 blocks
+  dX = dY W     dY in 1x128 tiles along N, W's fp8 copy from the forward (a block grid's transpose
+                is a block grid: the same scales serve)
+  dW = dY^T X   dY and X in tiles of 128 tokens (128x1 tiles of the [M, *] tensors), quantized
+                from their high-precision values, not from the forward's fp8 X
+Saved for backward: X's token-tiled fp8 copy and W's fp8 copy, with their fp32 scales. The master
+weight stays in its own dtype (fp32, or bf16 under ZeRO) and the optimizer updates it; the output
+is in the autocast dtype (bf16), the bias added in fp32 before that cast.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+BLOCK = 128
+# Rounding to E4M3 (3 mantissa bits) moves a normal value by at most half a unit in the last
+# place, 2^-4 of it; a subnormal (below 2^-6) by at most half the subnormal spacing 2^-9.
+E4M3_RELATIVE_ERROR = 2.0 ** -4
+E4M3_SUBNORMAL_ERROR = 2.0 ** -10
+
+
+def _scale_of(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 448 in fp32; an all-zero group gets scale 1 (any scale stores zeros exactly)."""
+    amax = amax.float()
+    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+
+
+def _to_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    # Clamped: x / scale can exceed 448 by an ulp of fp32, and E4M3 has no infinity.
+    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+
+
+def _pad_to(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    extra = -x.shape[dim] % multiple
+    if not extra:
+        return x
+    pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, extra]
+    if x.dtype == E4M3:  # F.pad has no fp8 kernel; E4M3's +0 is the byte 0
+        return F.pad(x.view(torch.uint8), pad).view(E4M3)
+    return F.pad(x, pad)
+
+
+def quantize_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale for the whole tensor: (fp8 values, scale []); x ≈ q * scale."""
+    scale = _scale_of(x.abs().amax())
+    return _to_e4m3(x, scale), scale
+
+
+def quantize_tiles(x: torch.Tensor, tile: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale per 1 x `tile` group along the last dimension of x [R, C]: (fp8 [R, C], scales
+    [R, ceil(C / tile)]); the last tile of a row may be shorter."""
+    rows, cols = x.shape
+    groups = _pad_to(x, 1, tile).view(rows, -1, tile)
+    scales = _scale_of(groups.abs().amax(dim=-1))
+    q = _to_e4m3(groups, scales.unsqueeze(-1)).view(rows, -1)[:, :cols]
+    return q.contiguous(), scales  # a copy when padded: what backward keeps is its own size
+
+
+def quantize_blocks(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale per `block` x `block` block of w [N, K] (DeepSeek-V3's weights): (fp8 [N, K],
+    scale_inv [ceil(N / block), ceil(K / block)])."""
+    rows, cols = w.shape
+    blocks = _pad_to(_pad_to(w, 0, block), 1, block)
+    grid = blocks.view(blocks.shape[0] // block, block, blocks.shape[1] // block, block)
+    scales = _scale_of(grid.abs().amax(dim=(1, 3)))
+    q = _to_e4m3(grid, scales[:, None, :, None]).view(blocks.shape)[:rows, :cols]
+    return q.contiguous(), scales
+
+
+def block_scales_per_row(scales: torch.Tensor, rows: int, block: int = BLOCK) -> torch.Tensor:
+    """A block grid's scales [ceil(N / block), nK] as one row of scales per row [N, nK]."""
+    return scales.repeat_interleave(block, dim=0)[:rows]
+
+
+def dequantize_tiles(q: torch.Tensor, scales: torch.Tensor, tile: int = BLOCK) -> torch.Tensor:
+    """fp32 values of `quantize_tiles`' output."""
+    return q.float() * scales.repeat_interleave(tile, dim=1)[:, :q.shape[1]]
+
+
+def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK
+                      ) -> torch.Tensor:
+    """fp32 values of a block-quantized weight [N, K] (DeepSeek: weight ≈ fp8 * scale_inv)."""
+    rows, cols = q.shape
+    full = scale_inv.repeat_interleave(block, dim=0).repeat_interleave(block, dim=1)
+    return q.float() * full[:rows, :cols]
+
+
+def tiled_matmul(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor,
+                 b_scales: torch.Tensor, tile: int = BLOCK) -> torch.Tensor:
+    """a @ b^T in fp32 for fp8 a [M, K] and b [N, K], each with one scale per row and 128 columns
+    ([M, nK], [N, nK]): one row-wise `torch._scaled_mm` per 128-wide block of K, summed."""
+    num_blocks = math.ceil(a.shape[1] / tile)
+    # Contiguous [nK, rows, 128] copies: row-major a and column-major b in every block, the
+    # layouts cuBLASLt's fp8 kernels need (the CPU takes any).
+    a_blocks = _pad_to(a, 1, tile).view(a.shape[0], num_blocks, tile).transpose(0, 1).contiguous()
+    b_blocks = _pad_to(b, 1, tile).view(b.shape[0], num_blocks, tile).transpose(0, 1).contiguous()
+    a_scales, b_scales = a_scales.float(), b_scales.float()
+    out = None
+    for index in range(num_blocks):
+        part = torch._scaled_mm(a_blocks[index], b_blocks[index].t(),
+                                scale_a=a_scales[:, index:index + 1].contiguous(),
+                                scale_b=b_scales[:, index].contiguous().view(1, -1),
+                                out_dtype=torch.float32)
+        out = part if out is None else out + part
+    return out
+
+
+def output_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype F.linear would return here: autocast's, else the input's."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+class FP8LinearFunction(torch.autograd.Function):
+    """Y = X W^T + b with all three matmuls in block-scaled E4M3 (the module docstring's recipe)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                out_dtype: torch.dtype) -> torch.Tensor:
+        lead, features = x.shape[:-1], x.shape[-1]
+        rows = x.reshape(-1, features)
+        x_q, x_scales = quantize_tiles(rows)
+        w_q, w_scales = quantize_blocks(weight)
+        out = tiled_matmul(x_q, x_scales, w_q, block_scales_per_row(w_scales, weight.shape[0]))
+        if bias is not None:
+            out = out + bias.float()
+        x_by_tokens = quantize_tiles(rows.t())  # [K, M] for dW's sum over tokens
+        ctx.save_for_backward(*x_by_tokens, w_q, w_scales)
+        ctx.shapes = (x.shape, x.dtype, weight.dtype, bias is not None)
+        return out.to(out_dtype).view(*lead, weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        xt_q, xt_scales, w_q, w_scales = ctx.saved_tensors
+        x_shape, x_dtype, w_dtype, has_bias = ctx.shapes
+        grad = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            g_q, g_scales = quantize_tiles(grad)  # 1x128 along N, the sum of dX = dY W
+            w_t = w_q.t()  # [K, N]; its rows' scales per 128 of N: the transposed grid
+            grad_x = tiled_matmul(g_q, g_scales, w_t,
+                                  block_scales_per_row(w_scales.t(), w_t.shape[0]))
+            grad_x = grad_x.to(x_dtype).view(x_shape)
+        if ctx.needs_input_grad[1]:
+            gt_q, gt_scales = quantize_tiles(grad.t())  # [N, M], 128 tokens per tile
+            grad_w = tiled_matmul(gt_q, gt_scales, xt_q, xt_scales).to(w_dtype)
+        if has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad.float().sum(dim=0)
+        return grad_x, grad_w, grad_b, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """F.linear with block-scaled FP8 matmuls forward and backward."""
+    return FP8LinearFunction.apply(x, weight, bias, output_dtype(x))
+
+
+class FP8Linear(nn.Linear):
+    """An nn.Linear (same parameters, same names) whose matmuls run in FP8."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.bias)
+
+
+def is_quantized_linear(name: str, module: nn.Module) -> bool:
+    """DeepSeek-V3's choice: the projections of attention, MLPs and experts are FP8; embeddings,
+    norms, the router's gate and the LM head stay in 16 bits."""
+    return (type(module) is nn.Linear and name.startswith("layers.")
+            and not name.endswith("router.gate"))
+
+
+def convert_to_fp8(model: nn.Module) -> nn.Module:
+    """Swap the quantized linears of a tetrad Transformer for FP8Linear, in place, keeping their
+    parameter objects (and so their names, initial values and any optimizer built on them)."""
+    for name, module in list(model.named_modules()):
+        if is_quantized_linear(name, module):
+            fp8 = FP8Linear(module.in_features, module.out_features, bias=False, device="meta")
+            fp8.weight, fp8.bias = module.weight, module.bias
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, fp8)
+    return model
