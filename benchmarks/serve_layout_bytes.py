@@ -1,10 +1,11 @@
 """The planner's DeepSeek serving answer, run on local ranks (issue 16 item 6; docs/deepseek.md).
 
 For DeepSeek-R1 on 16 GPUs, `tetrad plan serve` ranks attention data parallelism with the
-experts over all GPUs first for throughput (tp1 dp16 ep16) and splits the model by stages for
-latency. This script serves a tiny DeepSeek-V3-shaped model (configs/deepseek-v3-tiny.toml, random
-fp32 weights) under the same layouts on N local CPU ranks: `--dp N --ep N`, and `--pp N` (tensor
-parallelism does not split MLA yet, so the pipeline is the latency layout the engine runs). For
+experts over all GPUs first for throughput (tp1 dp16 ep16) and splits the model by stages and
+over tensor-parallel ranks for latency (tp2 pp2 dp4 ep8, tp8 pp2, tp16 ep16). This script serves
+a tiny DeepSeek-V3-shaped model (configs/deepseek-v3-tiny.toml, random fp32 weights) under those
+shapes on N local CPU ranks: `--dp N --ep N`, `--pp N`, `--tp 2 --pp N/2` and `--tp N --ep N`
+(MLA split by heads, each tp rank keeping the whole latent cache). For
 each layout it checks that greedy output equals one process, then prints every rank's weight
 bytes and KV-cache bytes per token, counted on its parameters and its pool, beside the planner's
 prediction for that rank (ServingLayout.planned_bytes). Counting, not timing.
@@ -65,7 +66,9 @@ def main() -> None:
     args = parser.parse_args()
     config = resolve_model(args.model)
     n = args.ranks
-    layouts = {"throughput": ServingLayout(ep=n, dp=n), "latency": ServingLayout(pp=n)}
+    layouts = {"throughput": ServingLayout(ep=n, dp=n), "latency": ServingLayout(pp=n),
+               "latency, tp": ServingLayout(tp=2, pp=n // 2),
+               "latency, tp with experts": ServingLayout(tp=n, ep=n)}
     single = LLM(random_model(config), ByteTokenizer(), **ENGINE)
     reference = [o.token_ids for o in single.generate(PROMPTS, GREEDY)]
     whole, planned = held_bytes(single.runner), ServingLayout().planned_bytes(config, "fp32", 0)

@@ -120,6 +120,12 @@ def test_seeded_sampling_is_reproducible_and_n_samples_fork():
     greedy = llm.generate([PROMPTS[1]], GREEDY.replace(n=2))[0]
     expected = reference_greedy(model, PROMPTS[1], 12)
     assert [o.token_ids for o in greedy.outputs] == [expected, expected]
+    # Siblings outgrow a pool that holds one: the newer is swapped out (its shared blocks too)
+    # while the older decodes, and comes back.
+    swapping = engine(model, num_blocks=7, preemption="swap")
+    greedy = swapping.generate([PROMPTS[1]], GREEDY.replace(n=2))[0]
+    assert [o.token_ids for o in greedy.outputs] == [expected, expected]
+    assert swapping.scheduler.num_preemptions > 0 and swapping.block_manager.num_used_blocks == 0
 
 
 def test_text_streaming_stop_strings_and_abort():

@@ -3,7 +3,8 @@ one-process engine, in fp32, on the tiny random DeepSeek-V3 (MLA, 8 routed exper
 one, a dense first layer) and the tiny dense model.
 
 Two spawned jobs (tests/dist.py; the LLM on rank 0, ServingWorker on the others) run ep2·dp2,
-pp2 and tp2·ep2 (a MoE model with plain attention), then ep4·dp4, ep2·dp4 and tp2·pp2, each with
+pp2, tp2·ep2 (a MoE model with plain attention) and tp2 (MLA split by heads, every expert whole
+on each rank), then ep4·dp4, ep2·dp4 and tp2·pp2, each with
 chunked prefill (7 tokens a step) and a pool of 12 blocks, which forces preemptions by recompute.
 For each: greedy outputs equal one process token for token; each rank holds exactly the weight
 bytes and KV bytes per token the planner predicts for its place in the layout
@@ -31,12 +32,14 @@ pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without to
 transformers = pytest.importorskip("transformers")
 from deepseek_models import hf_model  # noqa: E402
 
-# A MoE model with plain attention (tensor parallelism does not split MLA yet).
+# A MoE model with plain attention.
 MOE = dict(num_experts=4, num_experts_per_token=2, num_shared_experts=1, moe_ffn_hidden_size=64)
 LAYOUTS = {  # name -> (model, layout); grouped by world size into one job each
     2: {"ep2-dp2": ("deepseek", ServingLayout(ep=2, dp=2)),
         "pp2": ("deepseek", ServingLayout(pp=2)),
-        "tp2-ep2": ("moe", ServingLayout(tp=2, ep=2))},
+        "tp2-ep2": ("moe", ServingLayout(tp=2, ep=2)),
+        # MLA split by heads, each rank's pool the whole latent; routed experts whole per rank
+        "tp2": ("deepseek", ServingLayout(tp=2))},
     4: {"ep4-dp4": ("deepseek", ServingLayout(ep=4, dp=4)),
         "ep2-dp4": ("deepseek", ServingLayout(ep=2, dp=4)),  # two expert groups of two ranks
         "tp2-pp2": ("dense", ServingLayout(tp=2, pp=2))},

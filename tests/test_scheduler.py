@@ -85,6 +85,9 @@ def run_to_completion(scheduler, arrivals, max_steps=2000, check=True):
             except RequestRejected:
                 rejected.add(request_id)
         batch = scheduler.schedule()
+        # The engine runs the model (and with it the block copies) only for a batch with
+        # sequences: a swap with nothing to compute would never copy its blocks.
+        assert batch.seqs or not (batch.swap_out or batch.swap_in or batch.copies)
         assert batch.num_batched_tokens <= scheduler.config.max_num_batched_tokens
         assert len(scheduler.running) <= scheduler.config.max_num_seqs
         contexts = runner.run(batch)

@@ -165,6 +165,9 @@ class LLM:
         batch = self.scheduler.schedule()
         self.peak_blocks_used = max(self.peak_blocks_used, self.block_manager.num_used_blocks)
         sampled = []
+        # A batch with no sequence carries no block copies either (tests/test_scheduler.py checks
+        # it on random workloads): the oldest running sequence always fits once the newer ones
+        # are preempted, as validate() bounds it by the pool; only a newer one is swapped out.
         if batch.seqs:
             try:
                 sampled = self._run(batch)

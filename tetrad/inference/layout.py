@@ -62,14 +62,11 @@ class ServingLayout:
             raise ConfigError(f"--ep {self.ep} needs --dp {self.ep} (or a multiple): experts are "
                               f"spread over groups of ep attention data-parallel ranks (tp 1, "
                               f"pp 1), the planner's throughput layout; or --tp {self.ep}")
-        # The engine splits with training's tensor-parallel layers: training's rules, kv heads
-        # replicated past their count.
+        # The engine splits with training's tensor-parallel layers (MLA by heads, each rank's
+        # KV pool holding the whole latent): training's rules, kv heads replicated past their
+        # count.
         check_degrees(config, self.tp, self.pp, self.ep, training=True, kv_replicas=True,
                       runtime=True)
-        if self.tp > 1 and config.attention == "mla":  # training splits it; serving unchecked
-            raise ConfigError("tensor-parallel serving does not split multi-head latent "
-                              "attention (MLA) yet: serve this model with --tp 1 (--pp, or --dp "
-                              "with --ep)")
 
     def planned_bytes(self, config: ModelConfig, dtype: str, stage: int) -> dict[str, float]:
         """What the planner predicts one rank of pipeline stage `stage` holds, with weights and

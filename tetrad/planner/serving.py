@@ -5,9 +5,10 @@ Prefill is compute bound; decode reads every weight a step touches and each sequ
 once per token, so it is bandwidth bound until the batch is large: both fall out of the same
 roofline per kernel (compute.py). With pipeline parallelism the batch is split into pp microbatches
 that occupy the stages in turn (vLLM), so a token takes pp stage-times and the throughput is
-batch / (pp * stage time). Experts are split over `ep` ranks and, where ep < tp, each expert over
-tp / ep ranks; ep > tp spreads experts over replicas (attention data parallel, as in DeepSeek's
-serving). Memory: vLLM's default gpu_memory_utilization (0.9) of each GPU is usable.
+batch / (pp * stage time). Experts are split over `ep` ranks and, where 1 < ep < tp, each expert
+over tp / ep ranks; ep > tp spreads experts over replicas (attention data parallel, as in
+DeepSeek's serving); with ep = 1 every tp rank holds and computes every expert whole (tetrad's
+engine under --tp alone). Memory: vLLM's default gpu_memory_utilization (0.9) of each GPU is usable.
 """
 
 from __future__ import annotations
@@ -108,13 +109,15 @@ def model_weight_bytes(config: ModelConfig, dtype: str) -> float:
 
 
 def _expert_split(layout: ServeLayout) -> int:
-    """GPUs one expert's weights are spread over: ep ranks each hold whole experts, and below tp
-    the remaining tp / ep ranks split each expert's columns."""
-    return max(layout.ep, layout.tp)
+    """GPUs one layer's routed experts are spread over: ep ranks each hold whole experts, and
+    below tp the remaining tp / ep ranks split each expert's columns. With ep = 1 every tp rank
+    keeps every expert whole, as the engine's tensor-parallel layers do (ep = tp spreads them)."""
+    return 1 if layout.ep == 1 else max(layout.ep, layout.tp)
 
 
 def _expert_tp(layout: ServeLayout) -> int:
-    return layout.tp // layout.ep if layout.ep < layout.tp else 1
+    """Ranks that split each expert's columns (1 < ep < tp); 1 where experts are whole."""
+    return layout.tp // layout.ep if 1 < layout.ep < layout.tp else 1
 
 
 def weight_bytes_per_gpu(config: ModelConfig, layout: ServeLayout, dtype: str,
