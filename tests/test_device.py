@@ -114,3 +114,19 @@ def test_rings_of_two_post_each_send_with_its_receive_as_one_batch(monkeypatch):
     batches.clear()
     comm.all_reduce(torch.ones(8), pair, "grads")  # reduce-scatter hop, then all-gather hop
     assert batches == [[("isend", 1, 4), ("irecv", 1, 4)]] * 2
+
+
+def test_overlap_unset_is_on_with_nccl_and_off_on_gloo():
+    """Chunked TP/EP overlap pays on GPUs and costs on gloo, where the same cores compute and
+    send; an explicit --overlap / --no-overlap is kept either way."""
+    from tetrad.config import ParallelConfig
+    from tetrad.train.launch import with_overlap_decided
+
+    unset = TrainConfig(model="tiny", nproc=2, parallel=ParallelConfig(tp=2))
+    assert unset.parallel.overlap is None
+    assert with_overlap_decided(unset, "cuda").parallel.overlap is True
+    assert with_overlap_decided(unset, "cpu").parallel.overlap is False
+    for explicit in (True, False):
+        config = TrainConfig(model="tiny", nproc=2, parallel=ParallelConfig(tp=2, overlap=explicit))
+        assert with_overlap_decided(config, "cpu").parallel.overlap is explicit
+        assert with_overlap_decided(config, "cuda").parallel.overlap is explicit

@@ -63,7 +63,10 @@ class ParallelConfig:
     microbatches: int = 0  # per pipeline pass; 0 means pp (the fewest that keep every stage busy)
     recompute: str = "none"  # none | selective | full
     collectives: str = "backend"  # backend | ring (tetrad's own ring all-reduce on send/recv)
-    overlap: bool = True  # TP/SP and EP collectives hidden behind compute (chunked, async)
+    # TP/SP and EP collectives hidden behind compute (chunked, async). None: the launcher decides
+    # (on with NCCL; off on gloo, where the same CPU cores move the bytes and do the matmuls,
+    # and chunking only multiplies the calls); unresolved None counts as off.
+    overlap: bool | None = None
     stage_layers: tuple[int, ...] = ()  # layers per pipeline stage; () balances by cost
     strategy: str = "collective"  # collective | ps (parameter servers)
     servers: int = 0  # ps: server processes after the dp workers

@@ -98,9 +98,11 @@ def add_parser(subparsers) -> None:
                              help="keep the optimizer state and step in host memory (ZeRO 1-3)")
     distributed.add_argument("--collectives", choices=("backend", "ring"),
                              help="'ring': tetrad's own ring all-reduce on send/recv")
+    distributed.add_argument("--overlap", dest="overlap", action="store_true",
+                             help="issue TP/SP and EP collectives in chunks behind the matmuls / "
+                                  "shared experts (default: on GPUs with NCCL, off on gloo)")
     distributed.add_argument("--no-overlap", dest="overlap", action="store_false",
-                             help="issue TP/SP and EP collectives whole and wait for each, "
-                                  "instead of chunked behind the matmuls / shared experts")
+                             help="issue TP/SP and EP collectives whole and wait for each")
     ps = parser.add_argument_group(
         "parameter server", "--strategy ps: --dp workers push gradients to and pull parameters "
         "from --servers server processes (docs/parameter_server.md); --nproc is dp + servers")

@@ -83,11 +83,12 @@ def parallelize(model: Transformer, mesh: Mesh, comm: Comm, parallel: ParallelCo
         cut = partition(config, parallel.pp * parallel.vpp, seq_len, parallel.stage_layers or None)
         runs = [layer for stage in range(mesh.coords["pp"], cut.num_stages, parallel.pp)
                 for layer in cut.layers(stage)]
-    experts = (apply_expert_parallel(model, mesh, comm, layers=runs, overlap=parallel.overlap)
+    overlap = bool(parallel.overlap)  # None (not decided by a launcher) counts as off
+    experts = (apply_expert_parallel(model, mesh, comm, layers=runs, overlap=overlap)
                if parallel.ep > 1 else None)
     context = apply_context_parallel(model, mesh["cp"], comm) if parallel.cp > 1 else None
     tensor = (apply_tensor_parallel(model, mesh, comm, parallel.sequence_parallel,
-                                    seq_len // parallel.cp, parallel.overlap)
+                                    seq_len // parallel.cp, overlap)
               if parallel.tp > 1 else None)
     if compile:
         apply_compile(model, parallel.pp > 1 and parallel.schedule in SPLIT_BACKWARD)

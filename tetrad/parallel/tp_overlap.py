@@ -1,5 +1,5 @@
 """Tensor- and sequence-parallel matmuls with their communication overlapped (ParallelConfig
-`overlap`, on by default): each collective is cut into row chunks and issued asynchronously, so
+`overlap`, on by default with NCCL): each collective is cut into row chunks and issued asynchronously, so
 the collective of one chunk runs while the matmul of another computes (the chunked pipelining
 Megatron-LM and TransformerEngine use; the "collective matmul" of Wang et al. 2023).
 

@@ -6,6 +6,8 @@ run the trainer on that resolved layout. Parameter-server runs add their server 
 
 from __future__ import annotations
 
+import dataclasses
+
 from functools import partial
 
 import torch
@@ -124,11 +126,24 @@ def ps_rank(rank: int, world_size: int, config: TrainConfig,
     return None
 
 
+def with_overlap_decided(config: TrainConfig, device_type: str) -> TrainConfig:
+    """--overlap unset: on with NCCL, where collectives run on their own stream beside the
+    matmuls; off on gloo, where the CPU cores that compute also move the bytes (a tp2 step of the
+    time-prediction benchmark's model took 2x as long chunked). Decided before the layout is
+    resolved, so the ranks and the planner's prediction see the same choice."""
+    if config.parallel.overlap is not None:
+        return config
+    parallel = dataclasses.replace(config.parallel, overlap=device_type == "cuda")
+    return dataclasses.replace(config, parallel=parallel)
+
+
 def launch_training(config: TrainConfig):
     """Run `config` on config.nproc local workers, or as this process's rank under torchrun.
     Returns rank 0's TrainResult (None on the other torchrun ranks)."""
     if started_by_torchrun():
         rank, world_size, local_rank, local_world_size = torchrun_ranks()
+        config = with_overlap_decided(
+            config, local_device(local_rank, local_world_size, config.device).type)
         layout = check_layout(config, world_size)
         init_worker(rank, world_size, local_rank, local_world_size, COLLECTIVE_TIMEOUT_S,
                     device=local_device(local_rank, local_world_size, config.device))
@@ -138,10 +153,11 @@ def launch_training(config: TrainConfig):
             dist.destroy_process_group()
     from tetrad.train.trainer import prepare
 
-    layout = check_layout(config, config.nproc)
-    prepare(config, layout.model)  # tokenizer and checkpoint problems: one line, no workers
     # Decided once here (a missing GPU is one line, not a traceback per rank): rank r on cuda:r.
     device_type = local_device(0, config.nproc, config.device).type
+    config = with_overlap_decided(config, device_type)
+    layout = check_layout(config, config.nproc)
+    prepare(config, layout.model)  # tokenizer and checkpoint problems: one line, no workers
     parallel = config.parallel
     # Asynchronous parameter servers drop a dead worker and go on; rank 0 writes the report.
     expendable = (frozenset(range(1, parallel.dp))
