@@ -20,6 +20,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from bench_data_parallel import add_run_flags
+
 from tetrad.config import ParallelConfig, TrainConfig
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm, CommCounter
@@ -85,13 +87,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--model", default="small")
-    parser.add_argument("--batch", type=int, default=8, help="global batch, in sequences")
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    add_run_flags(parser)
     args = parser.parse_args()
     if args.nproc != 2:
         raise SystemExit("the layouts are for 2 ranks: --nproc 2")

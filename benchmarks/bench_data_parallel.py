@@ -109,8 +109,8 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> dict:
             "cpu": {k: statistics.median(v) for k, v in cpu.items()}, "losses": first_losses}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_run_flags(parser: argparse.ArgumentParser) -> None:
+    """The run's shape, shared with bench_compile.py: ranks, model, batch, steps, threads."""
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--model", default="small")
     parser.add_argument("--batch", type=int, default=8, help="global batch, in sequences")
@@ -118,6 +118,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_run_flags(parser)
     args = parser.parse_args()
     results = spawn(worker, args.nproc, (args,))
     losses = results[0]["losses"]

@@ -5,10 +5,9 @@ are per GPU and per direction. Sources are the vendor datasheets and architectur
 next to each entry. Memory sizes are the marketed "GB", which NVIDIA means as GiB (an A100-80GB
 reports 81920 MiB).
 
-The efficiency profile is what the planner cannot read from a datasheet: how close real kernels get
-to those peaks. It is calibrated once per architecture against published training runs
-(benchmarks/planner_cross_validation.py) and never per question. GPUs without published large-scale runs
-inherit the profile of their architecture's calibrated sibling, which is said next to the entry.
+The efficiency profile (how close real kernels get to those peaks) is calibrated once per
+architecture against published training runs (benchmarks/planner_cross_validation.py), never per
+question; a GPU without published runs takes its architecture's sibling's, as said by the entry.
 A machine `tetrad calibrate` measured is a GPU of the same schema, read from a JSON profile
 (load_profile; `--gpu` and `--hardware` take a catalog name or a profile file).
 No torch here: the planner runs on a laptop.
@@ -42,8 +41,7 @@ class EfficiencyProfile:
     kernel_overhead_s: launch and tail cost paid by every kernel, so small matmuls are slow.
     intra_link / inter_link: fraction of NVLink-or-PCIe / NIC bandwidth a collective reaches.
     intra_latency_s / inter_latency_s: per-hop latency of a collective inside / across nodes.
-    comm_interference: how much a collective slows the compute it is overlapped with, per second
-        of overlap: NCCL's kernels occupy SMs and HBM bandwidth that the GEMMs then lack.
+    comm_interference: compute slowed per second of collective overlapped with it (NCCL's SMs).
 
     A profile measured by `tetrad calibrate` (tetrad/calibrate) also carries what a datasheet
     cannot say, each left empty (zero) in the catalog, where the formulas above stand alone:
@@ -170,9 +168,9 @@ def by_ranks(points: tuple[tuple[int, float], ...], ranks: int, alone: float) ->
 # MosaicML's FSDP runs. Its vendor attention is not fitted (no Megatron run of the time used
 # flash attention): FlashAttention-2's paper measures 50-73% of peak for forward + backward on
 # A100; 0.6 is used.
-# An overlapped collective runs one NCCL block per channel, each on an SM the GEMMs then lack: 24
-# for an all-gather on an H100 in an Nsight trace (NVIDIA developer forums, "Compute-Communication
-# Overlap Causes Severe GEMM Performance Degradation because of Tail Effect"). Not fitted.
+# An overlapped collective runs one NCCL block per channel on an SM the GEMMs lack: 24 for an H100
+# all-gather in an Nsight trace (NVIDIA forums, "Compute-Communication Overlap Causes Severe GEMM
+# Performance Degradation because of Tail Effect"). Not fitted.
 NCCL_SMS = 24
 AMPERE = EfficiencyProfile(matmul=0.68, attention=0.6, memory=0.75, kernel_overhead_s=2e-6,
                            intra_link=0.85, inter_link=0.9, intra_latency_s=8e-6,
