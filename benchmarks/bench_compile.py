@@ -14,13 +14,10 @@ compiles (its compile time is printed apart). Next to wall time it prints the ra
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
-import torch.distributed as dist
 
-from bench_data_parallel import add_run_flags
+from bench_data_parallel import add_run_flags, interleaved_steps
 
 from tetrad.config import ParallelConfig, TrainConfig
 from tetrad.models.transformer import Transformer
@@ -57,26 +54,13 @@ def time_layout(rank: int, world_size: int, args: argparse.Namespace, layout: di
             Transformer(model_config), config, torch.device("cpu"), mesh, Comm(CommCounter()))
     generator = torch.Generator().manual_seed(1)
     clock = CompileClock()
-    wall = {name: [] for name in strategies}
-    cpu = {name: [] for name in strategies}
-    first_losses = {}
-    for index in range(args.warmup + args.steps):
-        batch = torch.randint(0, model_config.vocab_size, (args.batch, args.seq + 1),
-                              generator=generator)
-        for name, strategy in strategies.items():
-            dist.barrier()
-            started, started_cpu = time.perf_counter(), time.process_time()
-            loss = step(strategy, batch)
-            dist.barrier()
-            if index == 0:
-                first_losses[name] = loss
-            if index >= args.warmup:
-                wall[name].append(time.perf_counter() - started)
-                cpu[name].append(time.process_time() - started_cpu)
+    timings = interleaved_steps(
+        args, lambda: torch.randint(0, model_config.vocab_size, (args.batch, args.seq + 1),
+                                    generator=generator),
+        {name: (lambda batch, strategy=strategy: step(strategy, batch))
+         for name, strategy in strategies.items()})
     clock.close()
-    return {"wall": {k: statistics.median(v) for k, v in wall.items()},
-            "cpu": {k: statistics.median(v) for k, v in cpu.items()},
-            "losses": first_losses, "compile_s": clock.seconds}
+    return {**timings, "compile_s": clock.seconds}
 
 
 def worker(rank: int, world_size: int, args: argparse.Namespace) -> dict:

@@ -89,16 +89,26 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> dict:
                "torch FSDP2": TorchNative(fresh_model(), config, "torch FSDP2")}
     generator = torch.Generator().manual_seed(1)
     rows = args.batch // world_size
-    wall = {name: [] for name in engines}
-    cpu = {name: [] for name in engines}
+    return interleaved_steps(
+        args, lambda: torch.randint(0, model_config.vocab_size, (args.batch, args.seq + 1),
+                                    generator=generator)[rank * rows:(rank + 1) * rows],
+        {name: (lambda batch, engine=engine: engine.step(batch, 1e-3))
+         for name, engine in engines.items()})
+
+
+def interleaved_steps(args: argparse.Namespace, next_batch, sides: dict) -> dict:
+    """Each side's step on the same batches, sides interleaved step by step between barriers (a
+    shared machine's load then falls on all alike): median wall and CPU seconds after --warmup
+    steps, and each side's first loss. Shared with bench_compile.py."""
+    wall = {name: [] for name in sides}
+    cpu = {name: [] for name in sides}
     first_losses = {}
     for step in range(args.warmup + args.steps):
-        batch = torch.randint(0, model_config.vocab_size, (args.batch, args.seq + 1),
-                              generator=generator)[rank * rows:(rank + 1) * rows]
-        for name, engine in engines.items():
+        batch = next_batch()
+        for name, run_step in sides.items():
             dist.barrier()
             started, started_cpu = time.perf_counter(), time.process_time()
-            loss = engine.step(batch, 1e-3)
+            loss = run_step(batch)
             dist.barrier()
             if step == 0:
                 first_losses[name] = loss
