@@ -108,6 +108,20 @@ def test_the_block_scaled_product_is_the_dequantised_product():
             <= FP32_SLACK * scale).all()
 
 
+def test_rows_padded_for_the_gpu_kernel_change_nothing():
+    """On CUDA M and N are padded to multiples of 16 (cuBLASLt's fp8 need): forcing that padding
+    here on odd shapes gives the unpadded product, bit for bit, at the unpadded shape."""
+    generator = torch.Generator().manual_seed(2)
+    a, b = torch.randn(37, 300, generator=generator), torch.randn(70, 300, generator=generator)
+    a_q, a_scales = quantize_tiles(a)
+    b_q, b_scale_inv = quantize_blocks(b)
+    b_scales = block_scales_per_row(b_scale_inv, 70)
+    plain = tiled_matmul(a_q, a_scales, b_q, b_scales, rows_multiple=1)
+    padded = tiled_matmul(a_q, a_scales, b_q, b_scales, rows_multiple=16)
+    assert padded.shape == (37, 70)
+    assert torch.equal(padded, plain)
+
+
 def product_bound(a: torch.Tensor, a_amax: torch.Tensor, b: torch.Tensor, b_amax: torch.Tensor
                   ) -> torch.Tensor:
     """Bound on |Ã B̃^T - A B^T| when each element moves by at most error_bound: |ΔA| (|B| + |ΔB|)

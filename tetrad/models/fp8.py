@@ -110,16 +110,29 @@ def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: int = BLO
     return q.float() * full[:rows, :cols]
 
 
+def _rows_multiple(device: torch.device) -> int:
+    """cuBLASLt's fp8 kernels need M and N divisible by 16 (K is a 128-wide block already); the
+    CPU kernel takes any."""
+    return 16 if device.type == "cuda" else 1
+
+
 def tiled_matmul(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor,
-                 b_scales: torch.Tensor, tile: int = BLOCK) -> torch.Tensor:
+                 b_scales: torch.Tensor, tile: int = BLOCK, rows_multiple: int | None = None
+                 ) -> torch.Tensor:
     """a @ b^T in fp32 for fp8 a [M, K] and b [N, K], each with one scale per row and 128 columns
-    ([M, nK], [N, nK]): one row-wise `torch._scaled_mm` per 128-wide block of K, summed."""
+    ([M, nK], [N, nK]): one row-wise `torch._scaled_mm` per 128-wide block of K, summed. M and N
+    are padded with zero rows (scale 1) to `rows_multiple` (the device's need by default) and the
+    padding is cut from the result."""
+    rows, cols = a.shape[0], b.shape[0]
+    multiple = rows_multiple or _rows_multiple(a.device)
+    a, b = _pad_to(a, 0, multiple), _pad_to(b, 0, multiple)
+    a_scales = F.pad(a_scales.float(), [0, 0, 0, a.shape[0] - rows], value=1.0)
+    b_scales = F.pad(b_scales.float(), [0, 0, 0, b.shape[0] - cols], value=1.0)
     num_blocks = math.ceil(a.shape[1] / tile)
     # Contiguous [nK, rows, 128] copies: row-major a and column-major b in every block, the
     # layouts cuBLASLt's fp8 kernels need (the CPU takes any).
     a_blocks = _pad_to(a, 1, tile).view(a.shape[0], num_blocks, tile).transpose(0, 1).contiguous()
     b_blocks = _pad_to(b, 1, tile).view(b.shape[0], num_blocks, tile).transpose(0, 1).contiguous()
-    a_scales, b_scales = a_scales.float(), b_scales.float()
     out = None
     for index in range(num_blocks):
         part = torch._scaled_mm(a_blocks[index], b_blocks[index].t(),
@@ -127,7 +140,7 @@ def tiled_matmul(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor,
                                 scale_b=b_scales[:, index].contiguous().view(1, -1),
                                 out_dtype=torch.float32)
         out = part if out is None else out + part
-    return out
+    return out[:rows, :cols]
 
 
 def output_dtype(x: torch.Tensor) -> torch.dtype:
