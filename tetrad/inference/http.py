@@ -89,28 +89,23 @@ def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
 async def merged(streams: list[RequestStream], timeout_s: float
                  ) -> AsyncIterator[tuple[int, object]]:
     """(prompt index, output) from several requests as they come, until all finish or
-    `timeout_s` passes (ApiError 408); closing it aborts the requests still running."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    source = _numbered(streams[0]) if len(streams) == 1 else _interleaved(streams)
+    `timeout_s` passes (ApiError 408); closing it aborts the requests still running.
+
+    The deadline is one timer per request that puts the 408 into the request's collector, not a
+    timeout around every wait: that cost a timer and its cancellation per server-sent event."""
+    loop = asyncio.get_running_loop()
+    timers = [loop.call_later(timeout_s, stream.collector.put, ApiError(
+        408, f"the request ran longer than {timeout_s:g} s and was stopped (tetrad serve "
+             f"--request-timeout)", "timeout_error")) for stream in streams]
+    single = len(streams) == 1  # read without a pump task
+    source = aiter(streams[0]) if single else _interleaved(streams)
     try:
-        while True:
-            try:  # not wait_for: on Python 3.11 it can swallow a cancellation
-                async with asyncio.timeout_at(deadline):
-                    item = await anext(source)
-            except StopAsyncIteration:
-                return
-            except TimeoutError:
-                raise ApiError(408, f"the request ran longer than {timeout_s:g} s and was "
-                                    f"stopped (tetrad serve --request-timeout)",
-                               "timeout_error") from None
-            yield item
+        async for item in source:
+            yield (0, item) if single else item
     finally:
+        for timer in timers:
+            timer.cancel()
         await source.aclose()
-
-
-async def _numbered(stream: RequestStream) -> AsyncIterator[tuple[int, object]]:
-    async for output in stream:
-        yield 0, output
 
 
 async def _interleaved(streams: list[RequestStream]) -> AsyncIterator[tuple[int, object]]:
