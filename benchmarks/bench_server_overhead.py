@@ -42,25 +42,61 @@ def engine_flags(args) -> dict:
             "block_size": 16, "kv_memory": args.kv_memory}
 
 
-def run_generate(llm: LLM, prompts: list[list[int]], args) -> tuple[float, float]:
-    """(generated tokens per second, CPU seconds per generated token) of LLM.generate, called on
-    a thread other than the main one, as the server steps its engine: on this machine the same
-    steps ran up to 3x slower on the main thread (2 torch threads; cause not pinned down)."""
+def run_generate(llm: LLM, prompts: list[list[int]], args) -> tuple[float, float, dict]:
+    """(generated tokens per second, CPU seconds per generated token, the stepping thread's
+    times) of LLM.generate, called on a thread other than the main one, as the server steps its
+    engine: on this machine the same steps ran up to 3x slower on the main thread (2 torch
+    threads; cause not pinned down)."""
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    outputs = []
-    worker = threading.Thread(target=lambda: outputs.extend(llm.generate(prompts, params)))
+    outputs, ends = [], []
+
+    def work() -> None:  # its own times, read before the thread (and its /proc entry) ends
+        me = threading.get_native_id()
+        ends.append((thread_times(os.getpid())[me], time.perf_counter()))
+        outputs.extend(llm.generate(prompts, params))
+        ends.append((thread_times(os.getpid())[me], time.perf_counter()))
+
+    worker = threading.Thread(target=work)
     start, cpu = time.perf_counter(), time.process_time()
     worker.start()
     worker.join()
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     tokens = sum(len(o.token_ids) for o in outputs)
-    return tokens / elapsed, cpu / tokens
+    (before, began), (after, ended) = ends
+    return tokens / elapsed, cpu / tokens, stepping_thread({0: before}, {0: after}, ended - began)
 
 
 def process_cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process, all its threads (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_times(pid: int) -> dict[int, tuple[float, float, int]]:
+    """Each thread of a process: (seconds on a CPU, seconds runnable but waiting for one,
+    times it went off the CPU by itself) (Linux /proc schedstat and status)."""
+    times = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            on_cpu_ns, waiting_ns, _ = (task / "schedstat").read_text().split()
+            status = (task / "status").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        sleeps = int(status.split("\nvoluntary_ctxt_switches:")[1].split()[0])
+        times[int(task.name)] = (int(on_cpu_ns) / 1e9, int(waiting_ns) / 1e9, sleeps)
+    return times
+
+
+def stepping_thread(before: dict, after: dict, elapsed: float) -> dict:
+    """Where the run's time went for the thread that steps the engine (the busiest one): on a
+    CPU, waiting for a CPU (other work on the machine, the process's other threads), and off the
+    CPU by its own doing (waiting for the GIL or for requests); and the other threads' CPU."""
+    used = {tid: [now - then for now, then in zip(times, before.get(tid, (0, 0, 0)))]
+            for tid, times in after.items()}
+    engine = max(used, key=lambda tid: used[tid][0])
+    on_cpu, waiting, sleeps = used.pop(engine)
+    return {"on_cpu_s": on_cpu, "waiting_s": waiting, "off_cpu_s": elapsed - on_cpu - waiting,
+            "went_off_cpu": sleeps, "other_threads_cpu_s": sum(u[0] for u in used.values())}
 
 
 def free_port() -> int:
@@ -123,9 +159,9 @@ def tokens_answered(body: bytes, stream: bool, args) -> int:
 
 
 def run_server(server: subprocess.Popen, port: int, prompts: list[list[int]], args,
-               stream: bool) -> tuple[float, float]:
-    """(generated tokens per second, the server's CPU seconds per generated token) through
-    HTTP, all requests sent at once.
+               stream: bool) -> tuple[float, float, dict]:
+    """(generated tokens per second, the server's CPU seconds per generated token, its threads'
+    times and this client's CPU) through HTTP, all requests sent at once.
 
     One client thread sends every request on its own connection and reads all the answers
     through a selector, as a load generator would: with a thread per request (16 client threads
@@ -134,6 +170,7 @@ def run_server(server: subprocess.Popen, port: int, prompts: list[list[int]], ar
     generate side does not pay and a real server, whose clients are elsewhere, does not either."""
     selector = selectors.DefaultSelector()
     answers: dict[socket.socket, list[bytes]] = {}
+    threads, client_cpu = thread_times(server.pid), time.process_time()
     start, cpu = time.perf_counter(), process_cpu_s(server.pid)
     for prompt in prompts:
         connection = socket.create_connection(("127.0.0.1", port))
@@ -153,13 +190,15 @@ def run_server(server: subprocess.Popen, port: int, prompts: list[list[int]], ar
                 key.fileobj.close()
                 still_open -= 1
     elapsed, cpu = time.perf_counter() - start, process_cpu_s(server.pid) - cpu
+    times = stepping_thread(threads, thread_times(server.pid), elapsed)
+    times["client_cpu_s"] = time.process_time() - client_cpu
     selector.close()
     counted = sum(tokens_answered(answer_body(b"".join(parts)), stream, args)
                   for parts in answers.values())
     expected = len(prompts) * args.output_len
     if counted != expected:
         raise RuntimeError(f"the server returned {counted} of {expected} tokens")
-    return expected / elapsed, cpu / expected
+    return expected / elapsed, cpu / expected, times
 
 
 def main() -> None:
@@ -230,6 +269,14 @@ def main() -> None:
         print(f"  {name:13s} {speed[name]:8.1f} tokens/s ({speed[name] / speed['generate']:.3f}x "
               f"generate; median of rounds {per_round[name]:.3f}x)   {cpu[name] * 1e3:7.2f} CPU "
               f"ms/token (generate / this = {cpu['generate'] / cpu[name]:.3f})")
+    print("  median per run, seconds: the engine-stepping thread on a CPU / waiting for one / "
+          "off it by itself (times); the server's other threads on a CPU; the client's CPU")
+    for name, values in runs.items():
+        median = {key: statistics.median(run[2][key] for run in values) for key in values[0][2]}
+        print(f"  {name:13s} {median['on_cpu_s']:.2f} / {median['waiting_s']:.2f} / "
+              f"{median['off_cpu_s']:.2f} ({median['went_off_cpu']:.0f})" + (
+                  f"; {median['other_threads_cpu_s']:.2f}; {median['client_cpu_s']:.2f}"
+                  if name != "generate" else ""))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 
