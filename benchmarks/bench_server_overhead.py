@@ -6,6 +6,9 @@ Long prompts (3,000 tokens by default) make the per-step work of the server visi
 deep-copy every request's whole output, prompt ids included, on every step. Runs alternate
 between the sides, every side runs once untimed first, and each side keeps its best; the median
 over rounds of each round's ratio is printed too, so a shared machine's noise favours no side.
+Then where each run's time went (Linux /proc): the engine-stepping thread's seconds on a CPU,
+waiting for one (the machine's other work) and off it by itself (waiting for the GIL, for
+requests), and the CPU seconds of the server's other threads (its event loop) and of the client.
 
     .venv/bin/python benchmarks/bench_server_overhead.py                 # 16 x 3,000-token prompts
     .venv/bin/python benchmarks/bench_server_overhead.py --prompt-len 200 --requests 32
