@@ -163,6 +163,9 @@ async def final_outputs(request: Request, streams: list[RequestStream], timeout_
 
 async def _disconnected(request: Request) -> None:
     """Returns when the client closes its connection (the body was read before: the server's
-    next message is the disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    next message is the disconnect), or when its connection can no longer be read."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # noqa: BLE001 - an unreadable connection is a gone client
+        return
