@@ -1,9 +1,14 @@
 """What the HTTP server costs: the same requests through `tetrad serve` (a real server process,
-clients on this process's threads) and through `LLM.generate` in process, in one run.
+one client thread of this process sending them all at once) and through `LLM.generate` in
+process, in one run.
 
 Long prompts (3,000 tokens by default) make the per-step work of the server visible: it used to
 deep-copy every request's whole output, prompt ids included, on every step. Runs alternate
-between the two sides and each side keeps its best, so a shared machine's noise favours neither.
+between the sides, every side runs once untimed first, and each side keeps its best; the median
+over rounds of each round's ratio is printed too, so a shared machine's noise favours no side.
+Then where each run's time went (Linux /proc): the engine-stepping thread's seconds on a CPU,
+waiting for one (the machine's other work) and off it by itself (waiting for the GIL, for
+requests), and the CPU seconds of the server's other threads (its event loop) and of the client.
 
     .venv/bin/python benchmarks/bench_server_overhead.py                 # 16 x 3,000-token prompts
     .venv/bin/python benchmarks/bench_server_overhead.py --prompt-len 200 --requests 32
@@ -16,7 +21,9 @@ import http.client
 import json
 import os
 import random
+import selectors
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,25 +45,61 @@ def engine_flags(args) -> dict:
             "block_size": 16, "kv_memory": args.kv_memory}
 
 
-def run_generate(llm: LLM, prompts: list[list[int]], args) -> tuple[float, float]:
-    """(generated tokens per second, CPU seconds per generated token) of LLM.generate, called on
-    a thread other than the main one, as the server steps its engine: on this machine the same
-    steps ran up to 3x slower on the main thread (2 torch threads; cause not pinned down)."""
+def run_generate(llm: LLM, prompts: list[list[int]], args) -> tuple[float, float, dict]:
+    """(generated tokens per second, CPU seconds per generated token, the stepping thread's
+    times) of LLM.generate, called on a thread other than the main one, as the server steps its
+    engine: on this machine the same steps ran up to 3x slower on the main thread (2 torch
+    threads; cause not pinned down)."""
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    outputs = []
-    worker = threading.Thread(target=lambda: outputs.extend(llm.generate(prompts, params)))
+    outputs, ends = [], []
+
+    def work() -> None:  # its own times, read before the thread (and its /proc entry) ends
+        me = threading.get_native_id()
+        ends.append((thread_times(os.getpid())[me], time.perf_counter()))
+        outputs.extend(llm.generate(prompts, params))
+        ends.append((thread_times(os.getpid())[me], time.perf_counter()))
+
+    worker = threading.Thread(target=work)
     start, cpu = time.perf_counter(), time.process_time()
     worker.start()
     worker.join()
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     tokens = sum(len(o.token_ids) for o in outputs)
-    return tokens / elapsed, cpu / tokens
+    (before, began), (after, ended) = ends
+    return tokens / elapsed, cpu / tokens, stepping_thread({0: before}, {0: after}, ended - began)
 
 
 def process_cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process, all its threads (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_times(pid: int) -> dict[int, tuple[float, float, int]]:
+    """Each thread of a process: (seconds on a CPU, seconds runnable but waiting for one,
+    times it went off the CPU by itself) (Linux /proc schedstat and status)."""
+    times = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            on_cpu_ns, waiting_ns, _ = (task / "schedstat").read_text().split()
+            status = (task / "status").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        sleeps = int(status.split("\nvoluntary_ctxt_switches:")[1].split()[0])
+        times[int(task.name)] = (int(on_cpu_ns) / 1e9, int(waiting_ns) / 1e9, sleeps)
+    return times
+
+
+def stepping_thread(before: dict, after: dict, elapsed: float) -> dict:
+    """Where the run's time went for the thread that steps the engine (the busiest one): on a
+    CPU, waiting for a CPU (other work on the machine, the process's other threads), and off the
+    CPU by its own doing (waiting for the GIL or for requests); and the other threads' CPU."""
+    used = {tid: [now - then for now, then in zip(times, before.get(tid, (0, 0, 0)))]
+            for tid, times in after.items()}
+    engine = max(used, key=lambda tid: used[tid][0])
+    on_cpu, waiting, sleeps = used.pop(engine)
+    return {"on_cpu_s": on_cpu, "waiting_s": waiting, "off_cpu_s": elapsed - on_cpu - waiting,
+            "went_off_cpu": sleeps, "other_threads_cpu_s": sum(u[0] for u in used.values())}
 
 
 def free_port() -> int:
@@ -86,39 +129,79 @@ def start_server(folder: Path, port: int, args) -> subprocess.Popen:
     raise RuntimeError("tetrad serve did not start")
 
 
-def one_request(port: int, prompt: list[int], args, stream: bool, counts: list, index: int):
-    body = {"prompt": prompt, "max_tokens": args.output_len, "temperature": 0,
-            "ignore_eos": True, "stream": stream}
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    connection.request("POST", "/v1/completions", json.dumps(body),
-                       {"Content-Type": "application/json"})
-    response = connection.getresponse()
+def http_post(port: int, path: str, body: dict) -> bytes:
+    """The request bytes of one POST that closes its connection after the answer."""
+    data = json.dumps(body).encode()
+    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json"
+            f"\r\nContent-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode() + data
+
+
+def answer_body(raw: bytes) -> bytes:
+    """The body of an HTTP/1.1 answer, chunked (a stream) or not."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200"):
+        raise RuntimeError(f"the server answered {head.splitlines()[0]!r}: {body[:200]!r}")
+    if b"transfer-encoding: chunked" not in head.lower():
+        return body
+    parts, position = [], 0
+    while True:
+        line_end = body.index(b"\r\n", position)
+        size = int(body[position:line_end], 16)
+        if size == 0:
+            return b"".join(parts)
+        parts.append(body[line_end + 2:line_end + 2 + size])
+        position = line_end + 2 + size + 2
+
+
+def tokens_answered(body: bytes, stream: bool, args) -> int:
     if stream:  # ignore_eos: a stream that ends with "length" generated max_tokens
-        events = [json.loads(line[6:]) for line in response.read().decode().splitlines()
+        events = [json.loads(line[6:]) for line in body.decode().splitlines()
                   if line.startswith("data: {")]
-        finished = events[-1]["choices"][0]["finish_reason"] == "length"
-        counts[index] = args.output_len if finished else 0
-    else:
-        counts[index] = json.loads(response.read())["usage"]["completion_tokens"]
+        return args.output_len if events[-1]["choices"][0]["finish_reason"] == "length" else 0
+    return json.loads(body)["usage"]["completion_tokens"]
 
 
 def run_server(server: subprocess.Popen, port: int, prompts: list[list[int]], args,
-               stream: bool) -> tuple[float, float]:
-    """(generated tokens per second, the server's CPU seconds per generated token) through
-    HTTP, all requests sent at once."""
-    counts = [0] * len(prompts)
-    threads = [threading.Thread(target=one_request, args=(port, prompt, args, stream, counts, i))
-               for i, prompt in enumerate(prompts)]
+               stream: bool) -> tuple[float, float, dict]:
+    """(generated tokens per second, the server's CPU seconds per generated token, its threads'
+    times and this client's CPU) through HTTP, all requests sent at once.
+
+    One client thread sends every request on its own connection and reads all the answers
+    through a selector, as a load generator would: with a thread per request (16 client threads
+    in this process, each woken by every server-sent event and parsing HTTP in Python), the
+    client's wake-ups competed for the 2 cores with the server's engine thread, a cost the
+    generate side does not pay and a real server, whose clients are elsewhere, does not either."""
+    selector = selectors.DefaultSelector()
+    answers: dict[socket.socket, list[bytes]] = {}
+    threads, client_cpu = thread_times(server.pid), time.process_time()
     start, cpu = time.perf_counter(), process_cpu_s(server.pid)
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    for prompt in prompts:
+        connection = socket.create_connection(("127.0.0.1", port))
+        connection.sendall(http_post(port, "/v1/completions", {
+            "prompt": prompt, "max_tokens": args.output_len, "temperature": 0,
+            "ignore_eos": True, "stream": stream}))
+        selector.register(connection, selectors.EVENT_READ)
+        answers[connection] = []
+    still_open = len(answers)
+    while still_open:
+        for key, _ in selector.select():
+            data = key.fileobj.recv(1 << 16)
+            if data:
+                answers[key.fileobj].append(data)
+            else:  # the server closed the connection: the answer is whole
+                selector.unregister(key.fileobj)
+                key.fileobj.close()
+                still_open -= 1
     elapsed, cpu = time.perf_counter() - start, process_cpu_s(server.pid) - cpu
+    times = stepping_thread(threads, thread_times(server.pid), elapsed)
+    times["client_cpu_s"] = time.process_time() - client_cpu
+    selector.close()
+    counted = sum(tokens_answered(answer_body(b"".join(parts)), stream, args)
+                  for parts in answers.values())
     expected = len(prompts) * args.output_len
-    if sum(counts) != expected:
-        raise RuntimeError(f"the server returned {sum(counts)} of {expected} tokens")
-    return expected / elapsed, cpu / expected
+    if counted != expected:
+        raise RuntimeError(f"the server returned {counted} of {expected} tokens")
+    return expected / elapsed, cpu / expected, times
 
 
 def main() -> None:
@@ -152,18 +235,17 @@ def main() -> None:
         llm = LLM(folder, log=None, **engine_flags(args))
         runs = {"generate": [], "serve_stream": [], "serve": []}
         try:
-            warm_up = new_prompts()[:2]
-            run_server(server, port, warm_up, args, stream=True)
-            run_generate(llm, warm_up, args)
-            sides = {"generate": lambda: run_generate(llm, new_prompts(), args),
-                     "serve_stream": lambda: run_server(server, port, new_prompts(), args, True),
-                     "serve": lambda: run_server(server, port, new_prompts(), args, False)}
+            sides = {"generate": lambda prompts: run_generate(llm, prompts, args),
+                     "serve_stream": lambda prompts: run_server(server, port, prompts, args, True),
+                     "serve": lambda prompts: run_server(server, port, prompts, args, False)}
+            for run in sides.values():  # every path once, so no side's first call is timed
+                run(new_prompts()[:2])
             order = list(sides)
             for _ in range(args.repeats):
                 # The order rotates each round: whichever side runs last in a round was measured
                 # slower (the machine's state drifts within a round), so no side always goes last.
                 for name in order:
-                    runs[name].append(sides[name]())
+                    runs[name].append(sides[name](new_prompts()))
                 order = order[1:] + order[:1]
         finally:
             server.terminate()
@@ -172,9 +254,15 @@ def main() -> None:
     # holds on a loaded machine, where wall times swing from run to run).
     speed = {name: max(run[0] for run in values) for name, values in runs.items()}
     cpu = {name: min(run[1] for run in values) for name, values in runs.items()}
+    # And the median over rounds of each round's ratio to generate: a round's runs are minutes
+    # apart at most, so a load that comes and goes moves both sides of a ratio.
+    per_round = {name: statistics.median(run[0] / base[0] for run, base in
+                                         zip(values, runs["generate"]))
+                 for name, values in runs.items()}
     results = {"model": args.model, "requests": args.requests, "prompt_len": args.prompt_len,
                "output_len": args.output_len, "threads": torch.get_num_threads(),
-               "tokens_per_s": speed, "cpu_s_per_token": cpu, "runs": runs}
+               "tokens_per_s": speed, "cpu_s_per_token": cpu,
+               "median_round_ratio": per_round, "runs": runs}
     import tetrad
 
     print(f"{args.requests} requests x {args.prompt_len}-token prompts, {args.output_len} "
@@ -182,8 +270,16 @@ def main() -> None:
           f"{Path(tetrad.__file__).parent.parent}")
     for name in runs:
         print(f"  {name:13s} {speed[name]:8.1f} tokens/s ({speed[name] / speed['generate']:.3f}x "
-              f"generate)   {cpu[name] * 1e3:7.2f} CPU ms/token (generate / this = "
-              f"{cpu['generate'] / cpu[name]:.3f})")
+              f"generate; median of rounds {per_round[name]:.3f}x)   {cpu[name] * 1e3:7.2f} CPU "
+              f"ms/token (generate / this = {cpu['generate'] / cpu[name]:.3f})")
+    print("  median per run, seconds: the engine-stepping thread on a CPU / waiting for one / "
+          "off it by itself (times); the server's other threads on a CPU; the client's CPU")
+    for name, values in runs.items():
+        median = {key: statistics.median(run[2][key] for run in values) for key in values[0][2]}
+        print(f"  {name:13s} {median['on_cpu_s']:.2f} / {median['waiting_s']:.2f} / "
+              f"{median['off_cpu_s']:.2f} ({median['went_off_cpu']:.0f})" + (
+                  f"; {median['other_threads_cpu_s']:.2f}; {median['client_cpu_s']:.2f}"
+                  if name != "generate" else ""))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 

@@ -152,7 +152,14 @@ def test_requests_that_cannot_run_are_rejected():
         llm.add_request([1] * 20, SamplingParams(max_tokens=20))
     with pytest.raises(RequestRejected, match="context length 128"):
         llm.add_request([1] * 100, SamplingParams(max_tokens=29))
+    vocab = llm.model_config.vocab_size
+    for ids in ([5, -1, 7], [vocab, 3]):
+        with pytest.raises(ConfigError, match=f"0..{vocab - 1}"):
+            llm.add_request(ids, SamplingParams(max_tokens=2))
     assert not llm.has_unfinished()
+    ids = llm.generate([torch.tensor([vocab - 1, 0])], SamplingParams(max_tokens=2))[0] \
+        .prompt_token_ids  # ids of any integer type become Python ints
+    assert ids == [vocab - 1, 0] and all(type(token) is int for token in ids)
 
 
 def save_random_hf_model(folder, model_type):

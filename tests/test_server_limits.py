@@ -155,6 +155,8 @@ def test_strict_types_surrogates_and_json_errors_everywhere(guarded):
     assert status == 400 and "surrogate" in answer["error"]["message"]
     status, answer = call(port, "/v1/completions", b'{"prompt": "Hi", "stop": ["\\ud800"]}')
     assert status == 400 and "surrogate" in answer["error"]["message"]
+    status, answer = call(port, "/v1/completions", b'{"prompt": ["Hi", "\\ud800"]}')
+    assert status == 400 and "surrogate" in answer["error"]["message"]  # a batch's texts too
     for method, path in [("GET", "/nowhere"), ("GET", "/v1/completions"), ("GET", "/docs"),
                          ("GET", "/openapi.json")]:
         status, answer, _ = request(port, method, path, headers=AUTH)

@@ -65,7 +65,7 @@ def check_text(value, where: str):
     elif isinstance(value, dict):
         for item in value.values():
             check_text(item, where)
-    elif isinstance(value, list) and not all(isinstance(item, int) for item in value):
+    elif isinstance(value, list) and set(map(type, value)) - {int}:  # ids hold no text (a C loop)
         for item in value:
             check_text(item, where)
     return value

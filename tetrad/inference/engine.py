@@ -133,9 +133,11 @@ class LLM:
         if isinstance(prompt, str):
             text, prompt_ids = prompt, self.tokenizer.encode(prompt)
         else:
-            text, prompt_ids = None, [int(token) for token in prompt]
+            # map, min and max loop in C: the server calls this on its event loop, where a
+            # Python loop over a 3,000-id prompt held the GIL the engine thread waits for.
+            text, prompt_ids = None, list(map(int, prompt))
         vocab = self.model_config.vocab_size
-        if any(not 0 <= token < vocab for token in prompt_ids):
+        if prompt_ids and (min(prompt_ids) < 0 or max(prompt_ids) >= vocab):
             raise ConfigError(f"prompt token ids must be in 0..{vocab - 1} (the model's vocab)")
         request_id = request_id or f"req-{next(self._ids)}"
         params = self.scheduler.validate(len(prompt_ids), params)

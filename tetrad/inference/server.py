@@ -173,8 +173,10 @@ def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None,
             config, defaults=defaults, logprobs=body.logprobs,
             prompt_logprobs=body.logprobs if body.echo and scored else None,
             **({"max_tokens": 1} if prompt_only else {}))
-        ids = await asyncio.to_thread(encode, prompts)
         texts = [p if isinstance(p, str) else None for p in prompts]
+        # Token ids need no tokenizing, so no hand-off to a worker thread (and its wake-up).
+        ids = (await asyncio.to_thread(encode, prompts)
+               if any(text is not None for text in texts) else prompts)
         if body.echo or scored:  # the prompt's text: echoed, and where text offsets start
             texts = [text if text is not None else await asyncio.to_thread(
                 llm.tokenizer.decode, prompt_ids) for text, prompt_ids in zip(texts, ids)]
