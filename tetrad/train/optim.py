@@ -26,7 +26,8 @@ def build_optimizer(params: list[dict] | list[torch.Tensor], config: TrainConfig
                     ) -> torch.optim.AdamW:
     """torch's AdamW with its fused kernel (CPU and CUDA): one pass over each parameter's memory
     where the default single-tensor path makes about seven (lerp, mul, addcmul, sqrt, div, add,
-    addcdiv); 3.5x faster on the CPU (docs/compile.md). The same update, to fp32 rounding."""
+    addcdiv), many times faster on the CPU (benchmarks/bench_optimizer.py, BENCHMARKS.md). The
+    same update, to fp32 rounding (tests/test_optim.py)."""
     return torch.optim.AdamW(params, lr=config.lr, betas=(config.beta1, config.beta2),
                              weight_decay=config.weight_decay, eps=1e-8, fused=True)
 
