@@ -2,7 +2,7 @@
 transformers' LlamaForCausalLM of the same shape and the same weights, on the same batch, in one
 process.
 
-    .venv/bin/python benchmarks/bench_vs_hf.py [--steps 5] [--threads 2] [--compile]
+    .venv/bin/python benchmarks/bench_vs_hf.py [--steps 5] [--threads 2] [--compile] [--profile 15]
 
 The two models alternate step by step, so that load from other processes on a shared machine
 hits both alike; the median of --steps timed steps follows --warmup untimed ones. Next to wall
@@ -57,6 +57,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--compile", action="store_true",
                         help="compile tetrad's transformer blocks (transformers stays eager)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after timing, profile one more step of each side (torch.profiler) "
+                             "and print its N operators with the most CPU time")
     return parser.parse_args()
 
 
@@ -133,6 +136,24 @@ def main() -> None:
           f"{median_cpu['tetrad'] / median_cpu['transformers']:.3f} CPU; tokens/s tetrad / "
           f"transformers: {median['transformers'] / median['tetrad']:.3f} wall, "
           f"{median_cpu['transformers'] / median_cpu['tetrad']:.3f} CPU")
+    for name, run_step in runs.items() if args.profile else ():
+        print_profile(name, run_step, args.profile)
+
+
+def print_profile(name: str, run_step, rows: int) -> None:
+    """One step under torch.profiler: each operator's share of the step's CPU time (inductor's
+    generated kernels are one "CompiledFxGraph" call per block and direction, matmuls and SDPA
+    apart)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run_step()
+    events = sorted(prof.key_averages(), key=lambda event: -event.self_cpu_time_total)
+    total = sum(event.self_cpu_time_total for event in events)
+    print(f"{name}: {total / 1e3:.1f} ms of CPU time in one profiled step")
+    for event in events[:rows]:
+        print(f"  {100 * event.self_cpu_time_total / total:5.1f}%  {event.count:4d} calls  "
+              f"{event.key[:70]}")
 
 
 if __name__ == "__main__":
