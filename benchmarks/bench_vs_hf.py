@@ -1,13 +1,20 @@
-"""One training step (forward + backward + AdamW) of tetrad's Transformer against transformers'
-LlamaForCausalLM of the same shape and the same weights, on the same batch, in one process.
+"""One training step (forward, backward, gradient clipping, AdamW) of tetrad's Transformer against
+transformers' LlamaForCausalLM of the same shape and the same weights, on the same batch, in one
+process.
 
-    .venv/bin/python benchmarks/bench_vs_hf.py [--steps 5] [--threads 2] [--compile]
+    .venv/bin/python benchmarks/bench_vs_hf.py [--steps 5] [--threads 2] [--compile] [--profile 15]
 
 The two models alternate step by step, so that load from other processes on a shared machine
 hits both alike; the median of --steps timed steps follows --warmup untimed ones. Next to wall
 time it prints process CPU time (user + system, all threads), which other processes' load barely
 moves: on a busy machine, compare those. Before timing, the first losses are checked to agree,
 which shows that both models compute the same thing.
+
+Each side takes its own library's training step. tetrad's is the trainer's: the single-process
+strategy `tetrad train` builds (tetrad.train.strategy.build_strategy: its loss, gradient
+clipping and optimizer). transformers' is what its Trainer does by default: cross-entropy on the
+logits, `clip_grad_norm_` to 1.0 and `torch.optim.AdamW(fused=True)` ("adamw_torch_fused", the
+default optim with torch >= 2.8). Both use the same learning rate, betas, eps and weight decay.
 
 With --compile tetrad's blocks are compiled (`tetrad train --compile`, tetrad.parallel.compile)
 and transformers' model stays eager; the compiling happens in the first warm-up step, and its
@@ -24,11 +31,15 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tetrad.config import ModelConfig
+from tetrad.config import ModelConfig, TrainConfig
 from tetrad.hf_config import hf_from_model_config
 from tetrad.models.hf import to_hf_state_dict
 from tetrad.models.transformer import Transformer
-from tetrad.parallel.compile import CompileClock, apply_compile
+from tetrad.parallel.compile import CompileClock
+from tetrad.train.optim import parameter_groups
+from tetrad.train.strategy import build_strategy
+
+LR = 1e-4
 
 
 def parse_args() -> argparse.Namespace:
@@ -46,15 +57,29 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--compile", action="store_true",
                         help="compile tetrad's transformer blocks (transformers stays eager)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after timing, profile one more step of each side (torch.profiler) "
+                             "and print its N operators with the most CPU time")
     return parser.parse_args()
 
 
-def train_step(model, logits_of, optimizer, inputs, targets) -> float:
-    optimizer.zero_grad(set_to_none=True)
-    logits = logits_of(model, inputs)
-    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+def tetrad_step(strategy, config: TrainConfig, tokens: torch.Tensor) -> float:
+    """The trainer's step (tetrad.train.trainer.train) at a fixed learning rate."""
+    loss, _ = strategy.forward_backward(tokens)
+    strategy.finish_gradients()
+    strategy.clip_grad_norm(config.grad_clip)
+    strategy.step(LR)
+    return loss
+
+
+def transformers_step(model, optimizer, config: TrainConfig, tokens: torch.Tensor) -> float:
+    """transformers' Trainer step: loss from the logits, backward, clip, step, zero."""
+    logits = model(input_ids=tokens[:, :-1], use_cache=False).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
     loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
     optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
     return loss.item()
 
 
@@ -71,26 +96,23 @@ def main() -> None:
     hf_model = LlamaForCausalLM(LlamaConfig(**hf_from_model_config(config), attention_dropout=0.0,
                                             attn_implementation="sdpa")).train()
     hf_model.load_state_dict(to_hf_state_dict(tetrad_model), strict=True)
-    clock = None
-    if args.compile:
-        apply_compile(tetrad_model)
-        clock = CompileClock()
+    clock = CompileClock() if args.compile else None
+    config = TrainConfig(batch_size=args.batch, seq_len=args.seq, lr=LR, compile=args.compile)
+    strategy = build_strategy(tetrad_model, config, torch.device("cpu"))
+    # Weight decay on matrices only, as tetrad's and transformers' Trainer both group it.
+    hf_optimizer = torch.optim.AdamW(parameter_groups(hf_model, config.weight_decay), lr=LR,
+                                     betas=(config.beta1, config.beta2), eps=1e-8, fused=True)
 
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1))
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    runs = {
-        "tetrad": (tetrad_model, lambda model, ids: model(ids)),
-        "transformers": (hf_model, lambda model, ids: model(input_ids=ids, use_cache=False).logits),
-    }
-    optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-4)
-                  for name, (model, _) in runs.items()}
+    runs = {"tetrad": lambda: tetrad_step(strategy, config, tokens),
+            "transformers": lambda: transformers_step(hf_model, hf_optimizer, config, tokens)}
     wall: dict[str, list[float]] = {name: [] for name in runs}
     cpu: dict[str, list[float]] = {name: [] for name in runs}
     losses: dict[str, list[float]] = {name: [] for name in runs}
     for step in range(args.warmup + args.steps):
-        for name, (model, logits_of) in runs.items():
+        for name, run_step in runs.items():
             start, start_cpu = time.perf_counter(), time.process_time()
-            losses[name].append(train_step(model, logits_of, optimizers[name], inputs, targets))
+            losses[name].append(run_step())
             if step >= args.warmup:
                 wall[name].append(time.perf_counter() - start)
                 cpu[name].append(time.process_time() - start_cpu)
@@ -114,6 +136,24 @@ def main() -> None:
           f"{median_cpu['tetrad'] / median_cpu['transformers']:.3f} CPU; tokens/s tetrad / "
           f"transformers: {median['transformers'] / median['tetrad']:.3f} wall, "
           f"{median_cpu['transformers'] / median_cpu['tetrad']:.3f} CPU")
+    for name, run_step in runs.items() if args.profile else ():
+        print_profile(name, run_step, args.profile)
+
+
+def print_profile(name: str, run_step, rows: int) -> None:
+    """One step under torch.profiler: each operator's share of the step's CPU time (inductor's
+    generated kernels are one "CompiledFxGraph" call per block and direction, matmuls and SDPA
+    apart)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run_step()
+    events = sorted(prof.key_averages(), key=lambda event: -event.self_cpu_time_total)
+    total = sum(event.self_cpu_time_total for event in events)
+    print(f"{name}: {total / 1e3:.1f} ms of CPU time in one profiled step")
+    for event in events[:rows]:
+        print(f"  {100 * event.self_cpu_time_total / total:5.1f}%  {event.count:4d} calls  "
+              f"{event.key[:70]}")
 
 
 if __name__ == "__main__":

@@ -221,7 +221,9 @@ def load_named(optimizer: torch.optim.Optimizer, params: dict[str, nn.Parameter]
     for name, param in params.items():
         param.copy_(values[name])
         if moments:
+            # The fused AdamW kernel reads its step count on the parameter's device.
             optimizer.state[param] = {
-                "step": torch.tensor(float(moments["step"])),
+                "step": torch.tensor(float(moments["step"]), dtype=torch.float32,
+                                     device=param.device),
                 "exp_avg": moments["exp_avg"][name].to(param).clone(),
                 "exp_avg_sq": moments["exp_avg_sq"][name].to(param).clone()}

@@ -5,7 +5,8 @@ global gradient norm, and checkpoint pieces to and from the shards.
 A FlatShard is one flat buffer of parameters (a bucket for ZeRO-1/2, a unit for ZeRO-3), padded
 to a multiple of N elements so that every rank owns exactly numel/N of it: rank i owns
 [i*numel/N, (i+1)*numel/N). A shard cuts parameters anywhere; weight decay is applied per
-parameter segment, so the update is element for element torch's AdamW (single-tensor path).
+parameter segment, so the update is element for element torch's AdamW (single-tensor path;
+the single-process run's fused AdamW gives the same update to fp32 rounding).
 """
 
 from __future__ import annotations
@@ -121,7 +122,8 @@ class FlatShard:
 
 class ShardedAdamW:
     """AdamW on the shards this rank owns, op for op torch.optim.AdamW's single-tensor path, so
-    every element gets the update the single-process run gives it. Runs wherever the master
+    every element gets the update the single-process run gives it (whose fused kernel computes
+    the same formula, equal to fp32 rounding). Runs wherever the master
     weights live: in host memory with offload (the host-side step of ZeRO-Offload)."""
 
     def __init__(self, shards: list[FlatShard], betas: tuple[float, float], eps: float):

@@ -24,8 +24,12 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(params: list[dict] | list[torch.Tensor], config: TrainConfig
                     ) -> torch.optim.AdamW:
+    """torch's AdamW with its fused kernel (CPU and CUDA): one pass over each parameter's memory
+    where the default single-tensor path makes about seven (lerp, mul, addcmul, sqrt, div, add,
+    addcdiv), many times faster on the CPU (benchmarks/bench_optimizer.py, BENCHMARKS.md). The
+    same update, to fp32 rounding (tests/test_optim.py)."""
     return torch.optim.AdamW(params, lr=config.lr, betas=(config.beta1, config.beta2),
-                             weight_decay=config.weight_decay, eps=1e-8)
+                             weight_decay=config.weight_decay, eps=1e-8, fused=True)
 
 
 def learning_rate(step: int, config: TrainConfig) -> float:

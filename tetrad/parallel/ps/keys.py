@@ -1,7 +1,7 @@
 """What a parameter server owns (docs/parameter_server.md): the fp32 parameters and AdamW
 moments of its key range, a dense flat range and the rows of the sparse table, the gradient of
 the coming step, and the AdamW step over them (tetrad.parallel.zero_optimizer's ShardedAdamW,
-element for element torch's)."""
+element for element torch's, to fp32 rounding)."""
 
 from __future__ import annotations
 
