@@ -177,7 +177,8 @@ def test_the_report_compares_every_pipeline_stage_with_its_own_prediction(report
     assert "bytes of every pipeline stage" in text
     assert "rank 1 (pp 1)" in text
     table = text.split("rank 1 (pp 1)")[1]
-    for row in ("bytes params ", "bytes activations_peak", "comm p2p", "comm all_reduce"):
+    for row in ("bytes params ", "bytes activations_peak", "comm p2p", "comm all_reduce",
+                "calls p2p", "calls all_reduce"):
         line = next(line for line in table.splitlines() if row in line)
         assert line.split()[-1] == "exact", line
     stages = report["predicted"]["stages"]
