@@ -3,7 +3,7 @@
     PYTHONPATH=. .venv/bin/python benchmarks/bench_time_prediction.py [--profile PROFILE.json]
         [--steps 12] [--rounds 3] [--only NAME ...]
 
-First `tetrad calibrate` measures the machine (microbenchmarks only: matmuls, attention, streaming
+`tetrad calibrate` measures the machine (microbenchmarks only: matmuls, attention, streaming
 bandwidth, eager operators, the optimizer step, gloo collectives by group size), unless --profile
 gives a profile already measured. Then every layout below trains a small model for --steps steps
 on 1-8 gloo ranks (one thread each) and its run report's predicted step time (the planner on
@@ -11,10 +11,11 @@ that profile) is set beside the measured time. No layout's time enters the profi
 prediction is out of sample. Prints a markdown table and the count of layouts within 15%, with
 the load average at the start and the end.
 
-The measurement: --rounds rounds, each running every layout once in turn (so a drift of the
-machine's load falls on all layouts alike rather than on the few that ran during it); a layout's
+The measurement: --rounds rounds, each calibrating the machine again (unless --profile) and then
+running every layout once in turn, so that a drift of the machine's load falls on all layouts
+alike, and on the calibration beside them, rather than on the few that ran during it. A layout's
 measured time is the median over the rounds of its slowest rank's median step (the first step of
-each run, warm-up, left out).
+each run, warm-up, left out), its prediction the median of the rounds' predictions.
 """
 
 from __future__ import annotations
@@ -77,6 +78,15 @@ def compare(report: dict) -> tuple[float, float, dict]:
     return predicted["total"], measured, predicted
 
 
+def calibrated(path: Path) -> Path:
+    from tetrad.calibrate import calibrate
+
+    started = time.perf_counter()
+    save_profile(calibrate("cpu"), path)
+    print(f"calibrated in {time.perf_counter() - started:.0f} s: {path}", file=sys.stderr)
+    return path
+
+
 def load() -> str:
     return "load average " + " ".join(f"{value:.1f}" for value in os.getloadavg())
 
@@ -92,27 +102,22 @@ def main() -> int:
     print(f"started {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {load()}",
           file=sys.stderr)
     folder = Path(tempfile.mkdtemp(prefix="tetrad-time-"))
-    profile = args.profile
-    if profile is None:
-        from tetrad.calibrate import calibrate
-
-        profile = folder / "profile.json"
-        save_profile(calibrate("cpu"), profile)
-        print(f"calibrated in {time.perf_counter() - started:.0f} s: {profile}", file=sys.stderr)
     names = args.only or list(LAYOUTS)
     measured: dict[str, list[float]] = {name: [] for name in names}
-    predicted: dict[str, tuple[float, dict]] = {}
+    predicted: dict[str, list[tuple[float, dict]]] = {name: [] for name in names}
     for round_ in range(args.rounds):
+        profile = args.profile or calibrated(folder / f"profile-{round_ + 1}.json")
         for name in names:
             config = layout_config(name, args.steps, profile, folder / "run.json")
             total, slowest, parts = compare(run_layout(config))
-            predicted[name] = (total, parts)
+            predicted[name].append((total, parts))
             measured[name].append(slowest)
             print(f"round {round_ + 1}: {name} {slowest * 1e3:.1f} ms (predicted "
                   f"{total * 1e3:.1f})", file=sys.stderr)
     rows, errors = [], []
     for name in names:
-        total, parts = predicted[name]
+        # The round whose prediction is the median (its parts add up to it).
+        total, parts = sorted(predicted[name], key=lambda pair: pair[0])[args.rounds // 2]
         median = statistics.median(measured[name])
         error = (total - median) / median
         errors.append(abs(error))
