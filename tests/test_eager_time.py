@@ -77,6 +77,32 @@ def test_measured_step_scale_and_concurrent_slowdown_scale_compute():
     assert calls >= 1 and calls == pytest.approx(round(calls))
 
 
+def test_beyond_the_cores_a_waiting_call_costs_the_back_to_back_wait():
+    """With more ranks than cores, the compute a call's peers do first is in the step's demand
+    bound: each waiting call pays what such calls cost back to back, not sync_wait."""
+    import dataclasses
+
+    from tetrad.hardware import GPUS, Cluster
+    from tetrad.planner.eager_comm import waiting_calls
+    from tetrad.planner.eager_time import eager_step_time
+    from tetrad.planner.precision import training_precision
+
+    base = GPUS["h100-sxm"]
+    config, layout = preset("tiny"), TrainLayout(dp=4, micro_batch=1)
+    precision = training_precision("fp32")
+
+    def exposed(cores, **waits):
+        gpu = dataclasses.replace(base, efficiency=dataclasses.replace(
+            base.efficiency, concurrent_ranks=cores, **waits))
+        return eager_step_time(config, Cluster(gpu, 4, 4), layout, 64,
+                               precision).communication_exposed
+
+    calls = waiting_calls(config, layout, 64, precision, 0)
+    waits = dict(sync_wait=((4, 1e-3),), sync_wait_back_to_back=((4, 1e-4),))
+    for cores, wait in ((2, 1e-4), (4, 1e-3)):
+        assert exposed(cores, **waits) - exposed(cores) == pytest.approx(calls * wait)
+
+
 def test_calls_right_behind_another_do_not_wait_again():
     """The step's closing burst (gradient reduction, norms, losses) waits for its peers once;
     ZeRO-1/2 wait once more for the gather after the optimizer; every tensor-parallel call
