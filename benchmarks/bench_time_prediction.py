@@ -1,20 +1,27 @@
 """Predicted against measured step time of tetrad's trainer on this machine, layout by layout.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_time_prediction.py [--profile PROFILE.json]
-        [--steps 12] [--only NAME ...]
+        [--steps 12] [--rounds 3] [--only NAME ...]
 
-First `tetrad calibrate` measures the machine (microbenchmarks only: matmuls, attention, streaming
+`tetrad calibrate` measures the machine (microbenchmarks only: matmuls, attention, streaming
 bandwidth, eager operators, the optimizer step, gloo collectives by group size), unless --profile
 gives a profile already measured. Then every layout below trains a small model for --steps steps
 on 1-8 gloo ranks (one thread each) and its run report's predicted step time (the planner on
-that profile) is set beside the measured median (the first step, warm-up, left out). No layout's
-time enters the profile: the prediction is out of sample. Prints a markdown table and the count
-of layouts within 15%.
+that profile) is set beside the measured time. No layout's time enters the profile: the
+prediction is out of sample. Prints a markdown table and the count of layouts within 15%, with
+the load average at the start and the end.
+
+The measurement: --rounds rounds, each calibrating the machine again (unless --profile) and then
+running every layout once in turn, so that a drift of the machine's load falls on all layouts
+alike, and on the calibration beside them, rather than on the few that ran during it. A layout's
+measured time is the median over the rounds of its slowest rank's median step (the first step of
+each run, warm-up, left out), its prediction the median of the rounds' predictions.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -65,37 +72,59 @@ def run_layout(config: TrainConfig) -> dict:
 
 
 def compare(report: dict) -> tuple[float, float, dict]:
-    """(predicted total, measured median of the slowest rank, predicted parts)."""
+    """(predicted total, the slowest rank's median step, predicted parts)."""
     predicted = report["predicted"]["step_time_s"]
     measured = max(entry["step_time_s"] for entry in report["ranks"])
     return predicted["total"], measured, predicted
+
+
+def calibrated(path: Path) -> Path:
+    from tetrad.calibrate import calibrate
+
+    started = time.perf_counter()
+    save_profile(calibrate("cpu"), path)
+    print(f"calibrated in {time.perf_counter() - started:.0f} s: {path}", file=sys.stderr)
+    return path
+
+
+def load() -> str:
+    return "load average " + " ".join(f"{value:.1f}" for value in os.getloadavg())
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", type=Path, help="a profile from tetrad calibrate")
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--only", nargs="*", choices=list(LAYOUTS), metavar="NAME")
     args = parser.parse_args()
     started = time.perf_counter()
+    print(f"started {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {load()}",
+          file=sys.stderr)
     folder = Path(tempfile.mkdtemp(prefix="tetrad-time-"))
-    profile = args.profile
-    if profile is None:
-        from tetrad.calibrate import calibrate
-
-        profile = folder / "profile.json"
-        save_profile(calibrate("cpu"), profile)
-        print(f"calibrated in {time.perf_counter() - started:.0f} s: {profile}", file=sys.stderr)
+    names = args.only or list(LAYOUTS)
+    measured: dict[str, list[float]] = {name: [] for name in names}
+    predicted: dict[str, list[tuple[float, dict]]] = {name: [] for name in names}
+    for round_ in range(args.rounds):
+        profile = args.profile or calibrated(folder / f"profile-{round_ + 1}.json")
+        for name in names:
+            config = layout_config(name, args.steps, profile, folder / "run.json")
+            total, slowest, parts = compare(run_layout(config))
+            predicted[name].append((total, parts))
+            measured[name].append(slowest)
+            print(f"round {round_ + 1}: {name} {slowest * 1e3:.1f} ms (predicted "
+                  f"{total * 1e3:.1f})", file=sys.stderr)
     rows, errors = [], []
-    for name in args.only or LAYOUTS:
-        config = layout_config(name, args.steps, profile, folder / "run.json")
-        predicted, measured, parts = compare(run_layout(config))
-        error = (predicted - measured) / measured
+    for name in names:
+        # The round whose prediction is the median (its parts add up to it).
+        total, parts = sorted(predicted[name], key=lambda pair: pair[0])[args.rounds // 2]
+        median = statistics.median(measured[name])
+        error = (total - median) / median
         errors.append(abs(error))
-        rows.append(f"| {name} | {config.nproc} | {measured * 1e3:.1f} | {predicted * 1e3:.1f} | "
+        ranks = layout_config(name, args.steps, profile, folder / "run.json").nproc
+        rows.append(f"| {name} | {ranks} | {median * 1e3:.1f} | {total * 1e3:.1f} | "
                     f"{parts['compute'] * 1e3:.1f} | {parts['communication_exposed'] * 1e3:.1f} | "
                     f"{parts['bubble'] * 1e3:.1f} | {error:+.1%} |")
-        print(rows[-1], file=sys.stderr)
     print("| layout | ranks | measured ms | predicted ms | compute | communication | bubble "
           "| error |")
     print("|---|---|---|---|---|---|---|---|")
@@ -103,7 +132,7 @@ def main() -> int:
     within = sum(error <= 0.15 for error in errors)
     print(f"\n{within} of {len(errors)} layouts within 15%; mean |error| "
           f"{statistics.fmean(errors):.1%}, largest {max(errors):.1%} "
-          f"({time.perf_counter() - started:.0f} s)")
+          f"({time.perf_counter() - started:.0f} s, {args.rounds} rounds; at the end {load()})")
     return 0
 
 

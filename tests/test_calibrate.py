@@ -67,6 +67,7 @@ def test_calibrated_profile_round_trips_and_times(calibrated, tmp_path):
     assert all(factor > 0 for _, factor in efficiency.concurrent_slowdown)
     assert [ranks for ranks, _ in efficiency.sync_wait] == [2]
     assert all(seconds >= 0 for _, seconds in efficiency.sync_wait)
+    assert [ranks for ranks, _ in efficiency.sync_wait_back_to_back] == [2]
     sizes = [flops for flops, _ in efficiency.matmul_curve]
     assert sizes == sorted(sizes) and all(0 < e <= 1 for _, e in efficiency.matmul_curve)
 
@@ -93,6 +94,8 @@ def test_efficiency_curve_and_collective_fits_interpolate():
     assert waits.sync_wait_s(1) == 0.0 and profile.sync_wait_s(8) == 0.0
     assert waits.sync_wait_s(3) == pytest.approx(2e-4) and waits.sync_wait_s(8) == \
         pytest.approx(6e-4)
+    back_to_back = dataclasses.replace(profile, sync_wait_back_to_back=((2, 2e-5), (4, 4e-5)))
+    assert back_to_back.sync_wait_back_to_back_s(3) == pytest.approx(3e-5)
 
 
 def test_calibrate_shows_progress_and_writes_the_profile(calibrated):

@@ -77,6 +77,32 @@ def test_measured_step_scale_and_concurrent_slowdown_scale_compute():
     assert calls >= 1 and calls == pytest.approx(round(calls))
 
 
+def test_beyond_the_cores_a_waiting_call_costs_the_back_to_back_wait():
+    """With more ranks than cores, the compute a call's peers do first is in the step's demand
+    bound: each waiting call pays what such calls cost back to back, not sync_wait."""
+    import dataclasses
+
+    from tetrad.hardware import GPUS, Cluster
+    from tetrad.planner.eager_comm import waiting_calls
+    from tetrad.planner.eager_time import eager_step_time
+    from tetrad.planner.precision import training_precision
+
+    base = GPUS["h100-sxm"]
+    config, layout = preset("tiny"), TrainLayout(dp=4, micro_batch=1)
+    precision = training_precision("fp32")
+
+    def exposed(cores, **waits):
+        gpu = dataclasses.replace(base, efficiency=dataclasses.replace(
+            base.efficiency, concurrent_ranks=cores, **waits))
+        return eager_step_time(config, Cluster(gpu, 4, 4), layout, 64,
+                               precision).communication_exposed
+
+    calls = waiting_calls(config, layout, 64, precision, 0)
+    waits = dict(sync_wait=((4, 1e-3),), sync_wait_back_to_back=((4, 1e-4),))
+    for cores, wait in ((2, 1e-4), (4, 1e-3)):
+        assert exposed(cores, **waits) - exposed(cores) == pytest.approx(calls * wait)
+
+
 def test_calls_right_behind_another_do_not_wait_again():
     """The step's closing burst (gradient reduction, norms, losses) waits for its peers once;
     ZeRO-1/2 wait once more for the gather after the optimizer; every tensor-parallel call
@@ -91,12 +117,14 @@ def test_calls_right_behind_another_do_not_wait_again():
         return (sum(rank_comm(config, layout, 32, precision, 0).calls.values()),
                 waiting_calls(config, layout, 32, precision, 0))
 
+    # The runtime's calls (one DDP bucket for this model; DDP's replicas need no norm call).
     total, waiting = calls(TrainLayout(dp=2, micro_batch=2))
-    assert total == 3 and waiting == 1  # gradients, loss, norm: one burst
+    assert total == 2 and waiting == 1  # gradients, loss: one burst
     total, waiting = calls(TrainLayout(dp=2, zero=1, micro_batch=2))
-    assert total == 5 and waiting == 2
+    assert total == 4 and waiting == 2  # reduce-scatter, loss, norm; the gather
     tp = TrainLayout(tp=2, micro_batch=2)
     during = CommLedger()
     _activations(during, config, tp, 32, precision, 0)
     total, waiting = calls(tp)
-    assert waiting == sum(during.calls.values()) + 1 < total
+    # Its closing burst is the gradient norm's one call.
+    assert waiting == sum(during.calls.values()) + 1 == total

@@ -4,7 +4,8 @@ and expert parallelism, recomputation and ZeRO 1-3 (under a pipeline too: per-st
 units, a tied embedding's shards summed once per step), alone and combined. Their run reports must
 carry the
 `tetrad` runtime profile's prediction (tetrad.planner.eager) of every byte field and collective
-kind of every rank, each pipeline stage its own, equal to the measurement. What routing decides
+kind of every rank, and of its collective calls by kind, each pipeline stage its own, equal to
+the measurement. What routing decides
 (expert parallelism: each rank's share of the routed tokens) is predicted for a balanced router:
 there the ep group's total is exact. Each world size is one spawn running its cases in turn."""
 
@@ -163,6 +164,8 @@ def test_every_rank_is_predicted(reports, size, name):
                 assert value == pytest.approx(expected, rel=0.05), (entry["rank"], kind)
             else:
                 assert value == round(expected), (entry["rank"], kind, value, expected)
+        # Call by call, as the time model prices them (routing changes no call).
+        assert entry["comm_calls"] == predicted["comm_calls"], entry["rank"]
     if routed:  # dropless: the group's routed copies add up, whatever each rank's share
         predicted_total = sum(round(predicted) + slack for predicted, _ in activations)
         assert sum(measured for _, measured in activations) == predicted_total
@@ -174,7 +177,8 @@ def test_the_report_compares_every_pipeline_stage_with_its_own_prediction(report
     assert "bytes of every pipeline stage" in text
     assert "rank 1 (pp 1)" in text
     table = text.split("rank 1 (pp 1)")[1]
-    for row in ("bytes params ", "bytes activations_peak", "comm p2p", "comm all_reduce"):
+    for row in ("bytes params ", "bytes activations_peak", "comm p2p", "comm all_reduce",
+                "calls p2p", "calls all_reduce"):
         line = next(line for line in table.splitlines() if row in line)
         assert line.split()[-1] == "exact", line
     stages = report["predicted"]["stages"]

@@ -64,6 +64,7 @@ class EfficiencyProfile:
     sync_wait: (ranks, seconds) points: what one small collective between pairs of ranks costs
         beyond their compute when that many ranks alternate compute and such calls (a blocked
         peer waits for a core), ascending.
+    sync_wait_back_to_back: (ranks, seconds) points: the same with no compute between calls.
     """
 
     matmul: float
@@ -87,6 +88,7 @@ class EfficiencyProfile:
     step_scale: float = 0.0
     concurrent_slowdown: tuple[tuple[int, float], ...] = ()
     sync_wait: tuple[tuple[int, float], ...] = ()
+    sync_wait_back_to_back: tuple[tuple[int, float], ...] = ()
 
     def slowdown(self, ranks: int) -> float:
         """Factor on a rank's compute when `ranks` compute at once: the measured points,
@@ -97,6 +99,10 @@ class EfficiencyProfile:
         """Seconds a collective call waits for its peers to get a core when `ranks` ranks
         compute between their calls (0: none measured)."""
         return max(0.0, by_ranks(self.sync_wait, ranks, 0.0))
+
+    def sync_wait_back_to_back_s(self, ranks: int) -> float:
+        """sync_wait_back_to_back at `ranks` (0: none measured)."""
+        return max(0.0, by_ranks(self.sync_wait_back_to_back, ranks, 0.0))
 
     def matmul_efficiency(self, flops: float) -> float:
         """Fraction of peak a GEMM of `flops` reaches: the measured curve, else `matmul`."""

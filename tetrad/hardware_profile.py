@@ -12,6 +12,8 @@ from tetrad.errors import ConfigError, read_json_file
 from tetrad.hardware import GPU, EfficiencyProfile, gpu
 
 PROFILE_SCHEMA = 1
+# The EfficiencyProfile fields that are (ranks, value) points.
+CURVES = ("concurrent_slowdown", "sync_wait", "sync_wait_back_to_back")
 
 
 def profile_to_dict(device: GPU) -> dict:
@@ -22,7 +24,7 @@ def profile_to_dict(device: GPU) -> dict:
     efficiency = data["efficiency"]
     efficiency["matmul_curve"] = [list(point) for point in device.efficiency.matmul_curve]
     efficiency["collectives"] = [list(fit) for fit in device.efficiency.collectives]
-    for curve in ("concurrent_slowdown", "sync_wait"):
+    for curve in CURVES:
         efficiency[curve] = [list(point) for point in getattr(device.efficiency, curve)]
     return {"schema": PROFILE_SCHEMA, **data}
 
@@ -39,7 +41,7 @@ def profile_from_dict(data: dict, source: str = "profile") -> GPU:
         efficiency["collectives"] = tuple((str(kind), int(size), float(alpha), float(beta))
                                           for kind, size, alpha, beta
                                           in efficiency.get("collectives", ()))
-        for curve in ("concurrent_slowdown", "sync_wait"):
+        for curve in CURVES:
             efficiency[curve] = tuple((int(ranks), float(value))
                                       for ranks, value in efficiency.get(curve, ()))
         fields = {key: value for key, value in data.items() if key != "schema"}

@@ -76,63 +76,75 @@ def _median_time(fn, device: torch.device, group) -> float:
     return float(slowest)
 
 
+ROUNDS = 3  # the shared-machine measurements below, repeated in turn; each point their median
+
+
 def concurrent_steps(rank: int, sizes: list[int]) -> list[tuple[int, float]]:
     """(n, seconds) of the calibration model's training step (tetrad.calibrate.step) while the
     first n ranks run it at once, each on its own, the others waiting: the slowest rank's
-    median, so the step of 1 rank alone is the reference."""
+    median, so the step of 1 rank alone is the reference. ROUNDS rounds over every n in turn,
+    so that a change of the machine's load mid-way falls on every n alike."""
     from tetrad.calibrate.step import step_seconds, training_step
 
     step = training_step()
-    points = []
-    for n in [1, *sizes]:
-        dist.barrier()
-        seconds = torch.tensor([step_seconds(step) if rank < n else 0.0], dtype=torch.float64)
-        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-        points.append((n, float(seconds)))
-    return points
+    rounds: dict[int, list[float]] = {n: [] for n in [1, *sizes]}
+    for _ in range(ROUNDS):
+        for n in rounds:
+            dist.barrier()
+            seconds = torch.tensor([step_seconds(step) if rank < n else 0.0],
+                                   dtype=torch.float64)
+            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+            rounds[n].append(float(seconds))
+    return [(n, statistics.median(times)) for n, times in rounds.items()]
 
 
 SYNC_CALLS = 20
 
 
-def sync_waits(rank: int, world_size: int, sizes: list[int]) -> list[tuple[int, float]]:
-    """(n, seconds): with the first n ranks each alternating the calibration model's forward
-    and a 256-byte all-reduce with its neighbour (ranks 0-1, 2-3, ...), what a call costs beyond
-    the compute (the same loop without the calls, run by the same ranks at once): the slowest
-    rank's. The compute between the calls lasts as long as a training step's between two of
-    its collectives (milliseconds), long enough for a waiting rank's threads to be put to
-    sleep and to need waking again, which tens of microseconds of compute would not show."""
+def sync_waits(rank: int, world_size: int, sizes: list[int]
+               ) -> list[tuple[int, float, float]]:
+    """(n, wait, back-to-back wait): with the first n ranks each alternating the calibration
+    model's forward and a 256-byte all-reduce with its neighbour (ranks 0-1, 2-3, ...), what a
+    call costs beyond the compute (the same loop without the calls, run by the same ranks at
+    once); and what it costs with no compute between the calls (their own latency included in
+    both). The slowest rank's, the median of ROUNDS rounds over every n in turn. The compute
+    between the calls lasts as long as a training step's between two of its collectives
+    (milliseconds), long enough for a waiting rank's threads to be put to sleep and to need
+    waking again."""
     from tetrad.calibrate.step import forward_pass
 
     pairs = [dist.new_group([first, first + 1]) for first in range(0, world_size - 1, 2)]
     forward = forward_pass()
     message = torch.ones(64)
 
-    def loop(with_calls: bool) -> float:
+    def loop(compute: bool, calls: bool) -> float:
         started = time.perf_counter()
         for _ in range(SYNC_CALLS):
-            forward()
-            if with_calls:
+            if compute:
+                forward()
+            if calls:
                 dist.all_reduce(message, group=pairs[rank // 2])
-        return time.perf_counter() - started
+        return (time.perf_counter() - started) / SYNC_CALLS
 
-    points = []
-    for n in sizes:
-        wait = 0.0
-        if rank < n:
-            loop(True)
-            wait = (loop(True) - loop(False)) / SYNC_CALLS
-        slowest = torch.tensor([wait], dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        points.append((n, max(0.0, float(slowest))))
-    return points
+    rounds: dict[int, list[tuple[float, ...]]] = {n: [] for n in sizes}
+    for _ in range(ROUNDS):
+        for n in sizes:
+            measured = (0.0, 0.0)
+            if rank < n:
+                loop(True, True)
+                measured = (loop(True, True) - loop(True, False), loop(False, True))
+            slowest = torch.tensor(measured, dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            rounds[n].append(tuple(max(0.0, float(value)) for value in slowest))
+    return [(n, *(statistics.median(values) for values in zip(*measured)))
+            for n, measured in rounds.items()]
 
 
 def measure(rank: int, world_size: int, show_progress: bool
             ) -> tuple[list[tuple[str, int, float, float]], list[tuple[int, float]],
-                       list[tuple[int, float]]]:
+                       list[tuple[int, float, float]]]:
     """Every rank runs this (tetrad.train.launch.spawn); returns (kind, n, alpha, beta) fits,
-    the concurrent steps' (n, seconds) and the collective calls' (n, wait seconds)."""
+    the concurrent steps' (n, seconds) and the collective calls' waits (sync_waits)."""
     from tqdm import tqdm
 
     from tetrad.train.launch import local_device

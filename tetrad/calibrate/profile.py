@@ -70,8 +70,10 @@ def calibrate(device_type: str = "cpu", nproc: int = 0, show_progress: bool = Tr
     # The loop's calls took their own latency too, which the all-reduce fit already counts.
     pair = device.efficiency.collective_fit("all_reduce", 2)
     own = pair[0] if pair else 0.0
-    waits = tuple((n, max(0.0, seconds - own)) for n, seconds in waits)
-    return replace(device, efficiency=replace(device.efficiency, sync_wait=waits))
+    return replace(device, efficiency=replace(
+        device.efficiency,
+        sync_wait=tuple((n, max(0.0, wait - own)) for n, wait, _ in waits),
+        sync_wait_back_to_back=tuple((n, max(0.0, calls - own)) for n, _, calls in waits)))
 
 
 def _with_whole_step(device: GPU, measured_step: float | None,

@@ -14,9 +14,12 @@ OFF_STEP_TAGS (the initial broadcast, checkpoints, the end-of-run report) are ke
 per-step numbers of the run report. The autograd-aware operators of tensor and sequence
 parallelism (Megatron's f and g) are built on these same calls, so they are counted too.
 
-The counter also times the communication a rank waits for (exposed): a synchronous call whole,
-an async one (async_op=True, send, recv) only inside Handle.wait(), where the rank stops until
-the collective it overlapped with compute is done. `exposed_per_step` is the run report's
+The counter also counts the calls, which the planner's ledger predicts one by one (a ring
+algorithm's call is one, whatever its sends; a p2p call is a send, or an exchange's send and
+receive together; `calls_per_step` is the run report's comm_calls), and times the
+communication a rank waits for (exposed): a synchronous call whole, an async one
+(async_op=True, send, recv) only inside Handle.wait(), where the rank stops until the
+collective it overlapped with compute is done. `exposed_per_step` is the run report's
 comm_exposed_s (tetrad.train.metrics).
 
 Under --compile every collective and every wait is a graph break (`eager_collective`): it runs
@@ -69,12 +72,15 @@ class CommCounter:
     def __init__(self) -> None:
         self._bytes: dict[tuple[str, str], Fraction] = defaultdict(Fraction)
         self.steps = 0
+        self._calls: dict[tuple[str, str], int] = defaultdict(int)
         self._waiting: dict[str, float] = defaultdict(float)  # this step's exposed seconds
         self._step_waits: list[dict[str, float]] = []  # every finished step's, by kind
 
-    def record(self, kind: str, nbytes: int | Fraction, tag: str) -> None:
+    def record(self, kind: str, nbytes: int | Fraction, tag: str, calls: int = 1) -> None:
+        """`nbytes` sent by `calls` calls (0: more bytes of a call already counted)."""
         assert kind in KINDS, kind
         self._bytes[tag, kind] += nbytes
+        self._calls[tag, kind] += calls
 
     def record_wait(self, kind: str, seconds: float, tag: str) -> None:
         """Seconds this rank stood still for communication of `kind` (off-step tags left out)."""
@@ -106,6 +112,14 @@ class CommCounter:
                 totals[kind] += value
         return totals
 
+    def calls_per_step(self) -> dict[str, float]:
+        """Mean calls per optimizer step by kind, leaving out OFF_STEP_TAGS (the run report)."""
+        calls = dict.fromkeys(KINDS, 0)
+        for (tag, kind), count in self._calls.items():
+            if tag not in OFF_STEP_TAGS:
+                calls[kind] += count
+        return {kind: count / max(self.steps, 1) for kind, count in calls.items()}
+
     def tags(self) -> set[str]:
         return {tag for tag, _ in self._bytes}
 
@@ -117,6 +131,7 @@ class CommCounter:
 
     def reset(self) -> None:
         self._bytes.clear()
+        self._calls.clear()
         self.steps = 0
         self._waiting.clear()
         self._step_waits.clear()
@@ -174,7 +189,7 @@ class Comm:
 
     def _sent(self, kind: str, tag: str):
         return lambda tensor: self.counter.record(kind, tensor.numel() * tensor.element_size(),
-                                                  tag)
+                                                  tag, calls=0)
 
     def _issued(self, work, kind: str, tag: str, async_op: bool) -> Handle:
         """The Handle of a backend call issued async; waited for here unless `async_op`."""
@@ -187,6 +202,7 @@ class Comm:
     def _ring(self, kind: str, tag: str, run, *args) -> Handle:
         """Run one of tetrad's ring collectives (synchronous: all of it is exposed)."""
         started = time.perf_counter()
+        self.counter.record(kind, 0, tag)
         run(*args, self._sent(kind, tag))
         self.counter.record_wait(kind, time.perf_counter() - started, tag)
         return DONE

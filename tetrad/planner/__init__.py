@@ -123,7 +123,8 @@ def _rank_bytes(memory: MemoryBreakdown, layout: TrainLayout, ledger: CommLedger
     if layout.offload:
         held.update(host_optimizer=memory.host_optimizer, host_grads=memory.host_grads)
     return {"bytes": {**held, "activations_peak": memory.activations},
-            "comm_bytes": dict(ledger.sent), "comm_payload_bytes": dict(ledger.payload)}
+            "comm_bytes": dict(ledger.sent), "comm_payload_bytes": dict(ledger.payload),
+            "comm_calls": ledger.calls_by_kind()}
 
 
 def plan_training(model_config: ModelConfig, cluster: Cluster, workload: TrainWorkload,

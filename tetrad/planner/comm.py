@@ -123,12 +123,20 @@ class CommLedger:
         self.calls: dict[tuple[str, int, float], float] = {}
 
     def add(self, kind: str, group_size: int, size_bytes: float, count: float = 1.0) -> None:
-        if group_size <= 1 and kind != "p2p":
+        # A runtime holding no tensor of a kind (no experts, nothing partial) issues no call.
+        if (group_size <= 1 and kind != "p2p") or size_bytes == 0 or count == 0:
             return
         self.sent[kind] += count * sent_bytes(kind, group_size, size_bytes)
         self.payload[kind] += count * size_bytes
         key = (kind, group_size, size_bytes)
         self.calls[key] = self.calls.get(key, 0.0) + count
+
+    def calls_by_kind(self) -> dict[str, float]:
+        """Calls per step by kind (the run report's comm_calls)."""
+        calls = dict.fromkeys(COLLECTIVES, 0.0)
+        for (kind, _, _), count in self.calls.items():
+            calls[kind] += count
+        return calls
 
 
 def call_time(cluster: Cluster, kind: str, group_size: int, size_bytes: float) -> float:

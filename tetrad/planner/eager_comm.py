@@ -50,7 +50,7 @@ from tetrad.planner.comm import CommLedger
 from tetrad.planner.eager_activations import tokens
 from tetrad.planner.eager_params import (kv_heads_per_rank, rank_parameters, rank_stages,
                                          stage_blocks)
-from tetrad.planner.eager_state import padded, zero3_units, zero_buckets
+from tetrad.planner.eager_state import padded, reduced_together, zero3_units, zero_buckets
 from tetrad.planner.layout import TrainLayout
 from tetrad.planner.precision import TrainingPrecision
 from tetrad.schedules.generate import SPLIT_BACKWARD
@@ -111,9 +111,11 @@ def _activations(ledger: CommLedger, config: ModelConfig, layout: TrainLayout, s
             if config.is_moe_layer(layer):
                 ledger.add("all_reduce", layout.cp, e * FP32, m * forwards)
                 ledger.add("all_to_all", ep, e * INDEX, m * forwards)
-                # Dispatch and combine: the ring volume of T k copies is what crosses ranks.
-                copies = t * k * h * (stream + act)
-                ledger.add("all_to_all", ep, copies, m * (forwards + backwards))
+                # Dispatch (the stream's dtype) and combine (the compute dtype), each its own
+                # call: the ring volume of T k copies is what crosses ranks.
+                for dtype_bytes in (stream, act):
+                    ledger.add("all_to_all", ep, t * k * h * dtype_bytes,
+                               m * (forwards + backwards))
         if stage == 0:
             if layout.sequence_parallel:
                 ledger.add("reduce_scatter", layout.tp, t * h * stream, m)
@@ -128,7 +130,10 @@ def _activations(ledger: CommLedger, config: ModelConfig, layout: TrainLayout, s
                 ledger.add("reduce_scatter", layout.tp, t * h * stream, m * backwards)
             else:
                 ledger.add("all_reduce", layout.tp, t * h * stream, m * backwards)
-            ledger.add("all_reduce", layout.tp, 3 * t * FP32, m)
+            # The vocab-parallel loss: the max logit, then the sums of exponentials with the
+            # target logits, two calls.
+            ledger.add("all_reduce", layout.tp, t * FP32, m)
+            ledger.add("all_reduce", layout.tp, 2 * t * FP32, m)
         else:
             ledger.add("p2p", 1, stream_tokens * h * stream, m)
 
@@ -142,22 +147,26 @@ def _gradients(ledger: CommLedger, config: ModelConfig, layout: TrainLayout,
     pb, gb = precision.param_bytes, precision.grad_bytes
     n, m = layout.zero_group, layout.num_microbatches
     per_microbatch = layout.zero >= 2
-    ledger.add("all_reduce", layout.tp, sum(p.partial for p in replicated) * gb,
-               m if per_microbatch else 1)
+    reductions = reduced_together(replicated, layout)
+    for params_reduced in reductions:
+        ledger.add("all_reduce", layout.tp, sum(p.partial for p in params_reduced) * gb,
+                   m if per_microbatch else 1)
     ledger.add("all_reduce", n // layout.ep, sum(p.elements for p in experts) * FP32)
     if layout.zero == 0:
-        ledger.add("all_reduce", n, sum(p.elements for p in replicated) * gb)
+        for bucket in reductions:
+            ledger.add("all_reduce", n, sum(p.elements for p in bucket) * gb)
     elif layout.zero in (1, 2):
-        flat = sum(zero_buckets(replicated, layout))
-        ledger.add("reduce_scatter", n, flat * gb, m if per_microbatch else 1)
-        ledger.add("all_gather", n, flat * pb)
+        for bucket in zero_buckets(replicated, layout):
+            ledger.add("reduce_scatter", n, bucket * gb, m if per_microbatch else 1)
+            ledger.add("all_gather", n, bucket * pb)
     else:
         for stage, units in zero3_units(replicated, n).items():
-            # Gathered for its forward, again for its backward; zero bubble's W gathers a third
-            # time, but on the first stage, whose B computes nothing.
+            # Unit by unit: gathered for its forward, again for its backward (zero bubble's W a
+            # third time, but on the first stage, whose B computes nothing), reduce-scattered.
             gathers = 3 if layout.schedule in SPLIT_BACKWARD and stage > 0 else 2
-            ledger.add("all_gather", n, units.total * pb, gathers * m)
-            ledger.add("reduce_scatter", n, units.total * gb, m)
+            for unit in units.all:
+                ledger.add("all_gather", n, unit * pb, gathers * m)
+                ledger.add("reduce_scatter", n, unit * gb, m)
 
 
 def _scalars(ledger: CommLedger, config: ModelConfig, layout: TrainLayout,

@@ -39,7 +39,7 @@ from tetrad.planner.compute import gemm_time, layer_times
 from tetrad.planner.eager_activations import tokens
 from tetrad.planner.eager_comm import tensor_parallel_block
 from tetrad.planner.eager_params import rank_parameters, rank_stages, stage_blocks
-from tetrad.planner.eager_state import FIRST_BUCKET_BYTES, bucket_elements, zero3_units
+from tetrad.planner.eager_state import FIRST_BUCKET_BYTES, buckets_of, zero3_units
 from tetrad.planner.flops import Gemm
 from tetrad.planner.layout import TrainLayout
 from tetrad.planner.precision import TrainingPrecision
@@ -102,20 +102,23 @@ def hidden_communication(config: ModelConfig, cluster: Cluster, layout: TrainLay
                 hidden += m * ((1 + reruns) * (dispatch - exposed(dispatch, shared, math.inf))
                                + backwards * (dispatch - exposed(dispatch, 2 * shared,
                                                                  math.inf)))
-    params = [p for p in rank_parameters(config, layout, pp_rank) if not p.expert]
+    params = [p for p in rank_parameters(config, layout, pp_rank)
+              if not p.expert and not p.frozen]
     group = layout.zero_group
-    # The gradients' and ZeRO-3's calls as eager_comm's ledger prices them (one per kind).
+    # The gradients' and ZeRO-3's calls as eager_comm's ledger prices them, call by call.
     if layout.zero == 0 and layout.pp == 1:
-        elements = sum(p.elements for p in params)
-        reduce = call_time(cluster, "all_reduce", group, elements * precision.grad_bytes)
-        buckets = bucket_elements(params, 1, FIRST_BUCKET_BYTES)
+        buckets = buckets_of(params, FIRST_BUCKET_BYTES)
+        reduce = sum(call_time(cluster, "all_reduce", group,
+                               sum(p.elements for p in bucket) * precision.grad_bytes)
+                     for bucket in buckets if group > 1)
         hidden += reduce - exposed(reduce, backward_s, len(buckets))
     elif layout.zero == 3:
         for stage, units in zero3_units(params, group).items():
             gathers = 3 if layout.schedule in SPLIT_BACKWARD and stage > 0 else 2
-            count = len(units.in_turn) + bool(units.root)
-            traffic = (gathers * call_time(cluster, "all_gather", group, units.total * stream)
-                       + call_time(cluster, "reduce_scatter", group,
-                                   units.total * precision.grad_bytes))
-            hidden += m * (traffic - exposed(traffic, stage_compute.get(stage, 0.0), count))
+            traffic = sum(gathers * call_time(cluster, "all_gather", group, unit * stream)
+                          + call_time(cluster, "reduce_scatter", group,
+                                      unit * precision.grad_bytes)
+                          for unit in units.all)
+            hidden += m * (traffic - exposed(traffic, stage_compute.get(stage, 0.0),
+                                             len(units.all)))
     return hidden

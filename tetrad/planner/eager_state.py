@@ -44,33 +44,59 @@ def padded(elements: int, group: int) -> int:
     return -(-elements // group) * group
 
 
-def bucket_elements(params: list[Param], group: int, first_bytes: int | None = None
-                    ) -> list[int]:
-    """Padded elements of each flat bucket of `params` (data_parallel.bucket_params; the first
-    of about `first_bytes` when given, as DDP's)."""
-    buckets, size, limit = [0], 0, first_bytes or BUCKET_BYTES
+def buckets_of(params: list[Param], first_bytes: int | None = None) -> list[list[Param]]:
+    """The flat buckets of `params` as data_parallel.bucket_params fills them (reverse
+    registration order; the first of about `first_bytes` when given, as DDP's)."""
+    buckets: list[list[Param]] = [[]]
+    size, limit = 0, first_bytes or BUCKET_BYTES
     for param in reversed(params):
         if size >= limit:
-            buckets.append(0)
+            buckets.append([])
             size, limit = 0, BUCKET_BYTES
-        buckets[-1] += param.elements
+        buckets[-1].append(param)
         size += param.elements * FP32
-    return [padded(elements, group) for elements in buckets]
+    return buckets
 
 
-def zero_buckets(params: list[Param], layout: TrainLayout) -> list[int]:
-    """Padded elements of each flat bucket ZeRO-1/2 builds of the replicated `params`: one run of
-    buckets over them all, or under a pipeline with ZeRO-2 (zero.stage_buckets_of) one per stage,
-    a tied embedding's copy alone in a bucket after its stage's."""
-    n = layout.zero_group
+def bucket_elements(params: list[Param], group: int, first_bytes: int | None = None
+                    ) -> list[int]:
+    """Padded elements of each flat bucket of `params` (buckets_of)."""
+    return [padded(sum(p.elements for p in bucket), group)
+            for bucket in buckets_of(params, first_bytes)]
+
+
+def zero_bucket_params(params: list[Param], layout: TrainLayout) -> list[list[Param]]:
+    """The flat buckets ZeRO-1/2 builds of the replicated `params`: one run of buckets over them
+    all, or under a pipeline with ZeRO-2 (zero.stage_buckets_of) one per stage, a tied
+    embedding's copy alone in a bucket after its stage's."""
     if layout.pp == 1 or layout.zero == 1:
-        return bucket_elements(params, n)
+        return buckets_of(params)
     buckets = []
     for stage in sorted({p.stage for p in params}):
         held = [p for p in params if p.stage == stage]
-        buckets += bucket_elements([p for p in held if not p.tied], n)
-        buckets += [padded(p.elements, n) for p in held if p.tied]
+        buckets += buckets_of([p for p in held if not p.tied])
+        buckets += [[p] for p in held if p.tied]
     return buckets
+
+
+def zero_buckets(params: list[Param], layout: TrainLayout) -> list[int]:
+    """Padded elements of each of zero_bucket_params' buckets."""
+    return [padded(sum(p.elements for p in bucket), layout.zero_group)
+            for bucket in zero_bucket_params(params, layout)]
+
+
+def reduced_together(params: list[Param], layout: TrainLayout) -> list[list[Param]]:
+    """The replicated `params` by the gradient reduction that carries them, one collective call
+    each: DDP's buckets (the first small), ZeRO-1/2's buckets, ZeRO-3's units. Tensor
+    parallelism sums the partial gradients among them just before (one call per group)."""
+    if layout.zero == 0:
+        return buckets_of(params, FIRST_BUCKET_BYTES)
+    if layout.zero in (1, 2):
+        return zero_bucket_params(params, layout)
+    units: dict[tuple[int, int | None], list[Param]] = {}
+    for param in params:
+        units.setdefault((param.stage, param.unit), []).append(param)
+    return list(units.values())
 
 
 @dataclass(frozen=True)
@@ -84,6 +110,11 @@ class StageUnits:
     @property
     def total(self) -> int:
         return self.root + sum(self.in_turn)
+
+    @property
+    def all(self) -> tuple[int, ...]:
+        """Every unit, the root (if any) first."""
+        return ((self.root,) if self.root else ()) + self.in_turn
 
     @property
     def gathered_peak(self) -> int:

@@ -23,9 +23,12 @@ and hooks, the autograd engine, slow element-wise kernels, clipping). Its `concu
 and the step cannot end before the cores have done every rank's work at the slowdown of all
 ranks at once. Its `sync_wait` adds to every collective call that starts after compute what a
 call costs beyond compute when that many ranks alternate compute and calls (a blocked peer waits
-for a core; eager_comm.waiting_calls says which calls). Without it, on a machine whose ranks
-share fewer cores than there are ranks (`concurrent_ranks`), the step is the longer of the
-critical path and the total compute over the cores.
+for a core; eager_comm.waiting_calls says which calls); with more ranks than cores, where a
+rank blocked in a call leaves its core to the others and the step's demand bound holds their
+compute, what such calls cost back to back (`sync_wait_back_to_back`). Without these
+measurements, on a machine whose ranks share fewer cores than there are ranks
+(`concurrent_ranks`), the step is the longer of the critical path and the total compute over
+the cores.
 """
 
 from __future__ import annotations
@@ -153,8 +156,14 @@ def rank_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, seq_le
     scale = profile.step_scale or 1.0
     # A call after compute also waits for its peers to be scheduled again when the ranks share
     # the cores; calls right behind another (the step's closing burst) find them running.
-    waits = (waiting_calls(config, layout, seq_len, precision, pp_rank)
-             * profile.sync_wait_s(layout.world_size))
+    # Beyond the cores, a rank blocked in a call leaves its core to the others, whose compute
+    # the step's demand bound (eager_step_time) already counts: such a call costs what it
+    # costs back to back.
+    world, cores = layout.world_size, profile.concurrent_ranks
+    wait = (profile.sync_wait_back_to_back_s(world)
+            if profile.sync_wait_back_to_back and cores and world > cores
+            else profile.sync_wait_s(world))
+    waits = waiting_calls(config, layout, seq_len, precision, pp_rank) * wait
     hidden = hidden_communication(config, cluster, layout, seq_len, precision, pp_rank, args,
                                   scale)
     return RankTime(forward * scale, backward * scale, matmul * scale, optimizer * scale,

@@ -105,7 +105,8 @@ def predicted_for(report: dict[str, Any], entry: dict[str, Any]) -> dict[str, An
 
 def comparison(report: dict[str, Any], entry: dict[str, Any]) -> list[dict[str, Any]]:
     """Rows {section, field, predicted, measured, error} for one rank: every byte field either
-    side has, then every collective kind either side used, then the idle fraction."""
+    side has, then every collective kind either side used (bytes, then calls), then the idle
+    fraction and the times."""
     predicted = predicted_for(report, entry) or {}
     rows = []
     predicted_bytes = predicted.get("bytes", {})
@@ -121,6 +122,14 @@ def comparison(report: dict[str, Any], entry: dict[str, Any]) -> list[dict[str, 
         p, m = predicted_comm.get(kind), entry["comm_bytes"].get(kind, 0)
         if p or m:
             rows.append({"section": "comm", "field": kind, "predicted": p, "measured": m,
+                         "error": relative_error(p, m)})
+    # The calls, each of which the time model prices (reports before they were counted have
+    # none).
+    predicted_calls, measured_calls = predicted.get("comm_calls", {}), entry.get("comm_calls")
+    for kind in COMM_KINDS if measured_calls is not None else ():
+        p, m = predicted_calls.get(kind), measured_calls.get(kind, 0)
+        if p or m:
+            rows.append({"section": "calls", "field": kind, "predicted": p, "measured": m,
                          "error": relative_error(p, m)})
     rows.append({"section": "idle", "field": "idle_fraction",
                  "predicted": predicted.get("idle_fraction"),
