@@ -103,6 +103,33 @@ def test_beyond_the_cores_a_waiting_call_costs_the_back_to_back_wait():
         assert exposed(cores, **waits) - exposed(cores) == pytest.approx(calls * wait)
 
 
+def test_each_waiting_call_adds_its_compute_outside_the_wait():
+    """call_compute_s is rank time outside the waits: the compute grows by it once per waiting
+    call (tp2 waits between its blocks), unscaled by the slowdown it was measured under, and
+    the exposed communication stays what the waits are."""
+    import dataclasses
+
+    from tetrad.hardware import GPUS, Cluster
+    from tetrad.planner.eager_comm import waiting_calls
+    from tetrad.planner.eager_time import eager_step_time
+    from tetrad.planner.precision import training_precision
+
+    base = GPUS["h100-sxm"]
+    config, layout = preset("tiny"), TrainLayout(tp=2, micro_batch=2)
+    precision = training_precision("fp32")
+
+    def step(**fields):
+        gpu = dataclasses.replace(base, efficiency=dataclasses.replace(
+            base.efficiency, concurrent_ranks=2, concurrent_slowdown=((2, 1.5),), **fields))
+        return eager_step_time(config, Cluster(gpu, 2, 2), layout, 64, precision)
+
+    calls = waiting_calls(config, layout, 64, precision, 0)
+    plain, paid = step(), step(call_compute_s=1e-3)
+    assert calls > 10
+    assert paid.compute - plain.compute == pytest.approx(calls * 1e-3)
+    assert paid.communication_exposed == plain.communication_exposed
+
+
 def test_calls_right_behind_another_do_not_wait_again():
     """The step's closing burst (gradient reduction, norms, losses) waits for its peers once;
     ZeRO-1/2 wait once more for the gather after the optimizer; every tensor-parallel call

@@ -65,6 +65,9 @@ class EfficiencyProfile:
         beyond their compute when that many ranks alternate compute and such calls (a blocked
         peer waits for a core), ascending.
     sync_wait_back_to_back: (ranks, seconds) points: the same with no compute between calls.
+    call_compute_s: a rank's time outside the wait that one collective call between
+        computations costs (the call layer's host work, the compute after it slower), measured
+        on 2 ranks within the cores.
     """
 
     matmul: float
@@ -89,6 +92,7 @@ class EfficiencyProfile:
     concurrent_slowdown: tuple[tuple[int, float], ...] = ()
     sync_wait: tuple[tuple[int, float], ...] = ()
     sync_wait_back_to_back: tuple[tuple[int, float], ...] = ()
+    call_compute_s: float = 0.0
 
     def slowdown(self, ranks: int) -> float:
         """Factor on a rank's compute when `ranks` compute at once: the measured points,

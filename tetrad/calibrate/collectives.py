@@ -140,11 +140,82 @@ def sync_waits(rank: int, world_size: int, sizes: list[int]
             for n, measured in rounds.items()]
 
 
+CALL_STEPS = 10
+
+
+def call_compute(rank: int) -> float:
+    """Seconds of a rank's time outside the wait that one collective call between computations
+    costs: ranks 0 and 1 each run the calibration model's forward and backward with a 256-byte
+    all-reduce through tetrad's call layer (tetrad.parallel.comm.Comm) after every attention and
+    MLP, in the forward and again in the backward (where tensor parallelism's calls sit), and
+    the same steps without the calls; the extra time less the waits Comm times, per call. It is
+    the call layer's own host work and the compute after a wait running slower (its caches taken
+    meanwhile, gloo's threads on the same cores). The slowest rank's, the median of ROUNDS
+    rounds; the other ranks wait."""
+    from tetrad.calibrate.step import _calibration_model
+    from tetrad.parallel.comm import Comm, CommCounter
+    from tetrad.parallel.mesh import Group
+
+    pair = dist.new_group([0, 1])
+    if rank > 1:
+        dist.barrier()
+        slowest = torch.zeros(1, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        return float(slowest)
+    _, model, batch = _calibration_model()
+    group = Group("calibration pair", (0, 1), rank, pair)
+    message = torch.ones(64)
+    calling = [False]
+    comm = Comm(CommCounter())
+
+    def call() -> None:
+        if calling[0]:
+            comm.all_reduce(message, group, "calibration")
+
+    def between(module, inputs, output):
+        call()
+        if output.requires_grad:
+            output.register_hook(lambda grad: call())
+        return output
+
+    for block in model.layers:
+        block.attn.register_forward_hook(between)
+        block.mlp.register_forward_hook(between)
+    calls_per_step = 4 * len(model.layers)
+
+    def steps(calls: bool) -> tuple[float, float]:
+        """(median step, median waits of a step) over CALL_STEPS steps after a warm-up one."""
+        calling[0] = calls
+        comm.counter.reset()
+        times = []
+        for _ in range(CALL_STEPS + 1):
+            started = time.perf_counter()
+            model.zero_grad(set_to_none=True)
+            model(batch[:, :-1]).mean().backward()
+            times.append(time.perf_counter() - started)
+            comm.counter.end_step()
+        exposed = comm.counter.exposed_per_step()
+        return statistics.median(times[1:]), exposed[0] if calls and exposed else 0.0
+
+    per_call = []
+    for _ in range(ROUNDS):
+        dist.barrier(group=pair)
+        alone, _ = steps(False)
+        dist.barrier(group=pair)
+        with_calls, waits = steps(True)
+        per_call.append((with_calls - alone - waits) / calls_per_step)
+    dist.barrier()
+    slowest = torch.tensor([statistics.median(per_call)], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return max(0.0, float(slowest))
+
+
 def measure(rank: int, world_size: int, show_progress: bool
             ) -> tuple[list[tuple[str, int, float, float]], list[tuple[int, float]],
-                       list[tuple[int, float, float]]]:
+                       list[tuple[int, float, float]], float]:
     """Every rank runs this (tetrad.train.launch.spawn); returns (kind, n, alpha, beta) fits,
-    the concurrent steps' (n, seconds) and the collective calls' waits (sync_waits)."""
+    the concurrent steps' (n, seconds), the collective calls' waits (sync_waits) and their
+    compute outside the wait (call_compute)."""
     from tqdm import tqdm
 
     from tetrad.train.launch import local_device
@@ -174,9 +245,10 @@ def measure(rank: int, world_size: int, show_progress: bool
             fits.append((kind, n, *fit_alpha_beta(points)))
     progress.close()
     if device.type != "cpu":
-        return fits, [], []
+        return fits, [], [], 0.0
     even = [n for n in sizes if n % 2 == 0]
-    return fits, concurrent_steps(rank, sizes), sync_waits(rank, world_size, even)
+    return (fits, concurrent_steps(rank, sizes), sync_waits(rank, world_size, even),
+            call_compute(rank))
 
 
 def _p2p_time(rank: int, tensor: torch.Tensor, device: torch.device, group) -> float:

@@ -64,8 +64,8 @@ def calibrate(device_type: str = "cpu", nproc: int = 0, show_progress: bool = Tr
         single = _single_device(timer, device_type, show_progress)
     finally:
         torch.set_num_threads(threads)
-    fits, concurrent, waits = (_collectives(ranks, device_type, show_progress) if ranks > 1
-                               else ([], [], []))
+    fits, concurrent, waits, call = (_collectives(ranks, device_type, show_progress)
+                                     if ranks > 1 else ([], [], [], 0.0))
     device = _with_whole_step(_profile(device_type, single, fits), single.get("step"), concurrent)
     # The loop's calls took their own latency too, which the all-reduce fit already counts.
     pair = device.efficiency.collective_fit("all_reduce", 2)
@@ -73,7 +73,8 @@ def calibrate(device_type: str = "cpu", nproc: int = 0, show_progress: bool = Tr
     return replace(device, efficiency=replace(
         device.efficiency,
         sync_wait=tuple((n, max(0.0, wait - own)) for n, wait, _ in waits),
-        sync_wait_back_to_back=tuple((n, max(0.0, calls - own)) for n, _, calls in waits)))
+        sync_wait_back_to_back=tuple((n, max(0.0, calls - own)) for n, _, calls in waits),
+        call_compute_s=call))
 
 
 def _with_whole_step(device: GPU, measured_step: float | None,
@@ -121,7 +122,7 @@ def _single_device(timer: compute.Timer, device_type: str, show_progress: bool) 
 
 
 def _collectives(ranks: int, device_type: str, show_progress: bool
-                 ) -> tuple[list, list, list]:
+                 ) -> tuple[list, list, list, float]:
     """gloo on CPU, NCCL with a GPU per rank: spawned ranks pick their backend by the GPUs they
     see, so a CPU calibration hides them."""
     from tetrad.train.launch import spawn

@@ -25,7 +25,9 @@ ranks at once. Its `sync_wait` adds to every collective call that starts after c
 call costs beyond compute when that many ranks alternate compute and calls (a blocked peer waits
 for a core; eager_comm.waiting_calls says which calls); with more ranks than cores, where a
 rank blocked in a call leaves its core to the others and the step's demand bound holds their
-compute, what such calls cost back to back (`sync_wait_back_to_back`). Without these
+compute, what such calls cost back to back (`sync_wait_back_to_back`). Each of those calls
+also costs the rank `call_compute_s` outside its wait (tetrad's call layer, the compute after a
+wait running slower), added to the slowest rank's compute as measured. Without these
 measurements, on a machine whose ranks share fewer cores than there are ranks
 (`concurrent_ranks`), the step is the longer of the critical path and the total compute over
 the cores.
@@ -102,6 +104,7 @@ class RankTime:
     weight_backward: float  # the part of backward zero bubble defers (the forward's matmuls)
     optimizer: float
     communication: float  # every call of the step, less what compute hides (eager_overlap)
+    call_compute: float  # the waiting calls' time outside their waits (call_compute_s)
 
 
 def rank_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, seq_len: int,
@@ -163,11 +166,12 @@ def rank_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, seq_le
     wait = (profile.sync_wait_back_to_back_s(world)
             if profile.sync_wait_back_to_back and cores and world > cores
             else profile.sync_wait_s(world))
-    waits = waiting_calls(config, layout, seq_len, precision, pp_rank) * wait
+    calls = waiting_calls(config, layout, seq_len, precision, pp_rank)
     hidden = hidden_communication(config, cluster, layout, seq_len, precision, pp_rank, args,
                                   scale)
     return RankTime(forward * scale, backward * scale, matmul * scale, optimizer * scale,
-                    comm.ledger_time(cluster, ledger) + waits - hidden)
+                    comm.ledger_time(cluster, ledger) + calls * wait - hidden,
+                    calls * profile.call_compute_s)
 
 
 @lru_cache(maxsize=1024)
@@ -178,7 +182,8 @@ def eager_step_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, 
              for r in range(layout.pp)]
     m = layout.num_microbatches
     busy = [m * (r.forward + r.backward) + r.optimizer for r in ranks]
-    slowest = max(range(layout.pp), key=lambda r: busy[r] + ranks[r].communication)
+    slowest = max(range(layout.pp), key=lambda r: busy[r] + ranks[r].communication
+                  + ranks[r].call_compute)
     forward = max(r.forward for r in ranks)
     backward = max(r.backward for r in ranks)
     weight = max(r.weight_backward for r in ranks)
@@ -188,10 +193,13 @@ def eager_step_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, 
     compute, communication = busy[slowest], ranks[slowest].communication
     profile = cluster.gpu.efficiency
     cores, world = profile.concurrent_ranks, layout.world_size
+    # Measured with its 2 ranks computing at once: not slowed again below.
+    calls = ranks[slowest].call_compute
+    compute += calls
     if profile.concurrent_slowdown:
         # Measured: ranks sharing the cores slow each other (caches, memory, turbo), and beyond
         # the cores they queue; waiting ranks (collectives, bubble) leave the cores to others.
-        compute *= profile.slowdown(min(world, cores or world))
+        compute = (compute - calls) * profile.slowdown(min(world, cores or world)) + calls
         demand = sum(busy) / layout.pp * profile.slowdown(world)
         # Measured waits (sync_wait) come on top of compute: then a rank in a collective frees
         # no core for the others, as that measurement found.
