@@ -63,8 +63,10 @@ def run(args: argparse.Namespace) -> int:
                                              stored.system if stored else None),
                     on_fatal=lambda: setattr(server, "should_exit", True),
                     defaults=stored.sampling_defaults if stored else None, config=config)
+    # loop and http "auto": uvloop and httptools where installed (requirements.txt has both),
+    # whose C loop and parser leave more of the GIL to the engine thread while it streams.
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level="warning"))
+                                           log_level="warning", loop="auto", http="auto"))
     print(f"serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     try:
         server.run()
