@@ -17,7 +17,8 @@ from tetrad.errors import TetradError
 # install has none of them); tests/test_packaging.py checks this against pyproject.toml.
 EXTRA_MODULES = {
     "train": ("torch", "numpy", "safetensors", "tokenizers", "tqdm"),
-    "serve": ("torch", "safetensors", "tokenizers", "fastapi", "uvicorn", "pydantic", "jinja2"),
+    "serve": ("torch", "safetensors", "tokenizers", "fastapi", "uvicorn", "uvloop", "httptools",
+              "pydantic", "jinja2"),
     "plot": ("matplotlib",),
 }
 SERVING_COMMANDS = ("serve", "run", "generate")
