@@ -25,7 +25,8 @@ from pathlib import Path
 
 from benchmarks.published_runs import Run, all_runs, known_gaps, predict
 from benchmarks.published_serving import predict_serving, serve_runs
-from tetrad.hardware import AMPERE, HOPPER, EfficiencyProfile, gpu
+from tetrad.efficiency import EfficiencyProfile
+from tetrad.hardware import AMPERE, HOPPER, gpu
 
 # Llama 3 (Dubey et al. 2024, section 3.3.4): "higher than 90% effective training time" on the
 # 16K-GPU cluster, counting restarts, failures and the other interruptions.

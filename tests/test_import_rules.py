@@ -11,24 +11,27 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "tetrad"
 
 # Modules that run without torch: the planner answers on a laptop in milliseconds.
-TORCH_FREE = ["config", "parallel_config", "errors", "hardware", "hardware_profile", "presets", "hf_config",
-              "tokenizer", "text_sources", "planner", "schedules", "modelfile", "store",
-              "safetensors_subset"]
+TORCH_FREE = ["config", "parallel_config", "errors", "efficiency", "hardware", "hardware_profile",
+              "presets", "hf_config", "tokenizer", "text_sources", "planner", "schedules",
+              "modelfile", "store", "safetensors_subset"]
 
 # ARCHITECTURE.md's table: where a module lives -> the tetrad modules it may import. Every edge
 # the code has is here; an edge missing from the table fails the test.
 SHARED = ["config", "parallel_config", "errors", "presets", "hf_config"]
-BASE = ["errors", "hardware", "hardware_profile", "schedules", "sharded_tensors", "text_sources", "tokenizer"]
+BASE = ["efficiency", "errors", "hardware", "hardware_profile", "schedules", "sharded_tensors",
+        "text_sources", "tokenizer"]
 ALLOWED = {
-    "errors": [], "hardware": ["errors", "hardware_profile"],
-    "hardware_profile": ["errors", "hardware"], "schedules": ["errors"], "text_sources": ["errors"],
+    "errors": [], "efficiency": [],
+    "hardware": ["efficiency", "errors", "hardware_profile"],
+    "hardware_profile": ["efficiency", "errors", "hardware"], "schedules": ["errors"],
+    "text_sources": ["errors"],
     "sharded_tensors": ["errors"], "tokenizer": ["errors", "hf_config"],
     "parallel_config": ["errors", "schedules"], "config": ["errors", "parallel_config"],
     "hf_config": ["config", "errors"], "presets": ["config", "errors", "hf_config"],
     "memory": [], "safetensors_subset": ["errors"],
     "modelfile": ["errors", "inference"],  # inference.params (torch-free), inside a function
     "store": ["errors", "hf_config", "modelfile", "safetensors_subset"],
-    "planner": [*SHARED, "hardware", "schedules"],
+    "planner": [*SHARED, "efficiency", "hardware", "schedules"],
     "models": [*SHARED, "sharded_tensors"],
     "parallel": [*SHARED, "memory", "models", "planner", "schedules", "sharded_tensors"],
     "train": [*SHARED, *BASE, "memory", "models", "parallel", "planner"],
@@ -36,7 +39,7 @@ ALLOWED = {
     "viz": ["errors", "hardware", "schedules"],
     # Microbenchmarks: the activation meter every strategy runs, train.launch's spawned ranks,
     # and a calibration model's training step set against the planner's time model.
-    "calibrate": ["config", "errors", "hardware", "hardware_profile", "memory", "parallel",
+    "calibrate": ["config", "efficiency", "errors", "hardware", "hardware_profile", "memory", "parallel",
                   "planner", "train"],
     "cli": [*SHARED, *BASE, "calibrate", "inference", "modelfile", "models", "planner", "store",
             "train", "viz"],

@@ -9,7 +9,8 @@ import os
 from pathlib import Path
 
 from tetrad.errors import ConfigError, read_json_file
-from tetrad.hardware import GPU, EfficiencyProfile, gpu
+from tetrad.efficiency import EfficiencyProfile
+from tetrad.hardware import GPU, gpu
 
 PROFILE_SCHEMA = 1
 # The EfficiencyProfile fields that are (ranks, value) points.

@@ -152,7 +152,7 @@ def call_compute(rank: int) -> float:
     the call layer's own host work and the compute after a wait running slower (its caches taken
     meanwhile, gloo's threads on the same cores). The slowest rank's, the median of ROUNDS
     rounds; the other ranks wait."""
-    from tetrad.calibrate.step import _calibration_model
+    from tetrad.calibrate.step import calibration_model
     from tetrad.parallel.comm import Comm, CommCounter
     from tetrad.parallel.mesh import Group
 
@@ -162,7 +162,7 @@ def call_compute(rank: int) -> float:
         slowest = torch.zeros(1, dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         return float(slowest)
-    _, model, batch = _calibration_model()
+    _, model, batch = calibration_model()
     group = Group("calibration pair", (0, 1), rank, pair)
     message = torch.ones(64)
     calling = [False]

@@ -20,7 +20,8 @@ from tetrad.calibrate import compute
 from tetrad.calibrate.collectives import measure
 from tetrad.calibrate.step import predicted_step_seconds, step_seconds, training_step
 from tetrad.errors import ConfigError
-from tetrad.hardware import GPU, EfficiencyProfile, gpu_from_device_name
+from tetrad.efficiency import EfficiencyProfile
+from tetrad.hardware import GPU, gpu_from_device_name
 
 ATTENTION_SHAPES = {"cpu": ((1, 4, 64, 16), (2, 4, 128, 32)),
                     "cuda": ((1, 16, 1024, 128), (4, 32, 4096, 128))}

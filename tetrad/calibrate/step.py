@@ -29,7 +29,7 @@ def calibration_config() -> TrainConfig:
     return TrainConfig(**CALIBRATION_RUN, nproc=1, parallel=ParallelConfig())
 
 
-def _calibration_model() -> tuple[TrainConfig, torch.nn.Module, torch.Tensor]:
+def calibration_model() -> tuple[TrainConfig, torch.nn.Module, torch.Tensor]:
     """The calibration run's config, its model and a batch of token ids (seq_len + 1 wide)."""
     from tetrad.train.trainer import build_model, prepare, resolve_run
 
@@ -45,7 +45,7 @@ def _calibration_model() -> tuple[TrainConfig, torch.nn.Module, torch.Tensor]:
 def forward_pass() -> Callable[[], None]:
     """The calibration model's forward alone: the kind of compute a rank runs between two
     collectives of a training step (a few blocks' worth, milliseconds on a CPU)."""
-    _, model, batch = _calibration_model()
+    _, model, batch = calibration_model()
 
     def forward() -> None:
         with torch.no_grad():
@@ -58,7 +58,7 @@ def training_step() -> Callable[[], None]:
     """One optimizer step of the calibration model in this process (one thread, as a rank)."""
     from tetrad.train.strategy import build_strategy
 
-    config, model, batch = _calibration_model()
+    config, model, batch = calibration_model()
     strategy = build_strategy(model, config, torch.device("cpu"))
 
     def step() -> None:

@@ -58,13 +58,6 @@ def buckets_of(params: list[Param], first_bytes: int | None = None) -> list[list
     return buckets
 
 
-def bucket_elements(params: list[Param], group: int, first_bytes: int | None = None
-                    ) -> list[int]:
-    """Padded elements of each flat bucket of `params` (buckets_of)."""
-    return [padded(sum(p.elements for p in bucket), group)
-            for bucket in buckets_of(params, first_bytes)]
-
-
 def zero_bucket_params(params: list[Param], layout: TrainLayout) -> list[list[Param]]:
     """The flat buckets ZeRO-1/2 builds of the replicated `params`: one run of buckets over them
     all, or under a pipeline with ZeRO-2 (zero.stage_buckets_of) one per stage, a tied

@@ -39,7 +39,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from tetrad.config import ModelConfig
-from tetrad.hardware import Cluster, EfficiencyProfile
+from tetrad.efficiency import EfficiencyProfile
+from tetrad.hardware import Cluster
 from tetrad.planner import comm
 from tetrad.planner.compute import head_times, layer_times, optimizer_time
 from tetrad.planner.eager import pipeline_ranks
@@ -190,16 +191,16 @@ def eager_step_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, 
     ratio = pipeline_bubble_ratio(layout.schedule, layout.pp, layout.schedule_microbatches,
                                   layout.vpp, forward, backward, min(weight, backward / 2))
     bubble = ratio * m * (forward + backward)
-    compute, communication = busy[slowest], ranks[slowest].communication
+    communication = ranks[slowest].communication
     profile = cluster.gpu.efficiency
     cores, world = profile.concurrent_ranks, layout.world_size
-    # Measured with its 2 ranks computing at once: not slowed again below.
-    calls = ranks[slowest].call_compute
-    compute += calls
+    # Ranks sharing the cores slow each other (caches, memory, turbo; 1 when not measured). The
+    # calls' compute was measured with its 2 ranks computing at once: not slowed again.
+    compute = (busy[slowest] * profile.slowdown(min(world, cores or world))
+               + ranks[slowest].call_compute)
     if profile.concurrent_slowdown:
-        # Measured: ranks sharing the cores slow each other (caches, memory, turbo), and beyond
-        # the cores they queue; waiting ranks (collectives, bubble) leave the cores to others.
-        compute = (compute - calls) * profile.slowdown(min(world, cores or world)) + calls
+        # Beyond the cores the ranks queue; waiting ranks (collectives, bubble) leave the cores
+        # to others.
         demand = sum(busy) / layout.pp * profile.slowdown(world)
         # Measured waits (sync_wait) come on top of compute: then a rank in a collective frees
         # no core for the others, as that measurement found.

@@ -12,7 +12,7 @@ REPORT_SCHEMA = 1
 COMM_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "p2p")
 
 
-def empty_comm_bytes() -> dict[str, int]:
+def zero_per_comm_kind() -> dict[str, int]:
     return {kind: 0 for kind in COMM_KINDS}
 
 
@@ -32,7 +32,7 @@ def rank_entry(rank: int, coords: dict[str, int], bytes_held: dict[str, int],
     exposed, exposed_by_kind = comm_exposed or (0.0, {})
     return {"rank": rank, "coords": coords,
             "bytes": {**bytes_held, "activations_peak": activations_peak},
-            "comm_bytes": {**empty_comm_bytes(), **(comm_bytes or {})},
+            "comm_bytes": {**zero_per_comm_kind(), **(comm_bytes or {})},
             "comm_exposed_s": exposed, "comm_exposed_by_kind_s": exposed_by_kind,
             "idle_fraction": idle_fraction, "step_time_s": median, "cuda_memory": cuda_memory}
 

@@ -29,7 +29,7 @@ from tetrad.presets import resolve_model
 from tetrad.tokenizer import load_tokenizer
 from tetrad.train import checkpoint as ckpt
 from tetrad.train.data import AnyTokenizer, Dataset
-from tetrad.train.metrics import build_report, empty_comm_bytes, rank_entry, write_json_atomic
+from tetrad.train.metrics import build_report, rank_entry, write_json_atomic, zero_per_comm_kind
 from tetrad.train.optim import learning_rate
 from tetrad.train.sample import sample_text
 from tetrad.train.strategy import Strategy, build_strategy, planned_precision
@@ -210,7 +210,7 @@ def train(config: TrainConfig, make_strategy: Callable[..., Strategy] = build_st
         [record["time_s"] for record in steps], cuda_memory(device),
         strategy.comm.exposed_per_step() if strategy.comm else None)
         | ({"compile_time_s": clock.seconds} if clock else {})
-        | {"comm_calls": strategy.comm.calls_per_step() if strategy.comm else empty_comm_bytes()})
+        | {"comm_calls": strategy.comm.calls_per_step() if strategy.comm else zero_per_comm_kind()})
     whole = strategy.whole_model()  # collective: the model with every parameter whole
     report = build_report(
         config={**config.to_dict(), "model_config": model_config.to_dict()}, steps=steps,
