@@ -21,11 +21,16 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dist import run_ranks
 from test_train_composition import (check_run, job, parameters, reference, relative_error,
                                     run_config)
 from tetrad.cli.main import main
+from tetrad.config import ModelConfig, TrainConfig
+from tetrad.models.transformer import Transformer
+from tetrad.parallel.compile import CompileClock
+from tetrad.train.strategy import build_strategy
 from tetrad.train import checkpoint as ckpt
 
 # name -> (model, layout, the reference's grad_accum): the per-rank microbatch of every dense
@@ -90,3 +95,26 @@ def test_single_process_compile_flag_and_compile_time(corpus_file, tmp_path, cap
     assert steps[0]["compile_s"] == compile_time
     assert all("compile_s" not in s for s in steps[1:])
     assert steps[0]["time_s"] < compile_time
+
+
+def test_single_process_compiles_its_loss():
+    """One process compiles its cross-entropy with the blocks (tetrad.parallel.compile
+    .compile_loss): the compiler runs at the first loss with gradients, and the loss and the
+    logits' gradient are eager's (fp32, 1e-6 relative)."""
+    torch._dynamo.reset()
+    config = ModelConfig(name="loss", vocab_size=64, hidden_size=32, num_layers=1, num_heads=2,
+                         num_kv_heads=2, ffn_hidden_size=64, max_seq_len=16)
+    strategy = build_strategy(Transformer(config), TrainConfig(batch_size=4, seq_len=16,
+                                                               compile=True), torch.device("cpu"))
+    logits = torch.randn(4, 16, 64, requires_grad=True)
+    targets = torch.randint(0, 64, (4, 16))
+    clock = CompileClock()
+    loss = strategy.loop.loss(logits, targets)
+    loss.backward()
+    clock.close()
+    assert clock.seconds > 0
+    eager_logits = logits.detach().clone().requires_grad_()
+    expected = F.cross_entropy(eager_logits.flatten(0, 1), targets.flatten())
+    expected.backward()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert relative_error(logits.grad, eager_logits.grad) < 1e-6

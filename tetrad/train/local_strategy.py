@@ -11,6 +11,7 @@ from torch import nn
 
 from tetrad.config import TrainConfig
 from tetrad.models.moe import update_router_biases
+from tetrad.parallel.compile import compile_loss
 from tetrad.parallel.engine import (load_named, named_moments, named_state,
                                     optimizer_state_bytes, tensor_bytes)
 from tetrad.sharded_tensors import Piece, whole_pieces
@@ -35,8 +36,9 @@ class LocalStrategy:
         self.optimizer = build_optimizer(parameter_groups(model, config.weight_decay), config)
         # fp16 needs loss scaling: its small exponent range flushes small gradients to zero.
         self.scaler = torch.amp.GradScaler(device.type, enabled=config.dtype == "fp16")
+        loss = compile_loss(self.loss) if config.compile else self.loss
         self.loop = MicrobatchLoop(model, device, config.grad_accum, config.dtype,
-                                   whole_sequences, self.loss, self.backward)
+                                   whole_sequences, loss, self.backward)
         self.meter, self.autocast = self.loop.meter, self.loop.autocast
 
     @property
