@@ -314,3 +314,36 @@ def test_zero3_waits_only_for_the_first_gather_of_each_pass():
         == pytest.approx(waiting * 1e-3)
     assert step(call_compute_s=1e-3).compute - plain.compute == pytest.approx(
         (waiting + overlapped) * 1e-3)
+
+
+class _NothingArrives:
+    """The ring's exchange without peers: the ring's own operators run, no collective's."""
+
+    def exchange(self, outgoing, dst, incoming, src, group, tag):
+        return self
+
+    def wait(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_ring_attention_operators_match_dispatch(cp):
+    """Context parallelism's blocks as the last cp rank dispatches them (the ring's blocks of
+    scores, their merges and the dK/dV accumulators), counted as the time model counts them."""
+    from tetrad.parallel.context_parallel import apply_context_parallel
+    from tetrad.parallel.mesh import Group
+
+    config = preset("tiny")
+    model = Transformer(config)
+    context = apply_context_parallel(model, Group("cp", tuple(range(cp)), cp - 1),
+                                     _NothingArrives())
+    inputs, targets, positions = context.shard(torch.randint(0, config.vocab_size, (2, 33)))
+    with OperatorCount() as forward:
+        logits = model(inputs, positions=positions)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    with OperatorCount() as backward:
+        loss.backward()
+    block = block_operators(config, TrainLayout(cp=cp), 0)
+    outer = outer_operators(config, first=True, last=True)
+    assert forward.count == config.num_layers * block.forward + outer.forward
+    assert backward.count == config.num_layers * block.backward + outer.backward
