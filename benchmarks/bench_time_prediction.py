@@ -16,12 +16,19 @@ running every layout once in turn, so that a drift of the machine's load falls o
 alike, and on the calibration beside them, rather than on the few that ran during it. A layout's
 measured time is the median over the rounds of its slowest rank's median step (the first step of
 each run, warm-up, left out), its prediction the median of the rounds' predictions.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_time_prediction.py --replay LOG FOLDER
+
+re-predicts a run already measured, with the time model as it is now and no training: LOG is
+what that run printed to stderr (its "round N: NAME X ms" lines), FOLDER the folder it named
+in its "calibrated in" lines, which holds each round's profile (profile-N.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -78,6 +85,31 @@ def compare(report: dict) -> tuple[float, float, dict]:
     return predicted["total"], measured, predicted
 
 
+def predicted_on(name: str, profile: Path) -> dict:
+    """The run report's predicted step time of `name` on `profile`, computed as the trainer
+    computes it (tetrad.train.trainer.predict) but without training."""
+    from tetrad.hardware_profile import load_profile
+    from tetrad.train.launch import check_layout, with_overlap_decided
+    from tetrad.train.trainer import predict
+
+    config = with_overlap_decided(layout_config(name, 12, profile, profile), "cpu")
+    layout = check_layout(config, config.nproc)
+    return predict(layout, config, load_profile(profile))["step_time_s"]
+
+
+def replayed(log: Path, folder: Path) -> tuple[dict, dict]:
+    """(measured, predicted) per layout and round from a run's stderr and saved profiles."""
+    measured: dict[str, list[float]] = {}
+    predicted: dict[str, list[tuple[float, dict]]] = {}
+    for line in log.read_text().splitlines():
+        found = re.match(r"round (\d+): (.+) ([\d.]+) ms \(predicted", line)
+        if found:
+            parts = predicted_on(found[2], folder / f"profile-{found[1]}.json")
+            measured.setdefault(found[2], []).append(float(found[3]) / 1e3)
+            predicted.setdefault(found[2], []).append((parts["total"], parts))
+    return measured, predicted
+
+
 def calibrated(path: Path) -> Path:
     from tetrad.calibrate import calibrate
 
@@ -97,15 +129,21 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--only", nargs="*", choices=list(LAYOUTS), metavar="NAME")
+    parser.add_argument("--replay", nargs=2, type=Path, metavar=("LOG", "FOLDER"),
+                        help="re-predict a measured run (module doc); nothing is trained")
     args = parser.parse_args()
     started = time.perf_counter()
     print(f"started {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {load()}",
           file=sys.stderr)
-    folder = Path(tempfile.mkdtemp(prefix="tetrad-time-"))
+    folder = args.replay[1] if args.replay else Path(tempfile.mkdtemp(prefix="tetrad-time-"))
     names = args.only or list(LAYOUTS)
     measured: dict[str, list[float]] = {name: [] for name in names}
     predicted: dict[str, list[tuple[float, dict]]] = {name: [] for name in names}
-    for round_ in range(args.rounds):
+    if args.replay:
+        measured, predicted = replayed(*args.replay)
+        names = [name for name in names if name in measured]
+        args.rounds = len(measured[names[0]])
+    for round_ in range(0 if args.replay else args.rounds):
         profile = args.profile or calibrated(folder / f"profile-{round_ + 1}.json")
         for name in names:
             config = layout_config(name, args.steps, profile, folder / "run.json")
@@ -121,7 +159,7 @@ def main() -> int:
         median = statistics.median(measured[name])
         error = (total - median) / median
         errors.append(abs(error))
-        ranks = layout_config(name, args.steps, profile, folder / "run.json").nproc
+        ranks = layout_config(name, args.steps, folder, folder / "run.json").nproc
         rows.append(f"| {name} | {ranks} | {median * 1e3:.1f} | {total * 1e3:.1f} | "
                     f"{parts['compute'] * 1e3:.1f} | {parts['communication_exposed'] * 1e3:.1f} | "
                     f"{parts['bubble'] * 1e3:.1f} | {error:+.1%} |")

@@ -204,28 +204,69 @@ def rank_comm(config: ModelConfig, layout: TrainLayout, seq_len: int,
     return ledger
 
 
+def zero3_passes(layout: TrainLayout, pp_rank: int) -> int:
+    """ZeRO-3's passes over the rank's stages per step (forward, backward, zero bubble's W):
+    the first gather of each waits right after compute; every other unit's gather runs while
+    the unit before it computes, and each reduce-scatter is retired behind the next unit's
+    backward."""
+    return layout.num_microbatches * sum(
+        3 if layout.schedule in SPLIT_BACKWARD and stage > 0 else 2
+        for stage in rank_stages(layout, pp_rank))
+
+
+@lru_cache(maxsize=1024)
+def overlapped_calls(config: ModelConfig, layout: TrainLayout, precision: TrainingPrecision,
+                     pp_rank: int) -> float:
+    """Calls issued between computations that wait for nothing (zero3_passes): ZeRO-3's per-unit
+    gathers and reduce-scatters but each pass's first gather and the one that leads the step's
+    closing burst."""
+    if layout.zero != 3 or layout.zero_group == 1:
+        return 0.0
+    end = CommLedger()
+    _gradients(end, config, layout, precision, pp_rank)
+    sharded = sum(count for (kind, size, _), count in end.calls.items()
+                  if size == layout.zero_group and kind in ("all_gather", "reduce_scatter"))
+    return float(sharded - zero3_passes(layout, pp_rank) - 1)
+
+
+@lru_cache(maxsize=1024)
+def queued_calls(config: ModelConfig, layout: TrainLayout, seq_len: int,
+                 precision: TrainingPrecision, pp_rank: int) -> float:
+    """How many calls between computations come right behind another call, only a norm and a
+    residual add apart, and so find their peers still running (what calls back to back cost,
+    EfficiencyProfile.sync_wait_back_to_back): sequence parallelism's all-gathers, each behind
+    the reduce-scatter that closed the layer before it (forward: a block's attention and MLP
+    behind the previous one's exit, the head behind the last block's; backward: the reverse)."""
+    if not layout.sequence_parallel or layout.tp == 1:
+        return 0.0
+    during = CommLedger()
+    _activations(during, config, layout, seq_len, precision, pp_rank)
+    return float(sum(count for (kind, size, _), count in during.calls.items()
+                     if kind == "all_gather" and size == layout.tp))
+
+
 @lru_cache(maxsize=1024)
 def waiting_calls(config: ModelConfig, layout: TrainLayout, seq_len: int,
                   precision: TrainingPrecision, pp_rank: int) -> float:
     """How many of rank_comm's calls start right after compute, each waiting for its peers to be
     scheduled again (EfficiencyProfile.sync_wait): every call between computations (tensor,
-    context, expert and pipeline traffic; ZeRO-3's gathers and reduce-scatters; ZeRO-2's
-    reduce-scatter after every backward but the last) and the first call of each burst at the
-    step's end (the gradient reduction, with the norms and losses right behind it; ZeRO-1/2's
-    parameter gather after the optimizer). The calls of a burst follow each other with no
-    compute between them: their peers are already there."""
+    context, expert and pipeline traffic but queued_calls; the first gather of each of ZeRO-3's
+    passes, zero3_passes; ZeRO-2's reduce-scatter after every backward but the last) and the
+    first call of each burst at the step's end (the gradient reduction, with the norms and
+    losses right behind it; ZeRO-1/2's parameter gather after the optimizer). The calls of a
+    burst follow each other with no compute between them: their peers are already there."""
     during = CommLedger()
     _activations(during, config, layout, seq_len, precision, pp_rank)
-    calls = sum(during.calls.values())
+    calls = sum(during.calls.values()) - queued_calls(config, layout, seq_len, precision,
+                                                      pp_rank)
     end = CommLedger()
     _gradients(end, config, layout, precision, pp_rank)
     n = layout.zero_group
-    if layout.zero >= 2:
-        sharded = sum(count for (kind, size, _), count in end.calls.items()
-                      if size == n and kind in ("all_gather", "reduce_scatter"))
-        # ZeRO-3 gathers and reduces unit by unit inside the microbatches; ZeRO-2 reduces
-        # after every backward, the last one's leading the end burst.
-        calls += sharded - 1 if layout.zero == 3 else layout.num_microbatches - 1
+    if layout.zero == 3 and n > 1:
+        calls += zero3_passes(layout, pp_rank)
+    elif layout.zero == 2:
+        # ZeRO-2 reduces after every backward, the last one's leading the end burst.
+        calls += layout.num_microbatches - 1
     _scalars(end, config, layout, precision, pp_rank)
     if end.calls:
         calls += 1 + (layout.zero in (1, 2) and n > 1)

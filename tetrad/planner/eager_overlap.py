@@ -25,7 +25,8 @@ max(0, T_c - T_m). What the runtime overlaps, on each stage a rank runs:
           the stage's forward and backward (C = the stage's units), every microbatch
 Everything else is exposed whole: losses and norms, the pipeline's sends, context parallelism's
 ring, ZeRO-1/2's reductions, the tp sum of partial gradients, the experts' gradients, an MoE
-layer's whole gathers under SP, the combine all-to-all.
+layer's whole gathers under SP, the combine all-to-all. On a calibrated CPU whose cores the ranks
+fill, tetrad.planner.eager_time subtracts none of this: gloo moves the bytes with those cores.
 """
 
 from __future__ import annotations

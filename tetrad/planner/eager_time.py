@@ -16,6 +16,11 @@ inside the backward.
 On a CPU the operators' costs add to their work; on a GPU the host issues kernels while earlier
 ones run, so a stage takes the longer of the two.
 
+Zero bubble's split backward walks a later stage's graph twice (tetrad.parallel.pipeline's B for
+the input gradient, W again from the output for the weights): its backward pays every kernel
+and operator once more but the weight-gradient matmuls and their operators, which B leaves to
+W (split_backward_operators, counted against PyTorch's dispatch).
+
 A calibrated profile's `step_scale` (a whole training step of a calibration model measured
 against this sum of parts) scales every rank's compute: what the parts leave out (module calls
 and hooks, the autograd engine, slow element-wise kernels, clipping). Its `concurrent_slowdown`
@@ -25,9 +30,14 @@ ranks at once. Its `sync_wait` adds to every collective call that starts after c
 call costs beyond compute when that many ranks alternate compute and calls (a blocked peer waits
 for a core; eager_comm.waiting_calls says which calls); with more ranks than cores, where a
 rank blocked in a call leaves its core to the others and the step's demand bound holds their
-compute, what such calls cost back to back (`sync_wait_back_to_back`). Each of those calls
-also costs the rank `call_compute_s` outside its wait (tetrad's call layer, the compute after a
-wait running slower), added to the slowest rank's compute as measured. Without these
+compute, what such calls cost back to back (`sync_wait_back_to_back`). A call right behind
+another, only a norm and a residual add apart (sequence parallelism's all-gathers), finds its
+peers running and pays the back-to-back wait too (eager_comm.queued_calls); ZeRO-3's gathers and
+reduce-scatters issued a unit ahead wait for nothing (eager_comm.overlapped_calls). Each call
+between computations also costs the rank `call_compute_s` outside any wait (tetrad's call
+layer, the compute after it running slower), added to the slowest rank's compute as measured.
+Where the ranks fill the cores, nothing of the communication is hidden behind compute: gloo
+moves the bytes with the cores that compute. Without these
 measurements, on a machine whose ranks share fewer cores than there are ranks
 (`concurrent_ranks`), the step is the longer of the critical path and the total compute over
 the cores.
@@ -44,12 +54,15 @@ from tetrad.hardware import Cluster
 from tetrad.planner import comm
 from tetrad.planner.compute import head_times, layer_times, optimizer_time
 from tetrad.planner.eager import pipeline_ranks
-from tetrad.planner.eager_comm import waiting_calls
+from tetrad.planner.eager_comm import overlapped_calls, queued_calls, waiting_calls
 from tetrad.planner.eager_overlap import hidden_communication
-from tetrad.planner.eager_params import rank_parameters, rank_stages, stage_blocks
+from tetrad.planner.eager_params import (block_params, rank_parameters, rank_stages,
+                                         stage_blocks)
+from tetrad.planner.model_stats import norm_params
 from tetrad.planner.layout import TrainLayout
 from tetrad.planner.precision import TrainingPrecision
 from tetrad.planner.timeline import StepTime, pipeline_bubble_ratio
+from tetrad.schedules.generate import SPLIT_BACKWARD
 
 
 @dataclass(frozen=True)
@@ -75,8 +88,10 @@ def block_operators(config: ModelConfig, layout: TrainLayout, layer: int) -> Ope
         forward += 12 + 8 * layout.sequence_parallel
         backward += 12 + 8 * layout.sequence_parallel
     if layout.cp > 1:  # ring attention: a block of scores per ring step, merged into the output
-        forward += 30 * layout.cp
-        backward += 50 * layout.cp
+        # (the last cp rank's backward, whose blocks' rows and columns are cut most, sets the
+        # pace: 5 operators more per index than the first's)
+        forward += 44 * layout.cp - 14
+        backward += 77 * layout.cp + 9
     if layout.recompute == "full":
         backward += forward
     return Operators(forward, backward)
@@ -92,6 +107,41 @@ def outer_operators(config: ModelConfig, first: bool, last: bool) -> Operators:
     return Operators(forward, backward)
 
 
+def norm_weight_operators(config: ModelConfig) -> int:
+    """Backward operators that compute one norm's weight (and bias) gradients alone."""
+    return 4 if config.norm == "rmsnorm" else 1 + 3 * config.bias
+
+
+def weight_gradient_operators(config: ModelConfig, layout: TrainLayout, layer: int) -> int:
+    """Operators of a block's backward that compute only its weights' gradients, which zero
+    bubble's B leaves to W (PyTorch 2.13's dispatch, counted again in tests/test_eager_time.py):
+    5 per matmul weight, 2 per linear bias, and the norms' (norm_weight_operators)."""
+    params = [p for p in block_params(config, layout, layer) if not p.frozen]
+    norms = 2 + (config.attention == "mla") * (1 + bool(config.q_lora_rank))
+    norm_tensors = norms * norm_params(config) // config.hidden_size
+    matmuls = sum(p.matmul for p in params)
+    biases = len(params) - matmuls - norm_tensors
+    return 5 * matmuls + 2 * biases + norms * norm_weight_operators(config)
+
+
+def split_backward_operators(config: ModelConfig, layout: TrainLayout, stage: int) -> float:
+    """What a split backward (zero bubble) adds to a stage's backward operators per microbatch:
+    B walks the stage's graph for the input's gradient, all but the weights' gradients, and W
+    walks it again from the output for the weights, every operator but the few that lead to the
+    stage input alone (its first norm's input path and the residual). A whole backward does
+    each once. On the first stage B has no input gradient to compute and W does it all."""
+    if layout.schedule not in SPLIT_BACKWARD or stage == 0:
+        return 0.0
+    added = -(1 + 14 * (config.norm == "rmsnorm"))
+    for layer in stage_blocks(config, layout, stage):
+        added += (block_operators(config, layout, layer).backward
+                  - weight_gradient_operators(config, layout, layer))
+    if stage == layout.pp * layout.vpp - 1:  # the final norm and head, walked twice too
+        added += outer_operators(config, False, True).backward - 5 - norm_weight_operators(
+            config)
+    return added
+
+
 def issue(kernels: float, operators: float, profile: EfficiencyProfile) -> float:
     """A CPU runs each operator's Python, dispatch and kernel one after another; a GPU runs its
     kernels while the host issues the next ones, so the slower of the two sets the pace."""
@@ -105,7 +155,7 @@ class RankTime:
     weight_backward: float  # the part of backward zero bubble defers (the forward's matmuls)
     optimizer: float
     communication: float  # every call of the step, less what compute hides (eager_overlap)
-    call_compute: float  # the waiting calls' time outside their waits (call_compute_s)
+    call_compute: float  # the calls' time outside their waits (call_compute_s)
 
 
 def rank_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, seq_len: int,
@@ -127,23 +177,27 @@ def rank_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, seq_le
     forward_ops = backward_ops = 0.0
     last_stage = layout.pp * layout.vpp - 1
     for stage in rank_stages(layout, pp_rank):
+        # Zero bubble's W walks the stage's graph again: every kernel of the backward once more
+        # but the weight-gradient matmuls B left to it (split_backward_operators).
+        walks = 2 if layout.schedule in SPLIT_BACKWARD and stage > 0 else 1
         for layer in stage_blocks(config, layout, stage):
             kernels = layer_times(config, gpu, layer, *args, portable_attention=True,
                                   fp8_casts=fp8_casts)
             ops = block_operators(config, layout, layer)
             forward += kernels.forward
-            backward += kernels.backward + kernels.recompute
+            backward += (walks * (kernels.backward + kernels.recompute)
+                         - (walks - 1) * kernels.matmul_forward)
             matmul += kernels.matmul_forward
             forward_ops += ops.forward
             backward_ops += ops.backward
         outer = outer_operators(config, stage == 0, stage == last_stage)
         forward_ops += outer.forward
-        backward_ops += outer.backward
+        backward_ops += outer.backward + split_backward_operators(config, layout, stage)
         if stage == last_stage:
             head = head_times(config, gpu, layout.micro_batch, seq_len, layout.tp, layout.cp,
                               head_dtype, act, head_weight_bytes)
             forward += head.forward
-            backward += head.backward
+            backward += walks * head.backward - (walks - 1) * head.matmul_forward
             matmul += head.matmul_forward
     forward = issue(forward, forward_ops * profile.op_forward_s, profile)
     backward = issue(backward, backward_ops * profile.op_backward_s, profile)
@@ -164,15 +218,21 @@ def rank_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, seq_le
     # the step's demand bound (eager_step_time) already counts: such a call costs what it
     # costs back to back.
     world, cores = layout.world_size, profile.concurrent_ranks
-    wait = (profile.sync_wait_back_to_back_s(world)
-            if profile.sync_wait_back_to_back and cores and world > cores
+    back_to_back = profile.sync_wait_back_to_back_s(world)
+    wait = (back_to_back if profile.sync_wait_back_to_back and cores and world > cores
             else profile.sync_wait_s(world))
     calls = waiting_calls(config, layout, seq_len, precision, pp_rank)
-    hidden = hidden_communication(config, cluster, layout, seq_len, precision, pp_rank, args,
-                                  scale)
+    # Calls right behind another find their peers running: the back-to-back wait.
+    queued = queued_calls(config, layout, seq_len, precision, pp_rank)
+    # Where the ranks fill the cores, the cores that compute also move the bytes (gloo):
+    # nothing is hidden behind compute (the launcher leaves overlap off on gloo for this).
+    hidden = (0.0 if cores and world >= cores else
+              hidden_communication(config, cluster, layout, seq_len, precision, pp_rank, args,
+                                   scale))
+    issued = calls + queued + overlapped_calls(config, layout, precision, pp_rank)
     return RankTime(forward * scale, backward * scale, matmul * scale, optimizer * scale,
-                    comm.ledger_time(cluster, ledger) + calls * wait - hidden,
-                    calls * profile.call_compute_s)
+                    comm.ledger_time(cluster, ledger) + calls * wait + queued * back_to_back
+                    - hidden, issued * profile.call_compute_s)
 
 
 @lru_cache(maxsize=1024)
