@@ -45,8 +45,8 @@ SERVER_FLAGS: list[tuple[str, type, str]] = [
 # asyncio's event loop with httptools' C parser. Not uvloop, which uvicorn takes by itself where
 # it is installed: uvloop writes each server-sent event to its socket while holding the GIL, which
 # the engine thread waits for between its torch ops, where asyncio's socket writes release it
-# (streamed 128-token answers: 0.89-0.93x of LLM.generate on uvloop, 1.00-1.05x on asyncio;
-# docs/serving.md).
+# (streamed 128-token answers, median over rounds on a loaded machine: 0.918-0.937x of
+# LLM.generate on uvloop, 1.008-1.035x on asyncio; docs/serving.md).
 UVICORN_LOOP = {"loop": "asyncio", "http": "httptools"}
 
 
