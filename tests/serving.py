@@ -12,7 +12,6 @@ from contextlib import contextmanager
 
 import torch
 
-from tetrad.cli.serve import UVICORN_LOOP
 from tetrad.models.hf import save_hf
 from tetrad.models.transformer import Transformer
 from tetrad.presets import resolve_model
@@ -34,7 +33,7 @@ def running(app):
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="critical", **UVICORN_LOOP))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="critical"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not server.started:

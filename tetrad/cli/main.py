@@ -17,7 +17,7 @@ from tetrad.errors import TetradError
 # install has none of them); tests/test_packaging.py checks this against pyproject.toml.
 EXTRA_MODULES = {
     "train": ("torch", "numpy", "safetensors", "tokenizers", "tqdm"),
-    "serve": ("torch", "safetensors", "tokenizers", "fastapi", "uvicorn", "httptools",
+    "serve": ("torch", "safetensors", "tokenizers", "fastapi", "uvicorn", "uvloop", "httptools",
               "pydantic", "jinja2"),
     "plot": ("matplotlib",),
 }

@@ -42,13 +42,6 @@ SERVER_FLAGS: list[tuple[str, type, str]] = [
                                  "(default 600)"),
 ]
 
-# asyncio's event loop with httptools' C parser. Not uvloop, which uvicorn takes by itself where
-# it is installed: uvloop writes each server-sent event to its socket while holding the GIL, which
-# the engine thread waits for between its torch ops, where asyncio's socket writes release it
-# (streamed 128-token answers, median over rounds on a loaded machine: 0.918-0.937x of
-# LLM.generate on uvloop, 1.008-1.035x on asyncio; docs/serving.md).
-UVICORN_LOOP = {"loop": "asyncio", "http": "httptools"}
-
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
@@ -70,8 +63,10 @@ def run(args: argparse.Namespace) -> int:
                                              stored.system if stored else None),
                     on_fatal=lambda: setattr(server, "should_exit", True),
                     defaults=stored.sampling_defaults if stored else None, config=config)
+    # loop and http "auto": uvloop and httptools where installed (requirements.txt has both),
+    # whose C loop and parser leave more of the GIL to the engine thread while it streams.
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level="warning", **UVICORN_LOOP))
+                                           log_level="warning", loop="auto", http="auto"))
     print(f"serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     try:
         server.run()
