@@ -12,6 +12,13 @@ requests), and the CPU seconds of the server's other threads (its event loop) an
 
     .venv/bin/python benchmarks/bench_server_overhead.py                 # 16 x 3,000-token prompts
     .venv/bin/python benchmarks/bench_server_overhead.py --prompt-len 200 --requests 32
+    .venv/bin/python benchmarks/bench_server_overhead.py --against ../main   # an A/B of servers
+
+With --against, a second server runs from another checkout of tetrad, its sides (`@against`)
+rotating in the same rounds: two versions of the server compared against one `generate`, a
+minute apart at most, where two runs of the script drift apart with a shared machine's load.
+Run it both ways: with both servers from one tree, the second came out 0.024 higher streamed
+(docs/serving.md).
 """
 
 from __future__ import annotations
@@ -108,9 +115,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(folder: Path, port: int, args) -> subprocess.Popen:
+def start_server(folder: Path, port: int, args, tree: str | None = None) -> subprocess.Popen:
+    """`tetrad serve` from `tree` (a checkout's root folder), or from this process's PYTHONPATH."""
     flags = [f"--{key.replace('_', '-')}={value}" for key, value in engine_flags(args).items()]
     env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    if tree is not None:
+        env["PYTHONPATH"] = str(Path(tree).resolve())
     # Started in the model's folder: `python -m` puts the working directory first on sys.path,
     # and PYTHONPATH must choose the tetrad that serves (the benchmark compares two trees).
     server = subprocess.Popen([sys.executable, "-m", "tetrad.cli.main", "serve", str(folder),
@@ -216,6 +226,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads, both sides (default 1)")
+    parser.add_argument("--against", metavar="TREE",
+                        help="also serve from this checkout of tetrad (its root folder), in the "
+                             "same rounds")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -232,12 +245,22 @@ def main() -> None:
         save_hf(Transformer(config), folder)
         port = free_port()
         server = start_server(Path(folder), port, args)
+        servers = [server]
         llm = LLM(folder, log=None, **engine_flags(args))
         runs = {"generate": [], "serve_stream": [], "serve": []}
         try:
             sides = {"generate": lambda prompts: run_generate(llm, prompts, args),
                      "serve_stream": lambda prompts: run_server(server, port, prompts, args, True),
                      "serve": lambda prompts: run_server(server, port, prompts, args, False)}
+            if args.against:
+                other_port = free_port()
+                other = start_server(Path(folder), other_port, args, args.against)
+                servers.append(other)
+                sides["serve_stream@against"] = lambda prompts: run_server(
+                    other, other_port, prompts, args, True)
+                sides["serve@against"] = lambda prompts: run_server(other, other_port, prompts,
+                                                                    args, False)
+                runs.update({"serve_stream@against": [], "serve@against": []})
             for run in sides.values():  # every path once, so no side's first call is timed
                 run(new_prompts()[:2])
             order = list(sides)
@@ -248,8 +271,9 @@ def main() -> None:
                     runs[name].append(sides[name](new_prompts()))
                 order = order[1:] + order[:1]
         finally:
-            server.terminate()
-            server.wait()
+            for each in servers:
+                each.terminate()
+                each.wait()
     # Each side's best run: its fastest, and its fewest CPU seconds per token (the CPU measure
     # holds on a loaded machine, where wall times swing from run to run).
     speed = {name: max(run[0] for run in values) for name, values in runs.items()}
@@ -259,7 +283,8 @@ def main() -> None:
     per_round = {name: statistics.median(run[0] / base[0] for run, base in
                                          zip(values, runs["generate"]))
                  for name, values in runs.items()}
-    results = {"model": args.model, "requests": args.requests, "prompt_len": args.prompt_len,
+    results = {"model": args.model, "against": args.against, "requests": args.requests,
+               "prompt_len": args.prompt_len,
                "output_len": args.output_len, "threads": torch.get_num_threads(),
                "tokens_per_s": speed, "cpu_s_per_token": cpu,
                "median_round_ratio": per_round, "runs": runs}
@@ -267,16 +292,17 @@ def main() -> None:
 
     print(f"{args.requests} requests x {args.prompt_len}-token prompts, {args.output_len} "
           f"tokens each, {args.model}, {torch.get_num_threads()} threads, tetrad from "
-          f"{Path(tetrad.__file__).parent.parent}")
+          f"{Path(tetrad.__file__).parent.parent}"
+          + (f"; @against: tetrad from {Path(args.against).resolve()}" if args.against else ""))
     for name in runs:
-        print(f"  {name:13s} {speed[name]:8.1f} tokens/s ({speed[name] / speed['generate']:.3f}x "
+        print(f"  {name:20s} {speed[name]:8.1f} tokens/s ({speed[name] / speed['generate']:.3f}x "
               f"generate; median of rounds {per_round[name]:.3f}x)   {cpu[name] * 1e3:7.2f} CPU "
               f"ms/token (generate / this = {cpu['generate'] / cpu[name]:.3f})")
     print("  median per run, seconds: the engine-stepping thread on a CPU / waiting for one / "
           "off it by itself (times); the server's other threads on a CPU; the client's CPU")
     for name, values in runs.items():
         median = {key: statistics.median(run[2][key] for run in values) for key in values[0][2]}
-        print(f"  {name:13s} {median['on_cpu_s']:.2f} / {median['waiting_s']:.2f} / "
+        print(f"  {name:20s} {median['on_cpu_s']:.2f} / {median['waiting_s']:.2f} / "
               f"{median['off_cpu_s']:.2f} ({median['went_off_cpu']:.0f})" + (
                   f"; {median['other_threads_cpu_s']:.2f}; {median['client_cpu_s']:.2f}"
                   if name != "generate" else ""))

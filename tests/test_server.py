@@ -9,7 +9,7 @@ import socket
 import time
 
 import pytest
-from serving import post, running, save_tiny_model
+from serving import events, post, running, save_tiny_model
 
 from tetrad.cli.main import main
 from tetrad.inference.engine import LLM
@@ -66,6 +66,35 @@ def test_completions_chat_and_streaming_through_the_openai_client(model_dir, cli
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream)
     assert text == chat.choices[0].message.content
     assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_streamed_text_chunks_are_the_json_of_their_dicts():
+    from tetrad.inference.http import ChunkEvents
+
+    common = {"id": "cmpl-1", "object": "text_completion", "created": 7, "model": 'a "b"'}
+    for text in ["", " plain", 'quo"te \\ back\nline\t', "é中😀\ufffd", "\x00\x1f"]:
+        for reason in [None, "stop", "length"]:
+            completion = {"index": 3, "text": text, "logprobs": None, "finish_reason": reason}
+            expected = f"data: {json.dumps({**common, 'choices': [completion]})}\n\n".encode()
+            assert ChunkEvents(common, chat=False).text_event(3, text, reason) == expected
+            assert ChunkEvents(common, chat=False).event(completion) == expected
+            chat = {**common, "object": "chat.completion.chunk"}
+            delta = {"index": 1, "delta": {"content": text} if text else {}, "logprobs": None,
+                     "finish_reason": reason}
+            assert ChunkEvents(chat, chat=True).text_event(1, text, reason) == \
+                f"data: {json.dumps({**chat, 'choices': [delta]})}\n\n".encode()
+
+
+def test_a_streamed_batch_gives_each_choice_its_own_text(server):
+    _, port = server
+    body = {"prompt": ["Hello", "Hi"], "max_tokens": 6, "n": 2, "temperature": 0}
+    whole = {c["index"]: c["text"] for c in post(port, "/v1/completions", body)[1]["choices"]}
+    streamed = {index: "" for index in whole}
+    chunks = events(port, "/v1/completions", body)
+    assert chunks[-1] == "[DONE]"
+    for chunk in chunks[:-1]:
+        streamed[chunk["choices"][0]["index"]] += chunk["choices"][0]["text"]
+    assert streamed == whole and whole[0] != whole[2]  # the two prompts' answers differ
 
 
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, client):

@@ -7,6 +7,7 @@ import asyncio
 import hmac
 import json
 from collections.abc import AsyncIterator
+from json.encoder import encode_basestring_ascii as json_string  # json.dumps of a str, in C
 
 from fastapi.responses import StreamingResponse
 from starlette.requests import Request
@@ -73,17 +74,43 @@ def error_body(error: TetradError) -> dict:
                       else "invalid_request_error")
 
 
-def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
-    """A stream of chunks; a failure after the stream began (the request failed in the engine, or
+class ChunkEvents:
+    """The server-sent events of one streamed answer, each the bytes json.dumps gives for
+    {**common, "choices": [choice]}. The fields every chunk repeats (id, object, created, model)
+    are serialized once, here. A choice of new text alone (no log-probabilities), the chunk of
+    nearly every token of every stream, is written from a template around its JSON-quoted text:
+    the event loop builds these under the GIL that the engine thread needs between its torch
+    ops, and json.dumps of the whole chunk took 11 us where the template takes 0.5 us."""
+
+    def __init__(self, common: dict, chat: bool):
+        whole = json.dumps({**common, "choices": None})
+        self.head = "data: " + whole[:-len("null}")] + "["
+        self.chat = chat  # chat chunks carry {"delta": {"content": text}}, not {"text": text}
+
+    def event(self, choice: dict) -> bytes:
+        return f"{self.head}{json.dumps(choice)}]}}\n\n".encode()
+
+    def text_event(self, index: int, text: str, finish_reason: str | None) -> bytes:
+        if not self.chat:
+            field = f'"text": {json_string(text)}'
+        else:
+            field = f'"delta": {{"content": {json_string(text)}}}' if text else '"delta": {}'
+        reason = "null" if finish_reason is None else json_string(finish_reason)
+        return (f'{self.head}{{"index": {index}, {field}, "logprobs": null, '
+                f'"finish_reason": {reason}}}]}}\n\n').encode()
+
+
+def sse(events: AsyncIterator[bytes]) -> StreamingResponse:
+    """A stream of events; a failure after the stream began (the request failed in the engine, or
     ran out of time) becomes a last {"error": ...} event before [DONE], as vLLM sends it."""
-    async def events():
+    async def framed():
         try:
-            async for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n"
+            async for event in events:
+                yield event
         except TetradError as error:
-            yield f"data: {json.dumps(error_body(error))}\n\n"
-        yield "data: [DONE]\n\n"
-    return StreamingResponse(events(), media_type="text/event-stream")
+            yield f"data: {json.dumps(error_body(error))}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+    return StreamingResponse(framed(), media_type="text/event-stream")
 
 
 async def merged(streams: list[RequestStream], timeout_s: float

@@ -32,7 +32,7 @@ from tetrad.inference.api import (ApiError, ChatRequest, CompletionRequest, Deto
 from tetrad.inference.async_engine import AsyncEngine, EngineStopped, RequestError
 from tetrad.inference.chat import ChatFormatter
 from tetrad.inference.engine import LLM
-from tetrad.inference.http import Guard, final_outputs, merged, sse
+from tetrad.inference.http import ChunkEvents, Guard, final_outputs, merged, sse
 from tetrad.inference.output import RequestOutput
 
 
@@ -211,17 +211,26 @@ def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None,
             return 0 if body.echo or not scored else len(texts[index])
 
         if body.stream:
+            text_only = not scored and not body.echo  # most streams: chunks of new text
+
             async def chunks():
+                events = ChunkEvents(common, chat=False)
                 offsets: dict[tuple[int, int], int] = {}
                 async for index, output in merged(streams, config.request_timeout):
                     for completion in output.outputs:
+                        if text_only:
+                            if completion.delta_text or completion.finish_reason:
+                                yield events.text_event(index * params.n + completion.index,
+                                                        completion.delta_text,
+                                                        completion.finish_reason)
+                            continue
                         key = (index, completion.index)
                         first = key not in offsets
                         piece, offsets[key] = choice(index, output, completion, first,
                                                      offsets.get(key, start_offset(index)))
                         if piece["text"] or piece["finish_reason"] or (
                                 scored and piece["logprobs"]["tokens"]):
-                            yield {**common, "choices": [piece]}
+                            yield events.event(piece)
             return sse(chunks())
         finals = await finals_of(request, streams)
         choices = [choice(i, final, completion, True, start_offset(i))[0]
@@ -251,18 +260,21 @@ def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None,
 
         if body.stream:
             async def chunks():
+                events = ChunkEvents({**common, "object": "chat.completion.chunk"}, chat=True)
                 for index in range(params.n):  # the role comes first, as OpenAI sends it
-                    yield {**common, "object": "chat.completion.chunk", "choices": [{
-                        "index": index, "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None, "finish_reason": None}]}
+                    yield events.event({"index": index,
+                                        "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None})
                 async for _, output in merged(streams, config.request_timeout):
                     for c in output.outputs:
-                        if c.delta_text or c.finish_reason or (body.logprobs and c.delta_logprobs):
+                        if body.logprobs and (c.delta_text or c.finish_reason or
+                                              c.delta_logprobs):
                             delta = {"content": c.delta_text} if c.delta_text else {}
-                            yield {**common, "object": "chat.completion.chunk", "choices": [{
-                                "index": c.index, "delta": delta,
-                                "logprobs": logprobs_of(c.delta_logprobs),
-                                "finish_reason": c.finish_reason}]}
+                            yield events.event({"index": c.index, "delta": delta,
+                                                "logprobs": logprobs_of(c.delta_logprobs),
+                                                "finish_reason": c.finish_reason})
+                        elif c.delta_text or c.finish_reason:
+                            yield events.text_event(c.index, c.delta_text, c.finish_reason)
             return sse(chunks())
         final = (await finals_of(request, streams))[0]
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
