@@ -118,6 +118,8 @@ def free_port() -> int:
 def start_server(folder: Path, port: int, args, tree: str | None = None) -> subprocess.Popen:
     """`tetrad serve` from `tree` (a checkout's root folder), or from this process's PYTHONPATH."""
     flags = [f"--{key.replace('_', '-')}={value}" for key, value in engine_flags(args).items()]
+    if args.stream_interval != 1:  # a checkout from before the flag (--against) serves too
+        flags.append(f"--stream-interval={args.stream_interval}")
     env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
     if tree is not None:
         env["PYTHONPATH"] = str(Path(tree).resolve())
@@ -226,6 +228,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads, both sides (default 1)")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="the servers' --stream-interval (default 1: an event every step)")
     parser.add_argument("--against", metavar="TREE",
                         help="also serve from this checkout of tetrad (its root folder), in the "
                              "same rounds")

@@ -97,6 +97,25 @@ def test_a_streamed_batch_gives_each_choice_its_own_text(server):
     assert streamed == whole and whole[0] != whole[2]  # the two prompts' answers differ
 
 
+def test_stream_interval_merges_the_steps_between_events(model_dir, server):
+    """--stream-interval 3: the first token at once, then an event every 3 steps with their
+    tokens merged, and the end; the text is the same as every step's events give."""
+    from tetrad.inference.api import ServerConfig
+    from tetrad.inference.server import build_app
+
+    body = {"prompt": "Hello", "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    every_step = events(server[1], "/v1/completions", body)
+    llm = LLM(model_dir, **ENGINE)
+    with running(build_app(llm, "tiny", config=ServerConfig(stream_interval=3))) as port:
+        merged = events(port, "/v1/completions", body)
+    def text(chunks):
+        return "".join(chunk["choices"][0]["text"] for chunk in chunks[:-1])
+    assert merged[-1] == every_step[-1] == "[DONE]"
+    assert text(merged) == text(every_step)
+    assert merged[-2]["choices"][0]["finish_reason"] == "length"
+    assert len(every_step) - 1 > 4 >= len(merged) - 1  # steps 1, 2-4, 5-7, 8-10
+
+
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, client):
     _, port = server
     status, body = post(port, "/v1/completions", b"{not json")

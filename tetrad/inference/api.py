@@ -26,10 +26,11 @@ class ServerConfig:
     max_waiting_requests: int = 1024  # requests queued and not started: more get a 503
     request_timeout: float = 600.0  # seconds; a request still running then is stopped (408)
     enable_docs: bool = False  # /docs, /redoc and /openapi.json
+    stream_interval: int = 1  # engine steps between a stream's events (AsyncEngine)
 
     def __post_init__(self) -> None:
         for name in ("max_request_bytes", "max_sequences_per_request", "max_waiting_requests",
-                     "request_timeout"):
+                     "request_timeout", "stream_interval"):
             check_positive(name, getattr(self, name))
         check_positive("max_stop_strings", self.max_stop_strings, allow_zero=True)
 

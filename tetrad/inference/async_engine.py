@@ -16,9 +16,10 @@ import threading
 import traceback
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
-from tetrad.errors import TetradError
+from tetrad.errors import TetradError, check_positive
 from tetrad.inference.engine import LLM
 from tetrad.inference.output import RequestOutput
 from tetrad.inference.params import SamplingParams
@@ -80,14 +81,44 @@ class RequestStream:
                 self.engine.abort(self.request_id)
 
 
+@dataclass
+class Subscriber:
+    """Where one request's outputs go. A streamed request's output goes at its first token, then
+    every `stream_interval` steps (what the steps between produced, merged: RequestOutput.then),
+    and at its end."""
+
+    loop: asyncio.AbstractEventLoop
+    collector: OutputCollector
+    every_step: bool  # streamed: its steps' outputs, not only the finished one
+    held: RequestOutput | None = None  # steps' outputs not handed over yet
+    held_steps: int = 0
+    started: bool = False  # its first output was handed over
+
+    def take(self, output: RequestOutput, interval: int) -> RequestOutput | None:
+        """The output to hand to the event loop after this step, if any."""
+        if not (output.finished or self.every_step):
+            return None
+        view = output.view() if self.held is None else self.held.then(output.view())
+        self.held_steps += 1
+        if output.finished or not self.started or self.held_steps >= interval:
+            self.held, self.held_steps, self.started = None, 0, True
+            return view
+        self.held = view
+        return None
+
+
 class AsyncEngine:
-    def __init__(self, llm: LLM, on_fatal: Callable[[], None] | None = None):
-        self.llm, self.on_fatal = llm, on_fatal
+    def __init__(self, llm: LLM, on_fatal: Callable[[], None] | None = None,
+                 stream_interval: int = 1):
+        """stream_interval: a streamed request's output goes to its event loop every this many
+        steps (its first token and its end at once), as vLLM's --stream-interval: fewer, larger
+        server-sent events, less of the event loop's work beside the engine thread."""
+        check_positive("stream_interval", stream_interval)
+        self.llm, self.on_fatal, self.stream_interval = llm, on_fatal, stream_interval
         self.failure: BaseException | None = None  # set when the engine can no longer step
         self.failed_steps_in_a_row = 0
         self.last_error: str | None = None
-        # request id -> (its event loop, its collector, whether it wants every step's output)
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, OutputCollector, bool]] = {}
+        self._streams: dict[str, Subscriber] = {}  # by request id
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -123,7 +154,8 @@ class AsyncEngine:
         collector = OutputCollector()
         request_id = f"req-{uuid.uuid4().hex}"
         with self._lock:  # before the engine can see the request and produce its output
-            self._streams[request_id] = (asyncio.get_running_loop(), collector, every_step)
+            self._streams[request_id] = Subscriber(asyncio.get_running_loop(), collector,
+                                                   every_step)
         try:
             self.llm.add_request(prompt_ids, params, request_id)
         except BaseException:
@@ -181,10 +213,13 @@ class AsyncEngine:
             deliveries: dict[asyncio.AbstractEventLoop, list] = {}
             with self._lock:
                 for output in outputs:
-                    entry = (self._streams.pop(output.request_id, None) if output.finished
-                             else self._streams.get(output.request_id))
-                    if entry is not None and (output.finished or entry[2]):
-                        deliveries.setdefault(entry[0], []).append((entry[1], output.view()))
+                    subscriber = (self._streams.pop(output.request_id, None) if output.finished
+                                  else self._streams.get(output.request_id))
+                    taken = (subscriber.take(output, self.stream_interval)
+                             if subscriber is not None else None)
+                    if taken is not None:
+                        deliveries.setdefault(subscriber.loop, []).append(
+                            (subscriber.collector, taken))
             for loop, items in deliveries.items():  # one wake-up of the event loop per step
                 loop.call_soon_threadsafe(_deliver, items)
 
@@ -198,9 +233,10 @@ class AsyncEngine:
     def _fail_all(self, error: Exception) -> None:
         with self._lock:
             streams, self._streams = self._streams, {}
-        for request_id, (loop, collector, _) in streams.items():
+        for request_id, subscriber in streams.items():
             self.llm.abort(request_id)
-            loop.call_soon_threadsafe(collector.put, RequestError(f"engine step failed: {error}"))
+            subscriber.loop.call_soon_threadsafe(
+                subscriber.collector.put, RequestError(f"engine step failed: {error}"))
 
 
 def _deliver(items: list[tuple[OutputCollector, RequestOutput]]) -> None:

@@ -41,9 +41,9 @@ def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None,
               config: ServerConfig | None = None) -> FastAPI:
     """`defaults`: sampling fields for requests that leave them out (a stored model's
     Modelfile PARAMETERs); `config`: the API key and the limits."""
-    engine = AsyncEngine(llm, on_fatal)
-    chat = chat or ChatFormatter()
     config = config or ServerConfig()
+    engine = AsyncEngine(llm, on_fatal, config.stream_interval)
+    chat = chat or ChatFormatter()
     token_text = TokenText(llm.tokenizer)
 
     @asynccontextmanager
