@@ -4,8 +4,10 @@ The thread steps the engine while it has work and hands each request's output of
 request's OutputCollector, as a view (RequestOutput.view) that shares the engine's lists instead of
 copying them. A collector holds at most one output: a step's output that arrives before the
 consumer took the previous one is merged into it, so a slow client costs one output's memory,
-however many steps it misses. Anything that reads the engine's state (the /metrics numbers) runs
-on the same thread between two steps (`call`), never beside a step.
+however many steps it misses. With a stream interval above 1 (`tetrad serve --stream-interval`)
+the engine thread itself holds a streamed request's steps back and merges them (Subscriber), so
+the event loop wakes for it every that many steps. Anything that reads the engine's state (the
+/metrics numbers) runs on the same thread between two steps (`call`), never beside a step.
 """
 
 from __future__ import annotations
