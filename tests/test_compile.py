@@ -98,8 +98,8 @@ def test_single_process_compile_flag_and_compile_time(corpus_file, tmp_path, cap
 
 
 def test_single_process_compiles_its_loss():
-    """One process compiles its cross-entropy with the blocks (tetrad.parallel.compile
-    .compile_loss): the compiler runs at the first loss with gradients, and the loss and the
+    """One process compiles its cross-entropy with the blocks (a CompiledForward in
+    LocalStrategy): the compiler runs at the first loss with gradients, and the loss and the
     logits' gradient are eager's (fp32, 1e-6 relative)."""
     torch._dynamo.reset()
     config = ModelConfig(name="loss", vocab_size=64, hidden_size=32, num_layers=1, num_heads=2,

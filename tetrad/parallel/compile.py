@@ -16,7 +16,7 @@ Graph breaks (the block is then compiled in pieces, and what lies between runs e
 - around an MoE layer (its routing has data-dependent token counts, under EP an all-to-all) runs
   eagerly as a whole: the block breaks around it.
 
-One process compiles its loss on the logits too (`compile_loss`).
+One process compiles its loss on the logits too (a CompiledForward in LocalStrategy).
 
 Only forwards that record a graph for backward run compiled: evaluation and sampling run without
 gradients over changing shapes, each of which would compile anew, so they stay eager.
@@ -60,15 +60,6 @@ class CompiledForward:
         if torch.is_grad_enabled():
             return self.compiled(*args, **kwargs)
         return self.eager(*args, **kwargs)
-
-
-def compile_loss(loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> CompiledForward:
-    """The single-process strategy's loss on the logits (cross-entropy), compiled with the blocks.
-    The logits [batch, seq, vocab] are a step's largest tensors: eager cross-entropy writes their
-    log-probabilities, and its backward zero-fills a tensor of their size, scatters the targets
-    into it and reads both back. Inductor makes it one pass over the logits forward (log-sum-exp
-    and the target's logit) and one backward (softmax minus the target)."""
-    return CompiledForward(loss)
 
 
 def apply_compile(model: Transformer, repeated_backward: bool = False) -> None:

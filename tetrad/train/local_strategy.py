@@ -11,7 +11,7 @@ from torch import nn
 
 from tetrad.config import TrainConfig
 from tetrad.models.moe import update_router_biases
-from tetrad.parallel.compile import compile_loss
+from tetrad.parallel.compile import CompiledForward
 from tetrad.parallel.engine import (load_named, named_moments, named_state,
                                     optimizer_state_bytes, tensor_bytes)
 from tetrad.sharded_tensors import Piece, whole_pieces
@@ -36,7 +36,11 @@ class LocalStrategy:
         self.optimizer = build_optimizer(parameter_groups(model, config.weight_decay), config)
         # fp16 needs loss scaling: its small exponent range flushes small gradients to zero.
         self.scaler = torch.amp.GradScaler(device.type, enabled=config.dtype == "fp16")
-        loss = compile_loss(self.loss) if config.compile else self.loss
+        # With --compile the cross-entropy is compiled too: the logits are the step's largest
+        # tensors, and eager's writes their log-probabilities, then zero-fills a gradient of
+        # their size and scatters the targets into it; inductor's makes one pass forward (the
+        # log-sum-exp and the target's logit) and one backward (softmax minus the target).
+        loss = CompiledForward(self.loss) if config.compile else self.loss
         self.loop = MicrobatchLoop(model, device, config.grad_accum, config.dtype,
                                    whole_sequences, loss, self.backward)
         self.meter, self.autocast = self.loop.meter, self.loop.autocast
