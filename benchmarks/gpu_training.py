@@ -234,7 +234,10 @@ def run_in_child(args, row: str, argv: list[str]) -> dict:
         wall = time.perf_counter() - started
         if done.returncode != 0 or not out.is_file():
             lines = (done.stderr or done.stdout).strip().splitlines()
-            return {"error": lines[-1] if lines else f"exit status {done.returncode}"}
+            # The traceback's tail travels in the JSON: a GPU session reads it after the machine
+            # is gone.
+            return {"error": lines[-1] if lines else f"exit status {done.returncode}",
+                    "log_tail": lines[-40:]}
         return {**json.loads(out.read_text()), "wall_s": wall}
 
 

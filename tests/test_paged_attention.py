@@ -14,6 +14,7 @@ from test_engine import GREEDY, PROMPTS, engine, naive_paged_attention, random_m
     reference_greedy
 
 from tetrad.errors import ConfigError
+from tetrad.inference import attention as attention_module
 from tetrad.inference import cpu_kernels
 from tetrad.inference.attention import (flex_paged_attention, kernel_paged_decode,
                                         paged_block_mask, sdpa_paged_attention,
@@ -194,7 +195,27 @@ def test_a_compiled_forward_decodes_like_eager():
     assert [o.token_ids for o in outputs] == expected
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash-attention varlen needs CUDA")
+def test_without_paged_flash_attention_a_gpu_gathers(monkeypatch):
+    """The public varlen wrapper changed its arguments between torch releases (the GPU machines
+    have torch 2.11, whose flash-attention op takes no block tables): the engine asks the op's
+    schema. Where it reads no paged K/V, or the block size is not a multiple of 256, auto gathers
+    with a warning (FlexAttention's GPU kernels refused the engine's pages on torch 2.11), and an
+    explicit --attention varlen stops with one line."""
+    assert attention_module.flash_takes_block_tables()  # torch 2.13, the pinned one
+    cuda = torch.device("cuda")  # resolve_backend only reads the device's type
+    assert resolve_backend("auto", cuda, 256) == "varlen"
+    with pytest.warns(UserWarning, match="gathering attention on the GPU"):
+        assert resolve_backend("auto", cuda, 16) == "auto"
+    monkeypatch.setattr(attention_module, "flash_takes_block_tables", lambda: False)
+    with pytest.warns(UserWarning, match="gathering attention on the GPU"):
+        assert resolve_backend("auto", cuda, 256) == "auto"
+    with pytest.raises(ConfigError, match="takes no block tables"):
+        resolve_backend("varlen", cuda, 256)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available()
+                    or not attention_module.flash_takes_block_tables(),
+                    reason="flash-attention varlen needs CUDA and a torch whose op reads pages")
 def test_varlen_reads_the_pool_in_place_like_gathered_attention():
     q, k_cache, v_cache, tables, used, positions, new = ragged_batch()
     device, dtype = torch.device("cuda"), torch.bfloat16

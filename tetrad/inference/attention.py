@@ -172,25 +172,33 @@ def flex_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return out.transpose(1, 2)
 
 
+def flash_takes_block_tables() -> bool:
+    """Whether this torch's flash-attention op reads paged K/V (a `block_table` argument): torch
+    2.13 has it; the public `varlen_attn` wrapper around the op changed its arguments from release
+    to release, so the op is called directly and asked first."""
+    schema = torch.ops.aten._flash_attention_forward.default._schema
+    return any(argument.name == "block_table" for argument in schema.arguments)
+
+
 def varlen_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, cu_seq_q: torch.Tensor,
                            cu_seq_k: torch.Tensor, context_lens: torch.Tensor, max_q: int,
                            max_k: int) -> torch.Tensor:
     """Every token of a step at once, on CUDA: q [tokens, heads, head_dim] (sequence after
     sequence, cu_seq_q [batch + 1] int32 their offsets); sequence b attends causally (its queries
-    are the last of its context_lens[b] keys) over the pages block_tables[b] (int32) names."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    return varlen_attn(q, k_cache, v_cache, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=True,
-                       enable_gqa=k_cache.shape[2] != q.shape[1], seqused_k=context_lens,
-                       block_table=block_tables)
+    are the last of its context_lens[b] keys) over the pages block_tables[b] (int32) names.
+    Flash-attention takes fewer K/V heads than query heads (GQA) as they are."""
+    return torch.ops.aten._flash_attention_forward(
+        q, k_cache, v_cache, cu_seq_q, cu_seq_k, max_q, max_k, 0.0, True, False,
+        seqused_k=context_lens, block_table=block_tables)[0]
 
 
 def resolve_backend(attention: str, device: torch.device, block_size: int,
                     latent: bool = False) -> str:
     """"auto" on a GPU: flash-attention's varlen kernel when the block size suits it (a multiple
-    of 256), FlexAttention otherwise; on a CPU the C++ decode kernel ("cpu"), or where it cannot
-    be built (no C++ compiler) the gathering kernels (sdpa or tiled by size).
+    of 256) and this torch's kernel reads paged K/V, the gathering kernels otherwise; on a CPU
+    the C++ decode kernel ("cpu"), or where it cannot be built (no C++ compiler) the gathering
+    kernels (sdpa or tiled by size).
     `latent`: MLA's cache, whose values are narrower than its keys, which flash-attention's
     kernel does not take."""
     if attention == "varlen" and latent:
@@ -200,6 +208,9 @@ def resolve_backend(attention: str, device: torch.device, block_size: int,
     if attention == "varlen" and (device.type != "cuda" or block_size % VARLEN_BLOCK_MULTIPLE):
         raise ConfigError(f"--attention varlen needs a GPU and a --block-size that is a multiple "
                           f"of {VARLEN_BLOCK_MULTIPLE} (flash-attention's paged K/V rule)")
+    if attention == "varlen" and not flash_takes_block_tables():
+        raise ConfigError(f"--attention varlen: torch {torch.__version__}'s flash-attention takes "
+                          "no block tables; use --attention flex or auto")
     if attention == "cpu" and device.type != "cpu":
         raise ConfigError("--attention cpu is the CPU's decode kernel: on a GPU use --attention "
                           "auto, flex or varlen")
@@ -214,4 +225,14 @@ def resolve_backend(attention: str, device: torch.device, block_size: int,
         return "cpu"
     if attention != "auto":
         return attention
-    return "varlen" if block_size % VARLEN_BLOCK_MULTIPLE == 0 and not latent else "flex"
+    if latent:  # flash-attention takes keys and values of one width only
+        return "auto"
+    if block_size % VARLEN_BLOCK_MULTIPLE == 0 and flash_takes_block_tables():
+        return "varlen"
+    # FlexAttention's GPU kernels refused the engine's pages and prefill chunks on an H100 with
+    # torch 2.11 (16-token pages: no kernel config for decode; Q blocks of a chunk's length, such
+    # as 300, not a multiple of its tiles), so auto gathers: slower (a copy of each context per
+    # step, no CUDA graphs) but correct. --attention flex stays for those who try it.
+    warnings.warn("gathering attention on the GPU: paged flash-attention needs --block-size 256 "
+                  "and a torch whose flash-attention op takes block tables (2.13)", stacklevel=2)
+    return "auto"
