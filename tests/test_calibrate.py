@@ -218,3 +218,17 @@ def test_train_reads_this_machines_cached_profile(calibrated, corpus_file, tmp_p
     predicted = train(config, show_progress=False).report["predicted"]
     assert predicted["hardware"] == load_profile(path).name
     assert predicted["step_time_s"]["total"] > 0 and predicted["step_time_s"]["bubble"] == 0
+
+
+def test_a_gpus_launch_bound_products_stay_out_of_its_matmul_curve():
+    """Points shaped like a GPU's (a 1 GFLOP product barely slower than the 1x1x1 launch, an
+    8192^3 one at 800 TFLOP/s): on a GPU the launch-bound point is left out; on a CPU every point
+    stays, as before."""
+    from tetrad.calibrate.profile import matmul_curve
+
+    points = [(2.0, 3.9e-6), (1.07e9, 4.9e-6), (1.1e12, 1.38e-3)]
+    peak = 989.4e12
+    gpu_curve = matmul_curve(points, peak, "cuda")
+    assert [flops for flops, _ in gpu_curve] == [1.1e12]
+    assert gpu_curve[0][1] == pytest.approx(1.1e12 / (1.38e-3 - 3.9e-6) / peak)
+    assert [flops for flops, _ in matmul_curve(points, peak, "cpu")] == [1.07e9, 1.1e12]

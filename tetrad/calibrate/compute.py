@@ -21,9 +21,15 @@ from tetrad.memory import ActivationMeter
 
 # GEMM shapes (m, n, k) from tiny to the largest that stays well under a second on one core:
 # the efficiency curve's points. Square-ish, as a transformer's projections are.
-MATMUL_SHAPES = ((1, 1, 1), (8, 16, 16), (16, 32, 32), (32, 64, 64), (64, 128, 64),
-                 (128, 128, 128), (128, 256, 256), (256, 512, 256), (512, 512, 512),
-                 (1024, 1024, 512))
+CPU_MATMUL_SHAPES = ((1, 1, 1), (8, 16, 16), (16, 32, 32), (32, 64, 64), (64, 128, 64),
+                     (128, 128, 128), (128, 256, 256), (256, 512, 256), (512, 512, 512),
+                     (1024, 1024, 512))
+# A GPU runs the CPU's largest product in a few microseconds, about its launch cost: its curve
+# goes on to the sizes a model's layers have (an H100 calibrated with the CPU's shapes alone
+# reported 0.995 of peak, from a 1 GFLOP product whose time was mostly the launch it subtracts).
+MATMUL_SHAPES = {"cpu": CPU_MATMUL_SHAPES,
+                 "cuda": CPU_MATMUL_SHAPES + ((2048, 2048, 2048), (4096, 4096, 4096),
+                                              (16384, 2048, 5632), (8192, 8192, 8192))}
 # Per fp32 operand: beyond a CPU's caches (16 MiB) and a GPU's L2 (256 MiB).
 ELEMENTWISE_ELEMENTS = {"cpu": 2**22, "cuda": 2**26}
 OPTIMIZER_SMALL_TENSORS = 64  # tiny tensors: the per-tensor cost
@@ -69,9 +75,9 @@ class OperatorCount(TorchDispatchMode):
 
 
 def matmul_points(timer: Timer, dtype: torch.dtype) -> list[tuple[float, float]]:
-    """(FLOPs, seconds) of one torch.mm per shape of MATMUL_SHAPES."""
+    """(FLOPs, seconds) of one torch.mm per shape of MATMUL_SHAPES for the timer's device."""
     points = []
-    for m, n, k in MATMUL_SHAPES:
+    for m, n, k in MATMUL_SHAPES[timer.device.type]:
         a = torch.randn(m, k, device=timer.device, dtype=dtype)
         b = torch.randn(k, n, device=timer.device, dtype=dtype)
         points.append((2.0 * m * n * k, timer.median(lambda: torch.mm(a, b))))

@@ -140,13 +140,18 @@ def _collectives(ranks: int, device_type: str, show_progress: bool
             os.environ["CUDA_VISIBLE_DEVICES"] = hidden
 
 
-def matmul_curve(points: list[tuple[float, float]], peak: float) -> tuple[tuple[float, float],
-                                                                           ...]:
+def matmul_curve(points: list[tuple[float, float]], peak: float, device_type: str = "cpu"
+                 ) -> tuple[tuple[float, float], ...]:
     """Efficiency per GEMM size from (FLOPs, seconds); the first point, a 1x1x1 product, is the
-    call's fixed cost, which the planner counts per operator instead."""
+    call's fixed cost, which the planner counts per operator instead. On a GPU, products that
+    took less than twice that cost are left out: they are all launch, and what remains of them
+    after it is noise (an H100 read 0.995 of peak off a 1 GFLOP product so)."""
     fixed = points[0][1]
+    shortest = 2 * fixed if device_type == "cuda" else 0.0
     curve = []
     for flops, seconds in points[1:]:
+        if seconds < shortest:
+            continue
         work = max(seconds - fixed, seconds * 0.05)
         curve.append((flops, min(1.0, flops / work / peak)))
     return tuple(curve)
@@ -164,7 +169,8 @@ def _profile(device_type: str, single: dict, fits: list) -> GPU:
     reference = dict(catalog.peak_flops) if catalog else {
         name: value for name, value in peaks.items()}
     curve_dtype = CURVE_DTYPES[device_type]
-    curve = matmul_curve(single["matmul"], reference.get(curve_dtype, peaks[curve_dtype]))
+    curve = matmul_curve(single["matmul"], reference.get(curve_dtype, peaks[curve_dtype]),
+                         device_type)
     attention = min(1.0, attention_flops / attention_s / reference["bf16"])
     # A catalog GPU keeps its datasheet bandwidths: the measured rates become its fractions.
     nominal = catalog.memory_bandwidth if catalog else bandwidth
