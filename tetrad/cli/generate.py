@@ -20,9 +20,9 @@ ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("--max-num-batched-tokens", int, "tokens computed per step (default 2048)"),
     ("--max-model-len", int, "context length (default: the model's)"),
     ("--preemption", str, "recompute (default) or swap, when KV blocks run out"),
-    ("--attention", str, "auto (default: varlen or flex on a GPU; on a CPU the C++ decode "
-                         "kernel, sdpa or tiled without a compiler), cpu, sdpa, tiled, flex or "
-                         "varlen"),
+    ("--attention", str, "auto (default: varlen on a GPU where it can, else gathering; on a CPU "
+                         "the C++ decode kernel, sdpa or tiled without a compiler), cpu, sdpa, "
+                         "tiled, flex or varlen"),
     ("--seed", int, "engine seed: the sampling seed of requests that bring none"),
     ("--tp", int, "tensor-parallel ranks: the weights and KV cache split over this many "
                   "processes, one GPU each (default 1)"),
