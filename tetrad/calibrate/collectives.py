@@ -223,32 +223,41 @@ def measure(rank: int, world_size: int, show_progress: bool
     device = local_device(rank, world_size)  # what the spawned rank's backend was chosen for
     sizes = group_sizes(world_size)
     tasks = [(n, kind) for n in sizes for kind in KINDS] + [(2, "p2p")]
-    progress = tqdm(tasks, desc="calibrate collectives", disable=not (show_progress and rank == 0),
-                    dynamic_ncols=True, leave=False)
+    progress = tqdm(total=len(tasks) * ROUNDS, desc="calibrate collectives",
+                    disable=not (show_progress and rank == 0), dynamic_ncols=True, leave=False)
     groups = {n: dist.new_group(list(range(n))) for n in sizes}
-    fits = []
-    for n, kind in progress:
-        progress.set_postfix_str(f"{kind} over {n}")
-        points = []
-        for nbytes in MESSAGE_BYTES:
-            if rank < n:
-                numel = max(n, nbytes // 4 // n * n)
-                tensor = torch.ones(numel, device=device)
-                if kind == "p2p":
-                    seconds = _p2p_time(rank, tensor, device, groups[2])
-                else:
-                    seconds = _median_time(collective_call(kind, n, tensor, groups[n]),
-                                           device, groups[n])
-                points.append((numel * 4.0, seconds))
-        dist.barrier()
-        if rank == 0:
-            fits.append((kind, n, *fit_alpha_beta(points)))
+    # ROUNDS rounds over every task in turn, each point the median of its rounds: one round's
+    # fits moved by 2x between calibrations of a quiet machine (an all-reduce over 2 ranks at
+    # 1 MiB: 0.87-1.73 ms), more than the layouts it prices did.
+    seconds: dict[tuple[int, str], list[list[float]]] = {
+        task: [[] for _ in MESSAGE_BYTES] for task in tasks}
+    for _ in range(ROUNDS):
+        for n, kind in tasks:
+            progress.set_postfix_str(f"{kind} over {n}")
+            for index, nbytes in enumerate(MESSAGE_BYTES):
+                if rank < n:
+                    tensor = torch.ones(_numel(nbytes, n), device=device)
+                    seconds[n, kind][index].append(
+                        _p2p_time(rank, tensor, device, groups[2]) if kind == "p2p" else
+                        _median_time(collective_call(kind, n, tensor, groups[n]), device,
+                                     groups[n]))
+            dist.barrier()
+            progress.update()
+    fits = [(kind, n, *fit_alpha_beta([(_numel(nbytes, n) * 4.0, statistics.median(times))
+                                       for nbytes, times in zip(MESSAGE_BYTES, seconds[n, kind],
+                                                                strict=True)]))
+            for n, kind in tasks] if rank == 0 else []
     progress.close()
     if device.type != "cpu":
         return fits, [], [], 0.0
     even = [n for n in sizes if n % 2 == 0]
     return (fits, concurrent_steps(rank, sizes), sync_waits(rank, world_size, even),
             call_compute(rank))
+
+
+def _numel(nbytes: int, n: int) -> int:
+    """fp32 elements of a message of about `nbytes`, a multiple of the group size."""
+    return max(n, nbytes // 4 // n * n)
 
 
 def _p2p_time(rank: int, tensor: torch.Tensor, device: torch.device, group) -> float:
