@@ -210,12 +210,12 @@ def call_compute(rank: int) -> float:
     return max(0.0, float(slowest))
 
 
-def measure(rank: int, world_size: int, show_progress: bool
+def measure(rank: int, world_size: int, show_progress: bool, rounds: int = ROUNDS
             ) -> tuple[list[tuple[str, int, float, float]], list[tuple[int, float]],
                        list[tuple[int, float, float]], float]:
-    """Every rank runs this (tetrad.train.launch.spawn); returns (kind, n, alpha, beta) fits,
-    the concurrent steps' (n, seconds), the collective calls' waits (sync_waits) and their
-    compute outside the wait (call_compute)."""
+    """Every rank runs this (tetrad.train.launch.spawn); returns (kind, n, alpha, beta) fits
+    (each point the median of `rounds` rounds), the concurrent steps' (n, seconds), the
+    collective calls' waits (sync_waits) and their compute outside the wait (call_compute)."""
     from tqdm import tqdm
 
     from tetrad.train.launch import local_device
@@ -223,15 +223,15 @@ def measure(rank: int, world_size: int, show_progress: bool
     device = local_device(rank, world_size)  # what the spawned rank's backend was chosen for
     sizes = group_sizes(world_size)
     tasks = [(n, kind) for n in sizes for kind in KINDS] + [(2, "p2p")]
-    progress = tqdm(total=len(tasks) * ROUNDS, desc="calibrate collectives",
+    progress = tqdm(total=len(tasks) * rounds, desc="calibrate collectives",
                     disable=not (show_progress and rank == 0), dynamic_ncols=True, leave=False)
     groups = {n: dist.new_group(list(range(n))) for n in sizes}
-    # ROUNDS rounds over every task in turn, each point the median of its rounds: one round's
+    # Rounds over every task in turn, each point the median of its rounds: one round's
     # fits moved by 2x between calibrations of a quiet machine (an all-reduce over 2 ranks at
     # 1 MiB: 0.87-1.73 ms), more than the layouts it prices did.
     seconds: dict[tuple[int, str], list[list[float]]] = {
         task: [[] for _ in MESSAGE_BYTES] for task in tasks}
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         for n, kind in tasks:
             progress.set_postfix_str(f"{kind} over {n}")
             for index, nbytes in enumerate(MESSAGE_BYTES):

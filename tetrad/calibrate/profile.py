@@ -46,9 +46,10 @@ def _cores() -> int:
 
 
 def calibrate(device_type: str = "cpu", nproc: int = 0, show_progress: bool = True,
-              budget_s: float = 0.05) -> GPU:
+              budget_s: float = 0.05, rounds: int = 3) -> GPU:
     """Measure this machine; `nproc` ranks for the collectives (0: up to 8 on CPU, every GPU on
-    CUDA; 1: none). `budget_s` is the time spent repeating one measurement."""
+    CUDA; 1: none). `budget_s` is the time spent repeating one measurement, `rounds` the rounds
+    over every collective (tetrad.calibrate.collectives.measure)."""
     if device_type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is visible (use --device cpu)")
     if nproc < 0:
@@ -65,7 +66,7 @@ def calibrate(device_type: str = "cpu", nproc: int = 0, show_progress: bool = Tr
         single = _single_device(timer, device_type, show_progress)
     finally:
         torch.set_num_threads(threads)
-    fits, concurrent, waits, call = (_collectives(ranks, device_type, show_progress)
+    fits, concurrent, waits, call = (_collectives(ranks, device_type, show_progress, rounds)
                                      if ranks > 1 else ([], [], [], 0.0))
     device = _with_whole_step(_profile(device_type, single, fits), single.get("step"), concurrent)
     # The loop's calls took their own latency too, which the all-reduce fit already counts.
@@ -122,7 +123,7 @@ def _single_device(timer: compute.Timer, device_type: str, show_progress: bool) 
     return out
 
 
-def _collectives(ranks: int, device_type: str, show_progress: bool
+def _collectives(ranks: int, device_type: str, show_progress: bool, rounds: int
                  ) -> tuple[list, list, list, float]:
     """gloo on CPU, NCCL with a GPU per rank: spawned ranks pick their backend by the GPUs they
     see, so a CPU calibration hides them."""
@@ -132,7 +133,7 @@ def _collectives(ranks: int, device_type: str, show_progress: bool
     if device_type == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     try:
-        return spawn(measure, ranks, (show_progress,), timeout_s=600)[0]
+        return spawn(measure, ranks, (show_progress, rounds), timeout_s=600)[0]
     finally:
         if hidden is None:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)

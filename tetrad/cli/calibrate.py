@@ -23,7 +23,8 @@ def add_parser(subparsers) -> None:
                         help="ranks for the collectives (default: 8 on CPU, every GPU on cuda; "
                              "1: none)")
     parser.add_argument("--quick", action="store_true",
-                        help="fewer repetitions per measurement: a rougher profile in less time")
+                        help="fewer repetitions per measurement and one round of the collectives "
+                             "(3 by default): a rougher profile in less time")
     parser.set_defaults(run=run)
 
 
@@ -43,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
     from tetrad.calibrate import calibrate, default_profile_path
 
     started = time.perf_counter()
-    profile = calibrate(args.device, args.nproc or 0, budget_s=0.01 if args.quick else 0.05)
+    profile = calibrate(args.device, args.nproc or 0, budget_s=0.01 if args.quick else 0.05,
+                        rounds=1 if args.quick else 3)
     out = out or default_profile_path()
     save_profile(profile, out)
     efficiency = profile.efficiency
