@@ -33,10 +33,10 @@ def random_model(seed=0, **overrides):
 
 
 def reference_greedy(model, prompt, max_tokens):
-    ids = list(prompt)
+    ids, device = list(prompt), next(model.parameters()).device
     with torch.no_grad():
         for _ in range(max_tokens):
-            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+            ids.append(int(model(torch.tensor([ids], device=device))[0, -1].argmax()))
     return ids[len(prompt):]
 
 

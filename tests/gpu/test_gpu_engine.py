@@ -2,9 +2,8 @@
 paged varlen kernel over 256-token blocks with decode steps replayed from CUDA graphs (where this
 torch's flash-attention takes block tables: 2.13), and through the gathering kernels that auto
 falls back to (16-token blocks, or a torch without paged flash-attention). Skipped without CUDA.
-
-The model's weights are drawn large (normal, std 0.15) so the logits lie far apart and no argmax
-is a near-tie that the two orders of summation could break differently."""
+The model and the reference are tests/test_engine.py's (weights drawn large, so no argmax is a
+near-tie that the two orders of summation could break differently)."""
 
 from __future__ import annotations
 
@@ -13,11 +12,10 @@ import warnings
 import pytest
 import torch
 
+from test_engine import GREEDY, random_model, reference_greedy
+
 from tetrad.inference.attention import flash_takes_block_tables
 from tetrad.inference.engine import LLM
-from tetrad.inference.params import SamplingParams
-from tetrad.models.transformer import Transformer
-from tetrad.presets import resolve_model
 from tetrad.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -26,31 +24,13 @@ PROMPTS = [[5, 17, 99, 3, 42, 7, 8, 250, 11, 12, 13, 14],  # different lengths, 
            [5, 17, 99, 3, 42, 7, 8, 250, 66],
            [200],
            [(7 * index) % 256 for index in range(300)]]  # longer than one 256-token block
-GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-
-
-def gpu_model() -> Transformer:
-    torch.manual_seed(0)
-    model = Transformer(resolve_model("tiny", {"max_seq_len": 512}))
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0, 0.15)
-    return model.cuda().eval()
-
-
-def full_recompute(model: Transformer, prompt: list[int], max_tokens: int) -> list[int]:
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(max_tokens):
-            ids.append(int(model(torch.tensor([ids], device="cuda"))[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 @pytest.mark.parametrize("block_size, enforce_eager", [(256, False), (16, False), (256, True)])
 def test_gpu_decoding_equals_full_recompute(block_size, enforce_eager):
     paged_flash = block_size == 256 and flash_takes_block_tables()
-    model = gpu_model()
-    expected = [full_recompute(model, prompt, GREEDY.max_tokens) for prompt in PROMPTS]
+    model = random_model(max_seq_len=512).cuda()  # tests/test_engine.py's, on the GPU
+    expected = [reference_greedy(model, prompt, GREEDY.max_tokens) for prompt in PROMPTS]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the gathering fallback says so
         llm = LLM(model, ByteTokenizer(), log=None, device="cuda", block_size=block_size,

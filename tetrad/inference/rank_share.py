@@ -22,7 +22,7 @@ from tetrad.inference.layout import ServingLayout
 from tetrad.inference.pipeline import PipelineStep, serving_stage
 from tetrad.inference.runner import ModelRunner, StepPlan
 from tetrad.inference.tensor_experts import spread_experts
-from tetrad.models.fp8 import weight_bytes
+from tetrad.models.fp8_weights import weight_bytes
 from tetrad.parallel.comm import Comm, CommCounter
 from tetrad.parallel.expert_parallel import apply_expert_parallel
 from tetrad.parallel.launch import rank_device

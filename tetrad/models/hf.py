@@ -26,7 +26,8 @@ from tetrad.errors import ConfigError
 from tetrad.hf_config import (hf_from_model_config, hf_model_type, model_config_from_hf,
                               read_hf_config, resolve_checkpoint, rope_scaling_parameters,
                               rope_scaling_type)
-from tetrad.models.fp8 import BLOCK, FP8WeightLinear
+from tetrad.models.fp8 import BLOCK
+from tetrad.models.fp8_weights import FP8WeightLinear
 from tetrad.models.hf_deepseek import check_deepseek_support, deepseek_rules, is_extra_layer
 from tetrad.models.hf_fp8 import (QUANTIZATION_CONFIG, UNQUANTIZED_DTYPE, FP8Weight,
                                   block_size, quantize_state_dict, read_weight, scale_names)

@@ -8,7 +8,7 @@ per 128x128 block, ceil(out / 128) x ceil(in / 128), with weight ≈ fp8 * scale
 `quantization_config`; a folder whose config has one must say `quant_method: fp8`, and its
 `weight_block_size` is the block read. Loading dequantises each weight per block into the
 dtype asked for (tetrad.models.hf), or, with `keep_fp8` (the single-rank serving engine), reads
-it as an FP8Weight that becomes a tetrad.models.fp8.FP8WeightLinear.
+it as an FP8Weight that becomes a tetrad.models.fp8_weights.FP8WeightLinear.
 """
 
 from __future__ import annotations
