@@ -2,6 +2,7 @@
 order) under `--dtype bf16` and `--dtype fp8`, and how far apart they are.
 
     .venv/bin/python benchmarks/bench_fp8_loss.py [--steps 300] [--batch-size 16] [--seq-len 128]
+        [--fp8-recipe block|tensor]
 
 The two runs go in two processes at once (one thread each), so load from other processes hits
 both alike. Printed: the relative difference |fp8 - bf16| / bf16 of the losses smoothed by a
@@ -28,6 +29,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fp8-recipe", default="block", choices=("block", "tensor"),
+                        help="the scaling of the fp8 run (docs/fp8.md)")
     parser.add_argument("--window", type=int, default=10, help="steps in the smoothing mean")
     parser.add_argument("--fp32-reference", action="store_true",
                         help="also train in fp32 and print how far bf16 itself is from it: "
@@ -43,7 +46,8 @@ def run(dtype: str, args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(1)
     config = TrainConfig(model=args.model, steps=args.steps, batch_size=args.batch_size,
-                         seq_len=args.seq_len, seed=args.seed, dtype=dtype, sample_tokens=0)
+                         seq_len=args.seq_len, seed=args.seed, dtype=dtype, sample_tokens=0,
+                         fp8_recipe=args.fp8_recipe if dtype == "fp8" else "block")
     report = train(config).report  # its progress bar on stderr
     return {"loss": [step["loss"] for step in report["steps"]],
             "time_s": sum(step["time_s"] for step in report["steps"]),
@@ -80,7 +84,7 @@ def main() -> None:
         futures = {dtype: pool.submit(run, dtype, args) for dtype in dtypes}
         curves = {dtype: future.result() for dtype, future in futures.items()}
     print(f"{args.model}, {args.steps} steps, batch {args.batch_size} x {args.seq_len} tokens, "
-          f"seed {args.seed}")
+          f"seed {args.seed}, fp8 recipe {args.fp8_recipe}")
     for dtype, curve in curves.items():
         print(f"  {dtype:5s} loss {curve['loss'][0]:.4f} -> {curve['loss'][-1]:.4f}  "
               f"validation {curve['validation_loss']:.4f}  ({curve['time_s']:.0f} s of steps)")

@@ -43,7 +43,7 @@ piece tests 120 "$PYTHON" -m pytest -q -p no:cacheprovider tests/gpu \
     tests/test_paged_attention.py::test_varlen_reads_the_pool_in_place_like_gathered_attention
 piece fp8 60 "$PYTHON" benchmarks/gpu_fp8_matmul.py
 # shellcheck disable=SC2086  # the rows are words
-piece training 330 "$PYTHON" benchmarks/gpu_training.py --row-timeout 110 --warmup 3 --steps 8 \
+piece training 420 "$PYTHON" benchmarks/gpu_training.py --row-timeout 110 --warmup 3 --steps 8 \
     ${GPU_TRAINING_ROWS:+--rows $GPU_TRAINING_ROWS}
 piece calibrate 90 "$PYTHON" -m tetrad calibrate --device cuda --out "$OUT/gpu_profile.json"
 piece serving 200 "$PYTHON" benchmarks/gpu_serving.py

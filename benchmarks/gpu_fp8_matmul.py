@@ -1,5 +1,6 @@
-"""The FP8 product of `--dtype fp8` on one GPU: what each way of computing a block-scaled matmul
-costs against bf16, at the ~1B Llama training shapes of benchmarks/gpu_training.py.
+"""The FP8 product of `--dtype fp8` on one GPU: what each way of computing a block-scaled matmul,
+and the per-tensor one of `--fp8-recipe tensor`, costs against bf16, at the ~1B Llama training
+shapes of benchmarks/gpu_training.py.
 
     python benchmarks/gpu_fp8_matmul.py            # one H100/H200, under a minute
 
@@ -12,9 +13,12 @@ Rows per shape (Y = A B^T, A [M, K] and B [N, K], fp8 E4M3 with DeepSeek-V3's sc
                  `native_block_scaling` found it, else the loop; `--dtype fp8` runs it for dW
   grid-bf16      tiled_matmul with B's scales as its 128x128 block grid (DeepSeek-V3's weight
                  layout) and a bf16 output: what `--dtype fp8` runs forward and for dX
+  tensor-bf16    tetrad.models.fp8_tensorwise.scaled_product: A and B each with one scale, a
+                 bf16 output, cuBLAS's plain FP8 GEMM (`--fp8-recipe tensor`)
 
-Each row is checked against `loop` (the same quantized inputs, so the same function up to fp32
-summation order and the output's rounding): relative error ||row - loop|| / ||loop||. Times are the median of
+Each block-scaled row is checked against `loop` (the same quantized inputs, so the same function
+up to fp32 summation order and the output's rounding), the per-tensor row against the fp32
+product of its own dequantized inputs: relative error ||row - reference|| / ||reference||. Times are the median of
 CUDA-event timings after warm-up, on random inputs (never zeros). Prints a table; writes JSON
 to $OUT/gpu_fp8_matmul.json where OUT is set.
 """
@@ -31,6 +35,7 @@ import torch
 from tetrad.models.fp8 import (blockwise_loop_matmul, block_scales_per_row,
                                native_block_scaling, quantize_blocks, quantize_tiles,
                                tiled_matmul)
+from tetrad.models.fp8_tensorwise import quantize_whole, scaled_product
 
 # (name, M, K, N) of the 1B shape at 16,384 tokens a step: attention's output projection, the
 # FFN's up and down projections, the head, and a weight gradient (sums over the tokens).
@@ -67,12 +72,15 @@ def main() -> None:
         b_rows = block_scales_per_row(b_grid, n)
         a16, b16 = a.bfloat16(), b.bfloat16()
         flops = 2 * m * k * n
-        reference = blockwise_loop_matmul(a_q, a_scales, b_q, b_rows)
+        (a_t, a_scale), (b_t, b_scale) = quantize_whole(a), quantize_whole(b)
+        loop = blockwise_loop_matmul(a_q, a_scales, b_q, b_rows)
+        references = {"tensor-bf16": (a_t.float() * a_scale) @ (b_t.float() * b_scale).t()}
         products = {
             "loop": lambda: blockwise_loop_matmul(a_q, a_scales, b_q, b_rows),
             "rows-fp32": lambda: tiled_matmul(a_q, a_scales, b_q, b_rows),
             "grid-bf16": lambda: tiled_matmul(a_q, a_scales, b_q, b_grid, b_rows_per_scale=128,
-                                              out_dtype=torch.bfloat16)}
+                                              out_dtype=torch.bfloat16),
+            "tensor-bf16": lambda: scaled_product(a_t, a_scale, b_t, b_scale, torch.bfloat16)}
         shape_rows, errors = {"bf16": median_ms(lambda: a16 @ b16.t())}, {}
         for variant, product in products.items():
             try:
@@ -80,6 +88,7 @@ def main() -> None:
             except (RuntimeError, ValueError) as error:
                 errors[variant] = str(error).splitlines()[0][:160]
                 continue
+            reference = references.get(variant, loop)
             errors[variant] = float((out - reference).norm() / reference.norm())
             shape_rows[variant] = median_ms(product)
         results[name] = {"m": m, "k": k, "n": n, "ms": shape_rows, "error": errors}
@@ -94,7 +103,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}; "
           f"cuBLASLt block scaling (B's scales as a grid?, output): "
           f"{sorted(native_block_scaling(device), key=str) or 'none (the loop runs)'}")
-    print("| shape MxKxN | product | ms | TFLOP/s | bf16 time / this | error vs loop |")
+    print("| shape MxKxN | product | ms | TFLOP/s | bf16 time / this | error vs reference |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     print("\n".join(rows))
     out = Path(os.environ.get("OUT") or "runs") / "gpu_fp8_matmul.json"

@@ -10,7 +10,8 @@ AdamW over fp32 master weights, global-norm clipping. Rows:
 
   tetrad-bf16-eager      `tetrad train --dtype bf16`: autocast bf16, eager PyTorch
   tetrad-bf16-compiled   `--compile` (TrainConfig.compile)
-  tetrad-fp8-compiled    `--dtype fp8 --compile` (FP8 matmuls)
+  tetrad-fp8-compiled    `--dtype fp8 --compile` (FP8 matmuls, DeepSeek-V3's 128x128 blocks)
+  tetrad-fp8-tensor-compiled   `--dtype fp8 --fp8-recipe tensor --compile` (one scale per tensor)
   hf-bf16-eager          LlamaForCausalLM (attn_implementation="sdpa"), fp32 weights under bf16
                          autocast, torch's AdamW, the same clipping: the step HF's Trainer runs
 
@@ -58,9 +59,13 @@ SHAPES = {  # (hidden, layers, heads, kv heads, ffn, vocab)
     "1b": (2048, 22, 32, 4, 5632, 32000),
     "tiny": (128, 2, 4, 2, 344, 512),
 }
-ROWS = ("tetrad-bf16-eager", "tetrad-bf16-compiled", "tetrad-fp8-compiled", "hf-bf16-eager")
-TETRAD_ROWS = {"tetrad-bf16-eager": ("bf16", False), "tetrad-bf16-compiled": ("bf16", True),
-               "tetrad-fp8-compiled": ("fp8", True)}
+ROWS = ("tetrad-bf16-eager", "tetrad-bf16-compiled", "tetrad-fp8-compiled",
+        "tetrad-fp8-tensor-compiled", "hf-bf16-eager")
+# row -> (--dtype, --compile, --fp8-recipe)
+TETRAD_ROWS = {"tetrad-bf16-eager": ("bf16", False, "block"),
+               "tetrad-bf16-compiled": ("bf16", True, "block"),
+               "tetrad-fp8-compiled": ("fp8", True, "block"),
+               "tetrad-fp8-tensor-compiled": ("fp8", True, "tensor")}
 CORPUS_WINDOWS = 40  # under 50 windows, 2% of the corpus is less than one: no validation split
 
 
@@ -115,8 +120,11 @@ def unsupported(row: str) -> str | None:
     """Why this tetrad cannot run `row`, or None."""
     if row not in TETRAD_ROWS:
         return None
-    dtype, compiled = TETRAD_ROWS[row]
-    if compiled and "compile" not in {f.name for f in dataclasses.fields(TrainConfig)}:
+    dtype, compiled, recipe = TETRAD_ROWS[row]
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    if recipe != "block" and "fp8_recipe" not in fields:
+        return "this tetrad's TrainConfig has no `fp8_recipe` option"
+    if compiled and "compile" not in fields:
         return "this tetrad's TrainConfig has no `compile` option (issue 14.1 not merged)"
     if dtype not in DTYPES:
         return f"this tetrad has no --dtype {dtype} (issue 14.2 not merged)"
@@ -146,7 +154,7 @@ def write_corpus(args, folder: Path) -> str:
 def run_tetrad(args, row: str, device: torch.device) -> dict:
     from tetrad.train.trainer import train
 
-    dtype, compiled = TETRAD_ROWS[row]
+    dtype, compiled, recipe = TETRAD_ROWS[row]
     config = model_config(args)
     shape = {key: value for key, value in config.to_dict().items()
              if key in ("name", "vocab_size", "hidden_size", "num_layers", "num_heads",
@@ -158,6 +166,8 @@ def run_tetrad(args, row: str, device: torch.device) -> dict:
                         hardware=args.gpu if device.type == "cuda" else "", sample_tokens=0)
         if compiled:
             settings["compile"] = True
+        if recipe != "block":
+            settings["fp8_recipe"] = recipe
         report = train(TrainConfig(**settings), show_progress=False).report
     rank, predicted = report["ranks"][0], report["predicted"]
     step_time = predicted.get("step_time_s")
@@ -304,11 +314,13 @@ def main(argv=None) -> None:
                             else results[row].get("skipped") or results[row]["error"]),
               flush=True)
     goals = {}
-    bf16, fp8 = results.get("tetrad-bf16-compiled", {}), results.get("tetrad-fp8-compiled", {})
+    bf16 = results.get("tetrad-bf16-compiled", {})
     if bf16.get("mfu") is not None:
         goals["bf16_compiled_mfu"] = bf16["mfu"]
-    if "tokens_per_s" in bf16 and "tokens_per_s" in fp8:
-        goals["fp8_over_bf16_tokens_per_s"] = fp8["tokens_per_s"] / bf16["tokens_per_s"]
+    for recipe, row in (("block", "tetrad-fp8-compiled"), ("tensor", "tetrad-fp8-tensor-compiled")):
+        if "tokens_per_s" in bf16 and "tokens_per_s" in results.get(row, {}):
+            goals[f"fp8_{recipe}_over_bf16_tokens_per_s"] = (results[row]["tokens_per_s"]
+                                                            / bf16["tokens_per_s"])
     out = Path(args.out or Path(os.environ.get("OUT") or "runs") / "gpu_training.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": device_name, "gpu_for_peak": args.gpu,
@@ -321,7 +333,8 @@ def main(argv=None) -> None:
     if goals:
         print("\ngoals: " + ", ".join(
             f"bf16 compiled MFU {value:.1%} (goal >= 50%)" if key == "bf16_compiled_mfu"
-            else f"FP8 / bf16 compiled tokens/s {value:.2f}x (goal >= 1.3x)"
+            else f"FP8 ({key.split('_')[1]} recipe) / bf16 compiled tokens/s {value:.2f}x "
+                 f"(goal >= 1.3x)"
             for key, value in goals.items()))
     print(f"\nJSON: {out}")
 

@@ -46,9 +46,11 @@ def assert_bytes_equal(report, ids_slack=0):
     dict(), dict(dtype="bf16"), dict(dtype="fp16", grad_accum=2), dict(model="tiny-moe"),
     dict(model="tiny-moe", dtype="bf16", model_overrides={"num_dense_layers": 1}),
     dict(dtype="fp8"), dict(model="tiny-moe", dtype="fp8"),
+    dict(model="tiny-moe", dtype="fp8", fp8_recipe="tensor"),
     dict(model_overrides={"norm": "layernorm", "bias": True, "position": "learned",
                           "mlp": "gelu", "tie_embeddings": True}),
-], ids=["fp32", "bf16", "fp16-accum", "moe", "moe-bf16", "fp8", "moe-fp8", "gpt2-style"])
+], ids=["fp32", "bf16", "fp16-accum", "moe", "moe-bf16", "fp8", "moe-fp8", "moe-fp8-tensor",
+        "gpt2-style"])
 def test_single_process_prediction_is_exact(corpus_file, overrides):
     report = run_one(corpus_file, **overrides)
     assert report["predicted"]["runtime"] == "tetrad"

@@ -35,6 +35,7 @@ CASES = {
         "cp2 bf16 full": dict(dtype="bf16", parallel=dict(cp=2, recompute="full")),
         # FP8 linears on tp shards (the gathered sequence's FP8 copies) and after ring attention.
         "tp2 sp fp8": dict(dtype="fp8", parallel=dict(tp=2, sequence_parallel=True)),
+        "tp2 fp8 tensor": dict(dtype="fp8", fp8_recipe="tensor", parallel=dict(tp=2)),
         "cp2 fp8": dict(dtype="fp8", parallel=dict(cp=2)),
         "dp2 full": dict(parallel=dict(dp=2, recompute="full")),
         "dp2 selective": dict(parallel=dict(dp=2, recompute="selective")),

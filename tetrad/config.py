@@ -20,6 +20,7 @@ from tetrad.errors import ConfigError, check_choice, check_positive
 from tetrad.parallel_config import ParallelConfig
 
 DTYPES = ("fp32", "bf16", "fp16", "fp8")
+FP8_RECIPES = ("block", "tensor")  # DeepSeek-V3's 128x128 blocks, or one scale per tensor
 # auto: a GPU per local rank when there are enough (NCCL), else the CPU (gloo)
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -204,6 +205,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     grad_accum: int = 1
     dtype: str = "fp32"
+    fp8_recipe: str = "block"  # FP8_RECIPES: the scaling of --dtype fp8 (tetrad.models.fp8_layers)
     compile: bool = False  # torch.compile each transformer block (tetrad.parallel.compile)
     device: str = "auto"  # DEVICES
     report: str = ""
@@ -225,6 +227,9 @@ class TrainConfig:
                      "sample_tokens"):
             check_positive(name, getattr(self, name), allow_zero=True)
         check_choice("dtype", self.dtype, DTYPES)
+        check_choice("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
+        if self.fp8_recipe != "block" and self.dtype != "fp8":
+            raise ConfigError(f"--fp8-recipe {self.fp8_recipe} needs --dtype fp8")
         check_choice("device", self.device, DEVICES)
         if self.save_every and not self.checkpoint_dir:
             raise ConfigError("--save-every needs --checkpoint-dir")

@@ -2,8 +2,8 @@
 multiples of 16, K not of 128): cuBLASLt's own block scaling where `native_block_scaling` found it
 (Hopper, CUDA 12.9+), the loop of row-wise products elsewhere. References: the dequantised
 product in fp32 on the CPU, and the loop on the same GPU (the CPU's row-wise `_scaled_mm` is
-missing from some torch releases, 2.11 among them). Skipped without a GPU with FP8 units
-(compute 8.9+)."""
+missing from some torch releases, 2.11 among them). And the per-tensor linear of
+`--fp8-recipe tensor` against the CPU's. Skipped without a GPU with FP8 units (compute 8.9+)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 from tetrad.models import fp8
 from tetrad.models.fp8 import (block_scales_per_row, dequantize_blocks, dequantize_tiles,
                                fp8_linear, quantize_blocks, quantize_tiles, tiled_matmul)
+from tetrad.models.fp8_tensorwise import tensorwise_fp8_linear
 
 has_fp8_gpu = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 pytestmark = pytest.mark.skipif(not has_fp8_gpu, reason="needs a GPU with FP8 (compute 8.9+)")
@@ -76,3 +77,25 @@ def test_hopper_has_cublas_block_scaling():
         pytest.skip("cuBLASLt block scaling: Hopper with CUDA 12.9+")
     supported = fp8.native_block_scaling(torch.device("cuda"))
     assert (True, torch.bfloat16) in supported and (False, torch.float32) in supported
+
+
+def test_tensorwise_linear_on_the_gpu_equals_the_cpu():
+    """`--fp8-recipe tensor` on cuBLAS's FP8 GEMM, at shapes it cannot take unpadded (every
+    dimension padded to 16): the same E4M3/E5M2 operands as the CPU's (the quantizer divides and
+    rounds alike), so forward and both gradients differ from the CPU's only by the tensor cores'
+    summation: within TENSOR_CORE_SLACK of the sum of |products| (twice the unquantized one)."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 25, 300, generator=generator)
+    weight = torch.randn(90, 300, generator=generator) * 0.05
+    grad_out = torch.randn(3, 25, 90, generator=generator)
+
+    def run(device: str):
+        inputs = x.to(device).requires_grad_(), weight.to(device).requires_grad_()
+        out = tensorwise_fp8_linear(*inputs)
+        out.backward(grad_out.to(device))
+        return [tensor.detach().cpu() for tensor in (out, inputs[0].grad, inputs[1].grad)]
+
+    x2, g2 = x.reshape(-1, 300).abs(), grad_out.reshape(-1, 90).abs()
+    sums = (x2 @ weight.abs().t(), g2 @ weight.abs(), g2.t() @ x2)
+    for gpu, cpu, total in zip(run("cuda"), run("cpu"), sums, strict=True):
+        assert ((gpu - cpu).abs().reshape(total.shape) <= 2 * TENSOR_CORE_SLACK * total).all()

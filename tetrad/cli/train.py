@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from tetrad.config import DEVICES, DTYPES
+from tetrad.config import DEVICES, DTYPES, FP8_RECIPES
 from tetrad.schedules import SCHEDULES
 
 TRAIN_FLAGS: list[tuple[str, type, str]] = [
@@ -59,6 +59,10 @@ def add_parser(subparsers) -> None:
     for flag, kind, help_text in TRAIN_FLAGS:
         parser.add_argument(flag, type=kind, help=help_text)
     parser.add_argument("--dtype", choices=DTYPES, help="compute precision (autocast)")
+    parser.add_argument("--fp8-recipe", choices=FP8_RECIPES,
+                        help="scaling of --dtype fp8: block (default; DeepSeek-V3's 128x128 "
+                             "weight blocks and 1x128 activation tiles) or tensor (one scale "
+                             "per tensor, gradients in E5M2: docs/fp8.md)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile each transformer block (regional compilation); "
                              "the compile time is reported apart from the step times")

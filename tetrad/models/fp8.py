@@ -35,7 +35,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -57,7 +56,7 @@ def _to_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
-def _pad_to(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+def pad_to(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
     extra = -x.shape[dim] % multiple
     if not extra:
         return x
@@ -65,12 +64,6 @@ def _pad_to(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
     if x.dtype == E4M3:  # F.pad has no fp8 kernel; E4M3's +0 is the byte 0
         return F.pad(x.view(torch.uint8), pad).view(E4M3)
     return F.pad(x, pad)
-
-
-def quantize_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One scale for the whole tensor: (fp8 values, scale []); x ≈ q * scale."""
-    scale = _scale_of(x.abs().amax())
-    return _to_e4m3(x, scale), scale
 
 
 def quantize_tiles(x: torch.Tensor, tile: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,7 +84,7 @@ def quantize_blocks(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, 
 
 def _quantize_tiles(x: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = x.shape
-    groups = _pad_to(x, 1, tile).view(rows, -1, tile)
+    groups = pad_to(x, 1, tile).view(rows, -1, tile)
     scales = _scale_of(groups.abs().amax(dim=-1))
     q = _to_e4m3(groups, scales.unsqueeze(-1)).view(rows, -1)[:, :cols]
     return q.contiguous(), scales  # a copy when padded: what backward keeps is its own size
@@ -99,7 +92,7 @@ def _quantize_tiles(x: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Ten
 
 def _quantize_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = w.shape
-    blocks = _pad_to(_pad_to(w, 0, block), 1, block)
+    blocks = pad_to(pad_to(w, 0, block), 1, block)
     grid = blocks.view(blocks.shape[0] // block, block, blocks.shape[1] // block, block)
     scales = _scale_of(grid.abs().amax(dim=(1, 3)))
     q = _to_e4m3(grid, scales[:, None, :, None]).view(blocks.shape)[:rows, :cols]
@@ -264,7 +257,7 @@ def _padded_operand(x: torch.Tensor, scales: torch.Tensor, rows_multiple: int,
     """x with zero rows to a multiple of `rows_multiple` and zero columns to a multiple of
     NATIVE_K_MULTIPLE, contiguous; its scales padded with ones to match (a block grid's rows
     already cover the padded rows: `pad_scale_rows` False)."""
-    padded = _pad_to(_pad_to(x, 0, rows_multiple), 1, NATIVE_K_MULTIPLE).contiguous()
+    padded = pad_to(pad_to(x, 0, rows_multiple), 1, NATIVE_K_MULTIPLE).contiguous()
     extra_rows = padded.shape[0] - x.shape[0] if pad_scale_rows else 0
     extra_blocks = padded.shape[1] // BLOCK - scales.shape[1]
     scales = F.pad(scales.float(), [0, extra_blocks, 0, extra_rows], value=1.0)
@@ -278,14 +271,14 @@ def blockwise_loop_matmul(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tens
     128-wide block of K (inside one block every row has a single scale), summed in fp32."""
     rows, cols = a.shape[0], b.shape[0]
     multiple = rows_multiple or _rows_multiple(a.device)
-    a, b = _pad_to(a, 0, multiple), _pad_to(b, 0, multiple)
+    a, b = pad_to(a, 0, multiple), pad_to(b, 0, multiple)
     a_scales = F.pad(a_scales.float(), [0, 0, 0, a.shape[0] - rows], value=1.0)
     b_scales = F.pad(b_scales.float(), [0, 0, 0, b.shape[0] - cols], value=1.0)
     num_blocks = math.ceil(a.shape[1] / BLOCK)
     # Contiguous [nK, rows, 128] copies: row-major a and column-major b in every block, the
     # layouts cuBLASLt's fp8 kernels need (the CPU takes any).
-    a_blocks = _pad_to(a, 1, BLOCK).view(a.shape[0], num_blocks, BLOCK).transpose(0, 1)
-    b_blocks = _pad_to(b, 1, BLOCK).view(b.shape[0], num_blocks, BLOCK).transpose(0, 1)
+    a_blocks = pad_to(a, 1, BLOCK).view(a.shape[0], num_blocks, BLOCK).transpose(0, 1)
+    b_blocks = pad_to(b, 1, BLOCK).view(b.shape[0], num_blocks, BLOCK).transpose(0, 1)
     a_blocks, b_blocks = a_blocks.contiguous(), b_blocks.contiguous()
     out = None
     for index in range(num_blocks):
@@ -347,29 +340,3 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                ) -> torch.Tensor:
     """F.linear with block-scaled FP8 matmuls forward and backward."""
     return FP8LinearFunction.apply(x, weight, bias, output_dtype(x))
-
-
-class FP8Linear(nn.Linear):
-    """An nn.Linear (same parameters, same names) whose matmuls run in FP8."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.bias)
-
-
-def is_quantized_linear(name: str, module: nn.Module) -> bool:
-    """DeepSeek-V3's choice: the projections of attention, MLPs and experts are FP8; embeddings,
-    norms, the router's gate and the LM head stay in 16 bits."""
-    return (type(module) is nn.Linear and name.startswith("layers.")
-            and not name.endswith("router.gate"))
-
-
-def convert_to_fp8(model: nn.Module) -> nn.Module:
-    """Swap the quantized linears of a tetrad Transformer for FP8Linear, in place, keeping their
-    parameter objects (and so their names, initial values and any optimizer built on them)."""
-    for name, module in list(model.named_modules()):
-        if is_quantized_linear(name, module):
-            fp8 = FP8Linear(module.in_features, module.out_features, bias=False, device="meta")
-            fp8.weight, fp8.bias = module.weight, module.bias
-            parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), child, fp8)
-    return model

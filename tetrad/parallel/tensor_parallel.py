@@ -54,7 +54,7 @@ from torch import nn
 
 from tetrad.config import ModelConfig
 from tetrad.errors import ConfigError
-from tetrad.models.fp8 import FP8Linear, fp8_linear
+from tetrad.models.fp8_layers import FP8Linear
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm
 from tetrad.parallel.mesh import Group, Mesh
@@ -65,10 +65,11 @@ from tetrad.planner.rules import check_tensor_parallel
 
 
 def matmul_of(full: nn.Linear) -> Callable[..., torch.Tensor]:
-    """The shard runs its matmul as the layer it was cut from did: FP8 (each rank scales its own
-    shard's 128x128 blocks, so FP8 tensor parallelism is close to, not equal to, one process).
-    FP8 shards run their collectives unchunked: the overlapped path's chunks are bf16 matmuls."""
-    return fp8_linear if isinstance(full, FP8Linear) else F.linear
+    """The shard runs its matmul as the layer it was cut from did: FP8 in its recipe (each rank
+    scales its own shard's blocks or tensor, so FP8 tensor parallelism is close to, not equal to,
+    one process). FP8 shards run their collectives unchunked: the overlapped path's chunks are
+    bf16 matmuls."""
+    return full.matmul if isinstance(full, FP8Linear) else F.linear
 
 
 # The layers. Each remembers which rows (or columns) of the full weight every rank holds:

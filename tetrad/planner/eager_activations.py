@@ -38,16 +38,20 @@ def norm_bytes(config: ModelConfig, tokens: float, stream: float) -> float:
     return tokens * stream * (h + 2)
 
 
-def fp8_input(tokens: float, width: int, groups: int = 1) -> float:
-    """An FP8 linear's input as its backward keeps it (tetrad.models.fp8): E4M3 bytes and one
-    fp32 scale per 128 tokens of each column, for `groups` equal sets of tokens (experts)."""
+def fp8_input(tokens: float, width: int, precision: TrainingPrecision, groups: int = 1
+              ) -> float:
+    """An FP8 linear's input as its backward keeps it: E4M3 bytes and, for each of `groups`
+    equal sets of tokens (experts, each its own linear call), one fp32 scale per 128 tokens of
+    each column (tetrad.models.fp8) or one scale (the "tensor" recipe, fp8_tensorwise)."""
+    if precision.fp8_recipe == "tensor":
+        return tokens * width + groups * FP32
     return tokens * width + groups * -(-tokens / groups // FP8_BLOCK) * width * FP32
 
 
 def linear_input(tokens: float, width: int, precision: TrainingPrecision) -> float:
     """What a block linear keeps of its input: its autocast copy, or under fp8 its FP8 copy."""
     if precision.compute_dtype == "fp8":
-        return fp8_input(tokens, width)
+        return fp8_input(tokens, width, precision)
     return tokens * width * precision.activation_bytes
 
 
@@ -58,7 +62,7 @@ def mlp_bytes(config: ModelConfig, tokens: float, ffn: int, precision: TrainingP
     act = precision.activation_bytes
     up_side = tokens * ffn * act * (3 if config.mlp == "swiglu" else 1)
     if precision.compute_dtype == "fp8":
-        return up_side + fp8_input(tokens, ffn, groups)
+        return up_side + fp8_input(tokens, ffn, precision, groups)
     return up_side + tokens * ffn * act
 
 
@@ -67,12 +71,14 @@ def weight_casts(config: ModelConfig, layout: TrainLayout, layer: int,
     """Under autocast, every matmul weight not already in the compute dtype is cast in each
     forward and the copy saved: all of them over fp32 parameters, only the fp32 experts that
     ZeRO leaves alone over 16-bit ones. Under fp8 a block linear keeps its E4M3 copy and one
-    fp32 scale per 128x128 block instead (the router's gate is cast as under bf16)."""
+    fp32 scale per 128x128 block (or one in all, the "tensor" recipe) instead (the router's gate
+    is cast as under bf16)."""
     act, fp8 = precision.activation_bytes, precision.compute_dtype == "fp8"
     total = 0.0
     for p in block_params(config, layout, layer):
         if fp8 and p.fp8_blocks:
-            total += p.elements + p.fp8_blocks * FP32
+            total += p.elements + (FP32 if precision.fp8_recipe == "tensor"
+                                   else p.fp8_blocks * FP32)
         elif p.matmul and (FP32 if p.expert else precision.param_bytes) != act:
             total += p.elements * act
     return total
@@ -94,7 +100,7 @@ def _moe_bytes(config: ModelConfig, layout: TrainLayout, tokens: int,
     # tokens of each of the rank's experts), and the expert's MLP.
     experts = e // layout.ep
     total += routed * (stream * (1 + h) + h * act)
-    total += (fp8_input(routed, h, experts) if precision.compute_dtype == "fp8"
+    total += (fp8_input(routed, h, precision, experts) if precision.compute_dtype == "fp8"
               else routed * h * act)
     total += mlp_bytes(config, routed, config.moe_ffn_hidden_size, precision, experts)
     # Indices: token and slot per copy on one device; with ep, three per copy sent (which
@@ -105,7 +111,7 @@ def _moe_bytes(config: ModelConfig, layout: TrainLayout, tokens: int,
         total += mlp_bytes(config, tokens, config.moe_ffn_hidden_size * config.num_shared_experts,
                            precision)
         if precision.compute_dtype == "fp8":
-            total += fp8_input(tokens, h)  # the shared expert's FP8 copy of the router input
+            total += fp8_input(tokens, h, precision)  # the shared expert's copy of the router input
         elif act != stream:
             total += tokens * h * act  # the shared expert's own cast of the router input
     return total
@@ -130,7 +136,7 @@ def block_bytes(config: ModelConfig, layout: TrainLayout, layer: int, seq_len: i
         total += t * (q + kv) * act  # rotated q and k
     total += t * q * act  # the attention output (also the output projection's input)
     if fp8 and layout.cp == 1:
-        total += fp8_input(t, q)  # the output projection keeps its own FP8 copy
+        total += fp8_input(t, q, precision)  # the output projection keeps its own FP8 copy
     if layout.cp > 1:
         # Ring attention keeps its log-sum-exp (selective recomputation leaves it alone) and
         # hands the output projection a copy in token order (which keeps it, or its FP8 copy).

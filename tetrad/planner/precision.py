@@ -55,6 +55,9 @@ class TrainingPrecision:
     master_bytes: float  # fp32 master weights; 0 when the params are already fp32
     optimizer_bytes: float  # Adam's two moments
     activation_bytes: float
+    # --dtype fp8's scaling (tetrad.models.fp8_layers): "block" (128x128 weight blocks, 1x128
+    # tiles) or "tensor" (one scale per tensor): what backward keeps of an FP8 linear's scales.
+    fp8_recipe: str = "block"
 
     @property
     def optimizer_state_bytes(self) -> float:
@@ -66,7 +69,8 @@ class TrainingPrecision:
         return self.param_bytes + self.grad_bytes + self.optimizer_state_bytes
 
 
-def training_precision(dtype: str, fp32_grads: bool = False) -> TrainingPrecision:
+def training_precision(dtype: str, fp32_grads: bool = False, fp8_recipe: str = "block"
+                       ) -> TrainingPrecision:
     """The recipe for `--dtype`: fp32, bf16/fp16 mixed precision, or fp8. `fp32_grads`
     accumulates gradients in fp32 (Megatron's --accumulate-allreduce-grads-in-fp32): 18
     bytes/param.
@@ -78,11 +82,12 @@ def training_precision(dtype: str, fp32_grads: bool = False) -> TrainingPrecisio
     moments. Model state is bf16 mixed precision's, 2 + 2 + 4 + 8 (ZeRO's bf16 parameters; one
     process and DDP keep fp32 parameters, train.strategy.planned_precision). What backward keeps
     of an FP8 linear, its E4M3 input and weight copies and their scales (one fp32 per 128 tokens
-    of a column, per 128x128 block), is counted by the tetrad profile (eager_activations)."""
+    of a column, per 128x128 block; with `fp8_recipe` "tensor", one per tensor), is counted by the
+    tetrad profile (eager_activations)."""
     if dtype == "fp32":
         return TrainingPrecision("fp32", 4, 4, 0, 8, 4)
     if dtype in ("bf16", "fp16"):
         return TrainingPrecision(dtype, 2, 4 if fp32_grads else 2, 4, 8, 2)
     if dtype in ("fp8", "fp8-e4m3", "fp8-e5m2"):
-        return TrainingPrecision("fp8", 2, 4 if fp32_grads else 2, 4, 8, 2)
+        return TrainingPrecision("fp8", 2, 4 if fp32_grads else 2, 4, 8, 2, fp8_recipe)
     raise ConfigError(f"training dtype must be fp32, bf16, fp16 or fp8, got {dtype!r}")

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from tetrad.memory import ActivationMeter
-from tetrad.models.fp8 import convert_to_fp8
+from tetrad.models.fp8_layers import convert_to_fp8
 
 # fp8 autocasts to bf16 around its FP8 linears (tetrad.models.fp8): the rest of the model is bf16.
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
@@ -23,10 +23,10 @@ Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Backward = Callable[[torch.Tensor, bool], None]
 
 
-def apply_precision(model: nn.Module, dtype: str) -> nn.Module:
+def apply_precision(model: nn.Module, dtype: str, fp8_recipe: str = "block") -> nn.Module:
     """What `dtype` changes in the model itself before any layout splits it: fp8 swaps the
-    block linears for FP8 ones (their tensor-parallel shards inherit it)."""
-    return convert_to_fp8(model) if dtype == "fp8" else model
+    block linears for FP8 ones in `fp8_recipe` (their tensor-parallel shards inherit it)."""
+    return convert_to_fp8(model, fp8_recipe) if dtype == "fp8" else model
 
 
 @contextlib.contextmanager

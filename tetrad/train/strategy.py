@@ -85,15 +85,15 @@ def planned_precision(config: TrainConfig) -> TrainingPrecision:
     planner's prediction: single-process and DDP autocast over fp32 parameters (no separate master
     copy); ZeRO keeps low-precision parameters and gradients beside fp32 master weights."""
     if config.dtype == "fp32" or config.parallel.zero > 0:
-        return training_precision(config.dtype)
+        return training_precision(config.dtype, fp8_recipe=config.fp8_recipe)
     return TrainingPrecision(config.dtype, param_bytes=4, grad_bytes=4, master_bytes=0,
-                             optimizer_bytes=8, activation_bytes=2)
+                             optimizer_bytes=8, activation_bytes=2, fp8_recipe=config.fp8_recipe)
 
 
 def build_strategy(model: nn.Module, config: TrainConfig, device: torch.device,
                    mesh: Mesh | None = None, collectives: Comm | None = None) -> Strategy:
     """The strategy for config.parallel on this rank's mesh (none: single process)."""
-    apply_precision(model, config.dtype)
+    apply_precision(model, config.dtype, config.fp8_recipe)
     if mesh is None:
         # One process still honours --compile and --recompute, in parallelize's order: they
         # change how a step runs and what backward keeps (compiled fp32 arithmetic differs from
