@@ -69,6 +69,8 @@ def test_calibrated_profile_round_trips_and_times(calibrated, tmp_path):
     assert [ranks for ranks, _ in efficiency.sync_wait] == [2]
     assert all(seconds >= 0 for _, seconds in efficiency.sync_wait)
     assert [ranks for ranks, _ in efficiency.sync_wait_back_to_back] == [2]
+    assert [ranks for ranks, _ in efficiency.call_cpu] == [2]
+    assert all(seconds >= 0 for _, seconds in efficiency.call_cpu)
     # tetrad's call layer alone does host work outside the wait on every call.
     assert efficiency.call_compute_s > 0
     sizes = [flops for flops, _ in efficiency.matmul_curve]
@@ -99,6 +101,8 @@ def test_efficiency_curve_and_collective_fits_interpolate():
         pytest.approx(6e-4)
     back_to_back = dataclasses.replace(profile, sync_wait_back_to_back=((2, 2e-5), (4, 4e-5)))
     assert back_to_back.sync_wait_back_to_back_s(3) == pytest.approx(3e-5)
+    cpu = dataclasses.replace(profile, call_cpu=((2, 1e-4), (8, 4e-4)))
+    assert cpu.call_cpu_s(4) == pytest.approx(2e-4) and profile.call_cpu_s(8) == 0.0
 
 
 def test_calibrate_shows_progress_and_writes_the_profile(calibrated):

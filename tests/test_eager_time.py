@@ -103,6 +103,46 @@ def test_beyond_the_cores_a_waiting_call_costs_the_back_to_back_wait():
         assert exposed(cores, **waits) - exposed(cores) == pytest.approx(calls * wait)
 
 
+def test_beyond_the_cores_with_call_cpu_measured_the_step_is_the_ranks_cpu_time_over_the_cores():
+    """dp4 on 2 cores: no call waits (sync_wait_back_to_back no longer matters); every call issued
+    adds call_cpu and call_compute_s of CPU time on each of the 4 ranks, so the step grows by 4/2
+    of it per call; a collective fitted over 4 ranks on 2 cores gave each rank half its time."""
+    import dataclasses
+
+    from tetrad.hardware import GPUS, Cluster
+    from tetrad.planner.eager import pipeline_ranks
+    from tetrad.planner.eager_comm import overlapped_calls, queued_calls, waiting_calls
+    from tetrad.planner.eager_time import eager_step_time
+    from tetrad.planner.precision import training_precision
+
+    base = GPUS["h100-sxm"]
+    config, layout = preset("tiny"), TrainLayout(dp=4, micro_batch=1)
+    precision = training_precision("fp32")
+    fit = ("all_reduce", 4, 1e-3, 1e-9)
+
+    def step(**fields):
+        fields = {"concurrent_ranks": 2, "concurrent_slowdown": ((2, 1.0), (4, 2.0)),
+                  "collectives": (fit,), "call_cpu": ((4, 1e-3),), **fields}
+        gpu = dataclasses.replace(base, efficiency=dataclasses.replace(base.efficiency,
+                                                                        **fields))
+        return eager_step_time(config, Cluster(gpu, 4, 4), layout, 64, precision)
+
+    issued = (waiting_calls(config, layout, 64, precision, 0)
+              + queued_calls(config, layout, 64, precision, 0)
+              + overlapped_calls(config, layout, precision, 0))
+    plain = step()
+    assert issued >= 1 and plain.bubble == 0.0
+    assert step(sync_wait_back_to_back=((4, 5e-3),)).total == pytest.approx(plain.total)
+    assert step(call_cpu=((4, 3e-3),)).total - plain.total == pytest.approx(issued * 2e-3 * 2)
+    assert step(call_compute_s=1e-3).total - plain.total == pytest.approx(issued * 1e-3 * 2)
+    all_reduces = sum(count for (kind, size, _), count in pipeline_ranks(
+        config, layout, 64, precision)[0].comm.calls.items() if kind == "all_reduce")
+    slower = step(collectives=(("all_reduce", 4, 2e-3, 1e-9),))
+    assert slower.total - plain.total == pytest.approx(all_reduces * 1e-3 * (2 / 4) * (4 / 2))
+    # Without call_cpu the waits price the calls, as before.
+    assert step(call_cpu=()).total != pytest.approx(plain.total)
+
+
 def test_each_waiting_call_adds_its_compute_outside_the_wait():
     """call_compute_s is rank time outside the waits: the compute grows by it once per waiting
     call (tp2 waits between its blocks), unscaled by the slowdown it was measured under, and

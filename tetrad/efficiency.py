@@ -48,6 +48,10 @@ class EfficiencyProfile:
         beyond their compute when that many ranks alternate compute and such calls (a blocked
         peer waits for a core), ascending.
     sync_wait_back_to_back: (ranks, seconds) points: the same with no compute between calls.
+    call_cpu: (ranks, seconds) points: the CPU time one such call adds to its rank's process
+        beyond the call's own latency (the backend's threads, sleeping and waking), when that
+        many ranks alternate compute and calls: what a call costs where the ranks outnumber the
+        cores and the step is their total work over the cores (tetrad.planner.eager_time).
     call_compute_s: a rank's time outside the wait that one collective call between
         computations costs (the call layer's host work, the compute after it slower), measured
         on 2 ranks within the cores.
@@ -75,6 +79,7 @@ class EfficiencyProfile:
     concurrent_slowdown: tuple[tuple[int, float], ...] = ()
     sync_wait: tuple[tuple[int, float], ...] = ()
     sync_wait_back_to_back: tuple[tuple[int, float], ...] = ()
+    call_cpu: tuple[tuple[int, float], ...] = ()
     call_compute_s: float = 0.0
 
     def slowdown(self, ranks: int) -> float:
@@ -90,6 +95,10 @@ class EfficiencyProfile:
     def sync_wait_back_to_back_s(self, ranks: int) -> float:
         """sync_wait_back_to_back at `ranks` (0: none measured)."""
         return max(0.0, by_ranks(self.sync_wait_back_to_back, ranks, 0.0))
+
+    def call_cpu_s(self, ranks: int) -> float:
+        """call_cpu at `ranks` (0: none measured)."""
+        return max(0.0, by_ranks(self.call_cpu, ranks, 0.0))
 
     def matmul_efficiency(self, flops: float) -> float:
         """Fraction of peak a GEMM of `flops` reaches: the measured curve, else `matmul`."""

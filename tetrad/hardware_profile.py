@@ -14,7 +14,7 @@ from tetrad.hardware import GPU, gpu
 
 PROFILE_SCHEMA = 1
 # The EfficiencyProfile fields that are (ranks, value) points.
-CURVES = ("concurrent_slowdown", "sync_wait", "sync_wait_back_to_back")
+CURVES = ("concurrent_slowdown", "sync_wait", "sync_wait_back_to_back", "call_cpu")
 
 
 def profile_to_dict(device: GPU) -> dict:

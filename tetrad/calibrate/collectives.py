@@ -9,6 +9,7 @@ ledger counts its payload). Rank 0 draws the progress bar.
 
 from __future__ import annotations
 
+import resource
 import statistics
 import time
 from typing import Callable
@@ -101,41 +102,55 @@ def concurrent_steps(rank: int, sizes: list[int]) -> list[tuple[int, float]]:
 SYNC_CALLS = 20
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process so far, all its threads (the backend's included)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def sync_waits(rank: int, world_size: int, sizes: list[int]
-               ) -> list[tuple[int, float, float]]:
-    """(n, wait, back-to-back wait): with the first n ranks each alternating the calibration
+               ) -> list[tuple[int, float, float, float]]:
+    """(n, wait, back-to-back wait, CPU): with the first n ranks each alternating the calibration
     model's forward and a 256-byte all-reduce with its neighbour (ranks 0-1, 2-3, ...), what a
     call costs beyond the compute (the same loop without the calls, run by the same ranks at
-    once); and what it costs with no compute between the calls (their own latency included in
-    both). The slowest rank's, the median of ROUNDS rounds over every n in turn. The compute
-    between the calls lasts as long as a training step's between two of its collectives
-    (milliseconds), long enough for a waiting rank's threads to be put to sleep and to need
-    waking again."""
+    once); what it costs with no compute between the calls (their own latency included in
+    both); and the CPU time a call adds to its rank's process in the first loop (the mean over
+    the ranks). The waits are the slowest rank's; each value the median of ROUNDS rounds over
+    every n in turn. The compute between the calls lasts as long as a training step's between
+    two of its collectives (milliseconds), long enough for a waiting rank's threads to be put to
+    sleep and to need waking again. Beyond the cores the waits move by 1.5-3x between
+    repeats; the CPU time much less (docs/planner.md), which is what prices calls there."""
     from tetrad.calibrate.step import forward_pass
 
     pairs = [dist.new_group([first, first + 1]) for first in range(0, world_size - 1, 2)]
     forward = forward_pass()
     message = torch.ones(64)
 
-    def loop(compute: bool, calls: bool) -> float:
-        started = time.perf_counter()
+    def loop(compute: bool, calls: bool) -> tuple[float, float]:
+        """(wall, CPU) seconds per iteration."""
+        started, cpu = time.perf_counter(), cpu_seconds()
         for _ in range(SYNC_CALLS):
             if compute:
                 forward()
             if calls:
                 dist.all_reduce(message, group=pairs[rank // 2])
-        return (time.perf_counter() - started) / SYNC_CALLS
+        return ((time.perf_counter() - started) / SYNC_CALLS,
+                (cpu_seconds() - cpu) / SYNC_CALLS)
 
     rounds: dict[int, list[tuple[float, ...]]] = {n: [] for n in sizes}
     for _ in range(ROUNDS):
         for n in sizes:
-            measured = (0.0, 0.0)
+            measured, cpu = (0.0, 0.0), 0.0
             if rank < n:
                 loop(True, True)
-                measured = (loop(True, True) - loop(True, False), loop(False, True))
+                (with_calls, cpu_with), (without, cpu_without) = loop(True, True), loop(True, False)
+                measured = (with_calls - without, loop(False, True)[0])
+                cpu = (cpu_with - cpu_without) / n
             slowest = torch.tensor(measured, dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            rounds[n].append(tuple(max(0.0, float(value)) for value in slowest))
+            mean_cpu = torch.tensor([cpu], dtype=torch.float64)
+            dist.all_reduce(mean_cpu)
+            rounds[n].append(tuple(max(0.0, float(value)) for value in (*slowest, *mean_cpu)))
     return [(n, *(statistics.median(values) for values in zip(*measured)))
             for n, measured in rounds.items()]
 
@@ -212,7 +227,7 @@ def call_compute(rank: int) -> float:
 
 def measure(rank: int, world_size: int, show_progress: bool, rounds: int = ROUNDS
             ) -> tuple[list[tuple[str, int, float, float]], list[tuple[int, float]],
-                       list[tuple[int, float, float]], float]:
+                       list[tuple[int, float, float, float]], float]:
     """Every rank runs this (tetrad.train.launch.spawn); returns (kind, n, alpha, beta) fits
     (each point the median of `rounds` rounds), the concurrent steps' (n, seconds), the
     collective calls' waits (sync_waits) and their compute outside the wait (call_compute)."""

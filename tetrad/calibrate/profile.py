@@ -74,8 +74,9 @@ def calibrate(device_type: str = "cpu", nproc: int = 0, show_progress: bool = Tr
     own = pair[0] if pair else 0.0
     return replace(device, efficiency=replace(
         device.efficiency,
-        sync_wait=tuple((n, max(0.0, wait - own)) for n, wait, _ in waits),
-        sync_wait_back_to_back=tuple((n, max(0.0, calls - own)) for n, _, calls in waits),
+        sync_wait=tuple((n, max(0.0, wait - own)) for n, wait, _, _ in waits),
+        sync_wait_back_to_back=tuple((n, max(0.0, calls - own)) for n, _, calls, _ in waits),
+        call_cpu=tuple((n, max(0.0, cpu - own)) for n, _, _, cpu in waits),
         call_compute_s=call))
 
 

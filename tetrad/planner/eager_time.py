@@ -37,7 +37,15 @@ reduce-scatters issued a unit ahead wait for nothing (eager_comm.overlapped_call
 between computations also costs the rank `call_compute_s` outside any wait (tetrad's call
 layer, the compute after it running slower), added to the slowest rank's compute as measured.
 Where the ranks fill the cores, nothing of the communication is hidden behind compute: gloo
-moves the bytes with the cores that compute. Without these
+moves the bytes with the cores that compute.
+
+With more ranks than cores and `call_cpu` measured, a call costs no wait of its own: the cores
+stay busy (1.85-1.88 of 2 in the 4- and 8-rank layouts on the 2-core machine) and the step is
+the ranks' total CPU time over the cores (`cpu_bound_step`): each rank's compute at the
+slowdown of all ranks at once, each collective's time as its fit measured it, of which a rank
+beyond the cores holds cores / n (the fit's n ranks shared the cores), and per call issued
+`call_cpu` (the backend's threads, sleeping and waking) and `call_compute_s` (tetrad's call
+layer, the compute after it slower). The step is the longer of that and the critical path without waits. Without these
 measurements, on a machine whose ranks share fewer cores than there are ranks
 (`concurrent_ranks`), the step is the longer of the critical path and the total compute over
 the cores.
@@ -156,6 +164,7 @@ class RankTime:
     optimizer: float
     communication: float  # every call of the step, less what compute hides (eager_overlap)
     call_compute: float  # the calls' time outside their waits (call_compute_s)
+    communication_cpu: float  # CPU seconds of the step's calls on this rank (cpu_bound_step)
 
 
 def rank_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, seq_len: int,
@@ -221,6 +230,8 @@ def rank_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, seq_le
     back_to_back = profile.sync_wait_back_to_back_s(world)
     wait = (back_to_back if profile.sync_wait_back_to_back and cores and world > cores
             else profile.sync_wait_s(world))
+    if cpu_bound(profile, world):  # the calls' cost is CPU time, in cpu_bound_step
+        wait = back_to_back = 0.0
     calls = waiting_calls(config, layout, seq_len, precision, pp_rank)
     # Calls right behind another find their peers running: the back-to-back wait.
     queued = queued_calls(config, layout, seq_len, precision, pp_rank)
@@ -230,9 +241,28 @@ def rank_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, seq_le
               hidden_communication(config, cluster, layout, seq_len, precision, pp_rank, args,
                                    scale))
     issued = calls + queued + overlapped_calls(config, layout, precision, pp_rank)
+    # A collective's fit over n ranks measured their CPU time shared by the cores.
+    ledger_cpu = sum(count * comm.call_time(cluster, kind, size, nbytes) * min(1.0, cores / size)
+                     for (kind, size, nbytes), count in ledger.calls.items()) if cores else 0.0
     return RankTime(forward * scale, backward * scale, matmul * scale, optimizer * scale,
                     comm.ledger_time(cluster, ledger) + calls * wait + queued * back_to_back
-                    - hidden, issued * profile.call_compute_s)
+                    - hidden, issued * profile.call_compute_s,
+                    ledger_cpu + issued * (profile.call_cpu_s(world) + profile.call_compute_s))
+
+
+def cpu_bound(profile: EfficiencyProfile, world: int) -> bool:
+    """More ranks than cores, and what a call costs them in CPU time measured (call_cpu)."""
+    return bool(profile.call_cpu and profile.concurrent_ranks
+                and world > profile.concurrent_ranks)
+
+
+def cpu_bound_step(ranks: list[RankTime], busy: list[float], layout: TrainLayout,
+                   profile: EfficiencyProfile) -> StepTime:
+    """The ranks' total CPU time over the cores (module doc): every pipeline rank stands for
+    world / pp ranks alike. Compute is their share of it, communication the calls' share."""
+    copies = layout.world_size / layout.pp / profile.concurrent_ranks
+    compute = sum(busy) * profile.slowdown(layout.world_size) / layout.pp
+    return StepTime(compute, copies * sum(rank.communication_cpu for rank in ranks), 0.0)
 
 
 @lru_cache(maxsize=1024)
@@ -269,4 +299,8 @@ def eager_step_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, 
         # Every rank's compute must pass through the cores; waiting ranks leave them to others.
         demand = sum(busy) * world / layout.pp / cores
         compute = max(compute, demand - communication - bubble)
-    return StepTime(compute, communication, bubble)
+    critical = StepTime(compute, communication, bubble)
+    if cpu_bound(profile, world):
+        return max(critical, cpu_bound_step(ranks, busy, layout, profile),
+                   key=lambda step: step.total)
+    return critical
