@@ -18,9 +18,9 @@ Rows per shape (Y = A B^T, A [M, K] and B [N, K], fp8 E4M3 with DeepSeek-V3's sc
 
 Each block-scaled row is checked against `loop` (the same quantized inputs, so the same function
 up to fp32 summation order and the output's rounding), the per-tensor row against the fp32
-product of its own dequantized inputs: relative error ||row - reference|| / ||reference||. Times are the median of
-CUDA-event timings after warm-up, on random inputs (never zeros). Prints a table; writes JSON
-to $OUT/gpu_fp8_matmul.json where OUT is set.
+product of its own dequantized inputs: relative error ||row - reference|| / ||reference||.
+Times are the median of CUDA-event timings after warm-up, on random inputs (never zeros). Prints
+a table; writes JSON to $OUT/gpu_fp8_matmul.json where OUT is set.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ product there is, where the block-scaled one measured only 1.03-1.26x bf16 on a 
 shapes (BENCHMARKS.md). A scale per tensor is the same read either way, so X's copy serves the
 forward and dW, and dY's serves dX and dW: three quantizations per linear against the block
 recipe's five. The price is range: one outlier sets the scale of its whole tensor, and values
-below the smallest subnormal (2^-9 of the amax's 448-ths in E4M3) become zero.
+below half its smallest subnormal (2^-10 x amax / 448 in E4M3, 2^-17 x amax / 57344 in E5M2)
+become zero.
 
 Saved for backward: X's and W's E4M3 copies and their two fp32 scales. The master weight stays in
 its own dtype and the output is in the autocast dtype (bf16), the bias added in fp32 before that.
@@ -32,8 +33,8 @@ def quantize_whole(x: torch.Tensor, dtype: torch.dtype = E4M3
     largest = torch.finfo(dtype).max
     amax = x.abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
     scale = torch.where(amax > 0, amax / largest, torch.ones_like(amax))
-    # Clamped: x / scale can pass the largest value by an ulp of fp32, and fp8 has no infinity
-    # that E4M3 could hold.
+    # Clamped: x / scale can pass the largest value by an ulp of fp32, which would round to NaN
+    # (E4M3 has no infinity) or to infinity (E5M2).
     return (x.float() / scale).clamp(-largest, largest).to(dtype), scale
 
 

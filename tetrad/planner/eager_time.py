@@ -45,10 +45,10 @@ the ranks' total CPU time over the cores (`cpu_bound_step`): each rank's compute
 slowdown of all ranks at once, each collective's time as its fit measured it, of which a rank
 beyond the cores holds cores / n (the fit's n ranks shared the cores), and per call issued
 `call_cpu` (the backend's threads, sleeping and waking) and `call_compute_s` (tetrad's call
-layer, the compute after it slower). The step is the longer of that and the critical path without waits. Without these
-measurements, on a machine whose ranks share fewer cores than there are ranks
-(`concurrent_ranks`), the step is the longer of the critical path and the total compute over
-the cores.
+layer, the compute after it slower). The step is the longer of that and the critical path
+without waits. Without these measurements, on a machine whose ranks share fewer cores than
+there are ranks (`concurrent_ranks`), the step is the longer of the critical path and the total
+compute over the cores.
 """
 
 from __future__ import annotations
@@ -260,8 +260,12 @@ def cpu_bound_step(ranks: list[RankTime], busy: list[float], layout: TrainLayout
                    profile: EfficiencyProfile) -> StepTime:
     """The ranks' total CPU time over the cores (module doc): every pipeline rank stands for
     world / pp ranks alike. Compute is their share of it, communication the calls' share."""
-    copies = layout.world_size / layout.pp / profile.concurrent_ranks
-    compute = sum(busy) * profile.slowdown(layout.world_size) / layout.pp
+    world, cores = layout.world_size, profile.concurrent_ranks
+    copies = world / layout.pp / cores
+    # The slowdown of all ranks at once is their compute's share of the cores (world / cores
+    # where nothing is measured) and what sharing them costs besides (caches, switching).
+    slowdown = profile.slowdown(world) if profile.concurrent_slowdown else world / cores
+    compute = sum(busy) * slowdown / layout.pp
     return StepTime(compute, copies * sum(rank.communication_cpu for rank in ranks), 0.0)
 
 
