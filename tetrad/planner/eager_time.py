@@ -40,7 +40,7 @@ Where the ranks fill the cores, nothing of the communication is hidden behind co
 moves the bytes with the cores that compute.
 
 With more ranks than cores and `call_cpu` measured, a call costs no wait of its own: the cores
-stay busy (1.85-1.88 of 2 in the 4- and 8-rank layouts on the 2-core machine) and the step is
+stay busy (1.84-1.88 of 2 in the 4- and 8-rank layouts on the 2-core machine) and the step is
 the ranks' total CPU time over the cores (`cpu_bound_step`): each rank's compute at the
 slowdown of all ranks at once, each collective's time as its fit measured it, of which a rank
 beyond the cores holds cores / n (the fit's n ranks shared the cores), and per call issued
