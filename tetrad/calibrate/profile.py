@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from tetrad.calibrate import compute
-from tetrad.calibrate.collectives import measure
+from tetrad.calibrate.collectives import ROUNDS, measure
 from tetrad.calibrate.step import predicted_step_seconds, step_seconds, training_step
 from tetrad.errors import ConfigError
 from tetrad.efficiency import EfficiencyProfile
@@ -46,7 +46,7 @@ def _cores() -> int:
 
 
 def calibrate(device_type: str = "cpu", nproc: int = 0, show_progress: bool = True,
-              budget_s: float = 0.05, rounds: int = 3) -> GPU:
+              budget_s: float = 0.05, rounds: int = ROUNDS) -> GPU:
     """Measure this machine; `nproc` ranks for the collectives (0: up to 8 on CPU, every GPU on
     CUDA; 1: none). `budget_s` is the time spent repeating one measurement, `rounds` the rounds
     over every collective (tetrad.calibrate.collectives.measure)."""

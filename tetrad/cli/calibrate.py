@@ -42,10 +42,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--nproc must be between 1 and 64, got {args.nproc}")
 
     from tetrad.calibrate import calibrate, default_profile_path
+    from tetrad.calibrate.collectives import ROUNDS
 
     started = time.perf_counter()
     profile = calibrate(args.device, args.nproc or 0, budget_s=0.01 if args.quick else 0.05,
-                        rounds=1 if args.quick else 3)
+                        rounds=1 if args.quick else ROUNDS)
     out = out or default_profile_path()
     save_profile(profile, out)
     efficiency = profile.efficiency

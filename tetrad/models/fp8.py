@@ -45,15 +45,18 @@ E4M3_RELATIVE_ERROR = 2.0 ** -4
 E4M3_SUBNORMAL_ERROR = 2.0 ** -10
 
 
-def _scale_of(amax: torch.Tensor) -> torch.Tensor:
-    """amax / 448 in fp32; an all-zero group gets scale 1 (any scale stores zeros exactly)."""
+def scale_of(amax: torch.Tensor, dtype: torch.dtype = E4M3) -> torch.Tensor:
+    """amax / the format's largest value (448 for E4M3) in fp32; an all-zero group gets scale 1
+    (any scale stores zeros exactly)."""
     amax = amax.float()
-    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    return torch.where(amax > 0, amax / torch.finfo(dtype).max, torch.ones_like(amax))
 
 
-def _to_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    # Clamped: x / scale can exceed 448 by an ulp of fp32, and E4M3 has no infinity.
-    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+def to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = E4M3) -> torch.Tensor:
+    # Clamped: x / scale can pass the largest value by an ulp of fp32, which would round to NaN
+    # (E4M3 has no infinity) or to infinity (E5M2).
+    largest = torch.finfo(dtype).max
+    return (x.float() / scale).clamp(-largest, largest).to(dtype)
 
 
 def pad_to(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
@@ -85,8 +88,8 @@ def quantize_blocks(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, 
 def _quantize_tiles(x: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = x.shape
     groups = pad_to(x, 1, tile).view(rows, -1, tile)
-    scales = _scale_of(groups.abs().amax(dim=-1))
-    q = _to_e4m3(groups, scales.unsqueeze(-1)).view(rows, -1)[:, :cols]
+    scales = scale_of(groups.abs().amax(dim=-1))
+    q = to_fp8(groups, scales.unsqueeze(-1)).view(rows, -1)[:, :cols]
     return q.contiguous(), scales  # a copy when padded: what backward keeps is its own size
 
 
@@ -94,8 +97,8 @@ def _quantize_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.T
     rows, cols = w.shape
     blocks = pad_to(pad_to(w, 0, block), 1, block)
     grid = blocks.view(blocks.shape[0] // block, block, blocks.shape[1] // block, block)
-    scales = _scale_of(grid.abs().amax(dim=(1, 3)))
-    q = _to_e4m3(grid, scales[:, None, :, None]).view(blocks.shape)[:rows, :cols]
+    scales = scale_of(grid.abs().amax(dim=(1, 3)))
+    q = to_fp8(grid, scales[:, None, :, None]).view(blocks.shape)[:rows, :cols]
     return q.contiguous(), scales
 
 
@@ -143,9 +146,9 @@ def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: int = BLO
     return q.float() * full[:rows, :cols]
 
 
-def _rows_multiple(device: torch.device) -> int:
-    """cuBLASLt's fp8 kernels need M and N divisible by 16 (K is a 128-wide block already); the
-    CPU kernel takes any."""
+def cublas_multiple(device: torch.device) -> int:
+    """cuBLAS(Lt)'s fp8 kernels need every dimension divisible by 16 (for a block-scaled product
+    K is a 128-wide block already); the CPU kernel takes any."""
     return 16 if device.type == "cuda" else 1
 
 
@@ -216,7 +219,7 @@ def tiled_matmul(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor,
     to `rows_multiple` (the device's need by default), K with zero columns to whole blocks, and
     the padding is cut from the result."""
     return _tiled_matmul(a, a_scales, b, b_scales, b_rows_per_scale,
-                         rows_multiple or _rows_multiple(a.device), out_dtype)
+                         rows_multiple or cublas_multiple(a.device), out_dtype)
 
 
 @torch.library.custom_op("tetrad::tiled_matmul", mutates_args=())
@@ -270,7 +273,7 @@ def blockwise_loop_matmul(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tens
     """`tiled_matmul` as DeepSeek's kernel computes it: one row-wise `torch._scaled_mm` per
     128-wide block of K (inside one block every row has a single scale), summed in fp32."""
     rows, cols = a.shape[0], b.shape[0]
-    multiple = rows_multiple or _rows_multiple(a.device)
+    multiple = rows_multiple or cublas_multiple(a.device)
     a, b = pad_to(a, 0, multiple), pad_to(b, 0, multiple)
     a_scales = F.pad(a_scales.float(), [0, 0, 0, a.shape[0] - rows], value=1.0)
     b_scales = F.pad(b_scales.float(), [0, 0, 0, b.shape[0] - cols], value=1.0)

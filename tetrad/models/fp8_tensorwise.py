@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from tetrad.models.fp8 import E4M3, output_dtype, pad_to
+from tetrad.models.fp8 import E4M3, cublas_multiple, output_dtype, pad_to, scale_of, to_fp8
 
 E5M2 = torch.float8_e5m2
 
@@ -30,12 +30,9 @@ def quantize_whole(x: torch.Tensor, dtype: torch.dtype = E4M3
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """One fp32 scale for all of x, amax / the format's largest value (1 for an all-zero or
     empty tensor): (x in `dtype`, scale []), x ≈ q * scale."""
-    largest = torch.finfo(dtype).max
-    amax = x.abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
-    scale = torch.where(amax > 0, amax / largest, torch.ones_like(amax))
-    # Clamped: x / scale can pass the largest value by an ulp of fp32, which would round to NaN
-    # (E4M3 has no infinity) or to infinity (E5M2).
-    return (x.float() / scale).clamp(-largest, largest).to(dtype), scale
+    amax = x.abs().amax() if x.numel() else x.new_zeros(())
+    scale = scale_of(amax, dtype)
+    return to_fp8(x, scale, dtype), scale
 
 
 def scaled_product(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
@@ -45,7 +42,7 @@ def scaled_product(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
     written in `out_dtype`. cuBLAS wants a row-major and b^T column-major (b contiguous) and every
     dimension a multiple of 16: they are padded with zeros to `multiple` (by default 16 on a GPU,
     1 on the CPU, whose kernel takes any shape), and the padding cut from the result."""
-    multiple = multiple or (16 if a.device.type == "cuda" else 1)
+    multiple = multiple or cublas_multiple(a.device)
     rows, cols = a.shape[0], b.shape[0]
     a = pad_to(pad_to(a, 0, multiple), 1, multiple).contiguous()
     b = pad_to(pad_to(b, 0, multiple), 1, multiple).contiguous()

@@ -164,7 +164,8 @@ class RankTime:
     optimizer: float
     communication: float  # every call of the step, less what compute hides (eager_overlap)
     call_compute: float  # the calls' time outside their waits (call_compute_s)
-    communication_cpu: float  # CPU seconds of the step's calls on this rank (cpu_bound_step)
+    communication_cpu: float  # CPU seconds of the step's calls on this rank (cpu_bound_step;
+    # 0 unless the step is bound by the cores)
 
 
 def rank_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, seq_len: int,
@@ -230,7 +231,8 @@ def rank_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, seq_le
     back_to_back = profile.sync_wait_back_to_back_s(world)
     wait = (back_to_back if profile.sync_wait_back_to_back and cores and world > cores
             else profile.sync_wait_s(world))
-    if cpu_bound(profile, world):  # the calls' cost is CPU time, in cpu_bound_step
+    bound_by_cpu = cpu_bound(profile, world)
+    if bound_by_cpu:  # the calls' cost is CPU time, in cpu_bound_step
         wait = back_to_back = 0.0
     calls = waiting_calls(config, layout, seq_len, precision, pp_rank)
     # Calls right behind another find their peers running: the back-to-back wait.
@@ -241,13 +243,15 @@ def rank_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, seq_le
               hidden_communication(config, cluster, layout, seq_len, precision, pp_rank, args,
                                    scale))
     issued = calls + queued + overlapped_calls(config, layout, precision, pp_rank)
-    # A collective's fit over n ranks measured their CPU time shared by the cores.
-    ledger_cpu = sum(count * comm.call_time(cluster, kind, size, nbytes) * min(1.0, cores / size)
-                     for (kind, size, nbytes), count in ledger.calls.items()) if cores else 0.0
+    communication_cpu = 0.0
+    if bound_by_cpu:
+        # A collective's fit over n ranks measured their CPU time shared by the cores.
+        communication_cpu = issued * (profile.call_cpu_s(world) + profile.call_compute_s) + sum(
+            count * comm.call_time(cluster, kind, size, nbytes) * min(1.0, cores / size)
+            for (kind, size, nbytes), count in ledger.calls.items())
     return RankTime(forward * scale, backward * scale, matmul * scale, optimizer * scale,
                     comm.ledger_time(cluster, ledger) + calls * wait + queued * back_to_back
-                    - hidden, issued * profile.call_compute_s,
-                    ledger_cpu + issued * (profile.call_cpu_s(world) + profile.call_compute_s))
+                    - hidden, issued * profile.call_compute_s, communication_cpu)
 
 
 def cpu_bound(profile: EfficiencyProfile, world: int) -> bool:
