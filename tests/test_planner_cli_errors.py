@@ -40,6 +40,7 @@ def test_malformed_model_files(capsys, bad_model_files):
 
 @pytest.mark.parametrize("extra, words", [
     (["--tokens=-1e12"], "--tokens must be a token budget"),
+    (["--tokens", "-1e12"], "--tokens must be a token budget"),  # a value, not an option
     (["--num-gpus", "16", "--nic-gbps=-100"], "--nic-gbps must be a positive bandwidth"),
     (["--num-gpus", "16", "--nic-gbps", "0"], "--nic-gbps must be a positive bandwidth"),
     (["--seq-len", "0"], "--seq-len must be at least 1"),
@@ -48,7 +49,9 @@ def test_malformed_model_files(capsys, bad_model_files):
     (["--micro-batch", "0"], "--micro-batch must be at least 1"),
     (["--tp", "0"], "--tp must be at least 1"),
     (["--pp", "2", "--vpp", "4", "--schedule", "1f1b"], "--vpp 4 needs --schedule interleaved"),
-    (["--zero", "3", "--dp", "1", "--tp", "8"], "--zero 3 shards over dp*cp ranks"),
+    (["--zero", "3", "--dp", "1", "--tp", "8"], "--zero 3 shards over dp*cp ranks, and --dp 1"),
+    (["--zero", "3", "--tp", "8"], "and tp*pp = 8 of 8 GPUs leaves one"),
+    (["--zero", "1", "--tp", "4", "--pp", "2"], "and tp*pp = 8 of 8 GPUs leaves one"),
     (["--stack", "megatron", "--dp", "8", "--ep", "2"], "needs a mixture-of-experts model"),
 ])
 def test_training_input_refused(capsys, extra, words):
@@ -56,6 +59,20 @@ def test_training_input_refused(capsys, extra, words):
     if "--num-gpus" in extra:  # the later --num-gpus wins
         argv = TRAIN[:-2] + extra
     _refused(capsys, argv, words)
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--zero", "5"], "argument --zero: invalid choice: 5"),
+    (["--tp"], "argument --tp: expected one argument"),
+    (["--num-gpus", "eight"], "argument --num-gpus: invalid int value: 'eight'"),
+])
+def test_what_argparse_refuses_is_one_line_too(capsys, extra, words):
+    with pytest.raises(SystemExit) as stopped:
+        main(TRAIN + extra)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("tetrad plan train: error: ") and words in err, err
+    assert err.strip().endswith("(--help lists the options)"), err
 
 
 def test_fp8_needs_fp8_tensor_cores(capsys):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import pkgutil
+import re
 import sys
 
 import tetrad.cli
@@ -40,8 +41,22 @@ def subcommand_modules() -> list[str]:
                   if info.name != "main")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with tetrad's rule for bad input: one line on stderr and exit status 2 (the
+    usage stays with --help). A negative number in scientific notation (`--tokens -1e12`) is
+    read as a value, as -5 and -0.5 are, so that the command's own check can say what is wrong
+    with it, rather than as an unknown option. Subcommand parsers are of the same class."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="tetrad", description="Plan, train and serve large transformers.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in subcommand_modules():

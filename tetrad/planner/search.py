@@ -171,9 +171,17 @@ def check_training_space(cluster: Cluster, workload: TrainWorkload, global_batch
     if space.vpp is not None and space.vpp > 1 and space.schedule not in (None, "interleaved"):
         raise ConfigError(f"--vpp {space.vpp} needs --schedule interleaved, not "
                           f"{space.schedule}: drop --vpp or use the interleaved schedule")
-    if space.zero and space.dp == 1 and (space.cp or 1) == 1:
-        raise ConfigError(f"--zero {space.zero} shards over dp*cp ranks, and --dp 1 leaves one: "
-                          f"use --zero 0 or more data-parallel ranks")
+    if space.zero:
+        # The most ranks ZeRO can shard over: dp*cp as given, else what tp and pp leave of the GPUs.
+        fixed = (space.tp or 1) * (space.pp or 1)
+        if space.dp is not None:
+            sharding, given = space.dp * (space.cp or 1), f"--dp {space.dp}"
+        else:
+            sharding = cluster.num_gpus // fixed
+            given = f"tp*pp = {fixed} of {cluster.num_gpus} GPUs"
+        if sharding == 1:
+            raise ConfigError(f"--zero {space.zero} shards over dp*cp ranks, and {given} leaves "
+                              f"one: use --zero 0 or more data-parallel ranks")
     compute = workload.precision.compute_dtype
     if compute not in cluster.gpu.peak_flops:
         raise ConfigError(f"{cluster.gpu.name} has no {compute} tensor cores: train in "
