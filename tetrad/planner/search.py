@@ -172,7 +172,7 @@ def check_training_space(cluster: Cluster, workload: TrainWorkload, global_batch
         raise ConfigError(f"--vpp {space.vpp} needs --schedule interleaved, not "
                           f"{space.schedule}: drop --vpp or use the interleaved schedule")
     if space.zero:
-        # The most ranks ZeRO can shard over: dp*cp as given, else what tp and pp leave of the GPUs.
+        # The most ranks ZeRO can shard over: dp*cp as given, else what tp*pp leaves of the GPUs.
         fixed = (space.tp or 1) * (space.pp or 1)
         if space.dp is not None:
             sharding, given = space.dp * (space.cp or 1), f"--dp {space.dp}"
