@@ -48,7 +48,7 @@ from tetrad.train.strategy import build_strategy
 
 LR = 1e-4
 FP32_LOSS_TOLERANCE = 1e-4
-# bf16: the two measured 1.0e-4 apart eager (2026-11-26 22:32 UTC); a wrong model misses by far more.
+# bf16: measured 1.0e-4 apart eager (2026-11-26 22:32 UTC); a wrong model misses by far more.
 BF16_LOSS_TOLERANCE = 2e-3
 
 
