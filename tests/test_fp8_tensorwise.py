@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from tetrad.cli.main import main
 from tetrad.config import TrainConfig
 from tetrad.errors import ConfigError
-from tetrad.models.fp8 import E4M3, E4M3_MAX
+from tetrad.models.fp8 import E4M3, E4M3_MAX, pad_to
 from tetrad.models.fp8_layers import FP8Linear, convert_to_fp8
 from tetrad.models.fp8_tensorwise import (E5M2, quantize_whole, scaled_product,
                                           tensorwise_fp8_linear)
@@ -67,15 +67,20 @@ def test_representable_values_round_trip_and_empty_or_zero_tensors_get_scale_one
         assert scale == 1.0 and q.shape == x.shape and not q.float().any()
 
 
-def test_padding_for_the_gpu_kernel_changes_nothing():
+@pytest.mark.parametrize("a_dtype", [E4M3, E5M2])  # E5M2: a gradient, dX's and dW's left side
+def test_padding_for_the_gpu_kernel_changes_nothing(a_dtype):
     """On CUDA every dimension is padded to 16 (cuBLAS's need): forcing it here on odd shapes
-    gives the unpadded product, bit for bit."""
+    gives the unpadded product, bit for bit, and the padding itself is zeros in either format."""
     generator = torch.Generator().manual_seed(1)
-    (a, sa), (b, sb) = (quantize_whole(torch.randn(37, 300, generator=generator)),
+    (a, sa), (b, sb) = (quantize_whole(torch.randn(37, 300, generator=generator), a_dtype),
                         quantize_whole(torch.randn(70, 300, generator=generator)))
     plain = scaled_product(a, sa, b, sb, torch.float32, multiple=1)
     padded = scaled_product(a, sa, b, sb, torch.float32, multiple=16)
     assert padded.shape == (37, 70) and torch.equal(padded, plain)
+    grown = pad_to(pad_to(a, 0, 16), 1, 16)
+    assert grown.dtype == a_dtype and grown.shape == (48, 304)
+    assert torch.equal(grown[:37, :300].float(), a.float()) and not grown[37:].float().any()
+    assert not grown[:, 300:].float().any()
     a_values, b_values = a.float() * sa, b.float() * sb
     exact = a_values @ b_values.t()
     assert ((plain - exact).abs() <= FP32_SLACK * a_values.abs() @ b_values.abs().t()).all()

@@ -64,8 +64,8 @@ def pad_to(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
     if not extra:
         return x
     pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, extra]
-    if x.dtype == E4M3:  # F.pad has no fp8 kernel; E4M3's +0 is the byte 0
-        return F.pad(x.view(torch.uint8), pad).view(E4M3)
+    if x.dtype in (E4M3, torch.float8_e5m2):  # no CUDA F.pad for fp8; either's +0 is byte 0
+        return F.pad(x.view(torch.uint8), pad).view(x.dtype)
     return F.pad(x, pad)
 
 
