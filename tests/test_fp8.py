@@ -1,5 +1,6 @@
-"""FP8 numerics (tetrad.models.fp8): E4M3 quantisation per 1x128 tile and per 128x128 block, the block-scaled product on torch._scaled_mm, and the FP8 linear's forward and gradients
-against fp32, every bound derived from E4M3's 3 mantissa bits; `--dtype fp8` training on two
+"""FP8 numerics (tetrad.models.fp8): E4M3 quantisation per 1x128 tile and per 128x128 block,
+the block-scaled product on torch._scaled_mm, and the FP8 linear's forward and gradients against
+fp32, every bound derived from E4M3's 3 mantissa bits; `--dtype fp8` training on two
 data-parallel ranks against one process."""
 
 import json

@@ -228,12 +228,13 @@ def rank_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, seq_le
     # the step's demand bound (eager_step_time) already counts: such a call costs what it
     # costs back to back.
     world, cores = layout.world_size, profile.concurrent_ranks
-    back_to_back = profile.sync_wait_back_to_back_s(world)
-    wait = (back_to_back if profile.sync_wait_back_to_back and cores and world > cores
-            else profile.sync_wait_s(world))
     bound_by_cpu = cpu_bound(profile, world)
     if bound_by_cpu:  # the calls' cost is CPU time, in cpu_bound_step
         wait = back_to_back = 0.0
+    else:
+        back_to_back = profile.sync_wait_back_to_back_s(world)
+        wait = (back_to_back if profile.sync_wait_back_to_back and cores and world > cores
+                else profile.sync_wait_s(world))
     calls = waiting_calls(config, layout, seq_len, precision, pp_rank)
     # Calls right behind another find their peers running: the back-to-back wait.
     queued = queued_calls(config, layout, seq_len, precision, pp_rank)

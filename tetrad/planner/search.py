@@ -173,10 +173,10 @@ def check_training_space(cluster: Cluster, workload: TrainWorkload, global_batch
                           f"{space.schedule}: drop --vpp or use the interleaved schedule")
     if space.zero:
         # The most ranks ZeRO can shard over: dp*cp as given, else what tp*pp leaves of the GPUs.
-        fixed = (space.tp or 1) * (space.pp or 1)
         if space.dp is not None:
             sharding, given = space.dp * (space.cp or 1), f"--dp {space.dp}"
         else:
+            fixed = (space.tp or 1) * (space.pp or 1)
             sharding = cluster.num_gpus // fixed
             given = f"tp*pp = {fixed} of {cluster.num_gpus} GPUs"
         if sharding == 1:

@@ -32,8 +32,10 @@ class ParameterServerStrategy:
 
     def __init__(self, model: nn.Module, config: TrainConfig, device: torch.device, world: Group,
                  comm: Comm, options: PSOptions):
-        """`config`: batch_size, grad_accum and dtype are read (the checks of check_run)."""
-        apply_precision(model, config.dtype, config.fp8_recipe)  # before the client flattens the parameters
+        """`config`: batch_size, grad_accum, dtype and fp8_recipe are read (the checks of
+        check_run)."""
+        # Before the client flattens the parameters.
+        apply_precision(model, config.dtype, config.fp8_recipe)
         self.model, self.config, self.device, self.options = model, config, device, options
         self.client = WorkerClient(model, world, comm, options)
         self.comm, self.received = self.client.sent, self.client.received
