@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -221,6 +222,7 @@ class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
+        self._check_numbers()
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "nproc", "log_every"):
             check_positive(name, getattr(self, name))
         for name in ("lr", "grad_clip", "save_every", "keep", "warmup_steps", "weight_decay",
@@ -240,6 +242,26 @@ class TrainConfig:
                               f"grad_accum {self.grad_accum}")
         if isinstance(self.parallel, dict):
             object.__setattr__(self, "parallel", from_dict(ParallelConfig, self.parallel))
+
+    def _check_numbers(self) -> None:
+        """Integers that are integers, finite reals, and ranges the generators and AdamW take:
+        a NaN learning rate or a float seed from a TOML file would fail mid-run, or not at all."""
+        for spec in dataclasses.fields(self):
+            value = getattr(self, spec.name)
+            if spec.type == "int" and type(value) is not int:
+                raise ConfigError(f"{spec.name} must be an integer, got {value!r}")
+            if spec.type == "float" and (type(value) not in (int, float)
+                                         or not math.isfinite(value)):
+                raise ConfigError(f"{spec.name} must be a finite number, got {value!r}")
+            if spec.type in ("str", "bool") and type(value).__name__ != spec.type:
+                raise ConfigError(f"{spec.name} must be a {spec.type}, got {value!r}")
+        if not 0 <= self.seed < 2**63:
+            raise ConfigError(f"seed must be in [0, 2**63), got {self.seed}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
