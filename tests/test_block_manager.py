@@ -186,3 +186,37 @@ def test_random_operations_keep_ownership_and_never_write_shared_blocks(
         manager.free_swapped(seq)
     manager.check_invariants([], [])
     assert manager.num_free_blocks == num_blocks and len(manager.cpu_free) == num_blocks
+
+
+def test_prompts_differing_only_in_a_blocks_last_token_each_get_their_own_hits():
+    """The hash covers every token of a block: two prompts that differ only in the last token of
+    their second block each cache that block, and a repeat of either hits both of its blocks."""
+    manager = BlockManager(num_blocks=12, block_size=4)
+    shared = [5, 6, 7, 8, 1, 2, 3]
+    first, second = make_seq(0, shared + [4, 0]), make_seq(1, shared + [9, 0])
+    admit(manager, first)
+    hits, _ = admit(manager, second)
+    assert hits == first.block_table[:1]  # the first block is the same, the second is not
+    repeats = []
+    for seq_id, original in ((2, first), (3, second)):
+        repeats.append(make_seq(seq_id, original.token_ids))
+        hits, _ = admit(manager, repeats[-1])
+        assert hits == original.block_table[:2], seq_id
+        assert repeats[-1].num_cached_tokens == 8
+    assert manager.num_prefix_hits == 4 + 8 + 8
+    manager.check_invariants([first, second, *repeats], [])
+
+
+def test_a_prompt_that_fits_the_free_blocks_exactly_is_admitted():
+    manager = BlockManager(num_blocks=3, block_size=4, watermark=0.0)
+    waiting = make_seq(0, range(12))
+    assert manager.can_allocate(waiting, [], 12, use_watermark=True)
+    assert not manager.can_allocate(waiting, [], 13, use_watermark=True)
+    # A hit on a freed, cached block revives it: that block is no longer free to allocate.
+    admit(manager, waiting)
+    manager.free(waiting)
+    again = make_seq(1, list(range(8)) + [50, 51, 52, 53, 54])  # 2 hits + 5 new tokens
+    hits = manager.prefix_hits(again)
+    assert len(hits) == 2 and manager.num_free_blocks == 3
+    assert not manager.can_allocate(again, hits, 5, use_watermark=False)
+    assert manager.can_allocate(again, hits, 4, use_watermark=False)

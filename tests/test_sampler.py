@@ -141,3 +141,91 @@ def test_stop_strings_cut_the_text_and_hold_back_a_partial_match():
     assert apply_stop_strings(params, "hello #") == ("hello ", False, 1)
     assert apply_stop_strings(params, "plain") == ("plain", False, 0)
     assert apply_stop_strings(SamplingParams(), "x###") == ("x###", False, 0)
+
+
+def kept(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> list[int]:
+    """The token ids warp leaves sampleable in a one-row batch."""
+    row = warp(logits[None], torch.tensor([1.0]), torch.tensor([float(top_k)]),
+               torch.tensor([top_p]))[0]
+    return (~row.isinf()).nonzero().flatten().tolist()
+
+
+# Probabilities 1/2, 1/4, 1/8, 1/8 exactly (log2 spacing): cumulative sums land exactly on 0.5,
+# 0.75 and 0.875, so a top_p there tests the boundary itself, not a neighbourhood of it.
+DYADIC = torch.log(torch.tensor([0.5, 0.25, 0.125, 0.125]))
+
+
+def test_top_p_keeps_the_smallest_set_that_reaches_it_exactly_on_the_boundary():
+    cumulative = DYADIC.softmax(-1).cumsum(-1)
+    assert cumulative[:3].tolist() == [0.5, 0.75, 0.875]  # the premise: exact sums
+    # Reaching top_p is enough: a token is dropped once the ones above it sum to top_p or more.
+    assert kept(DYADIC, top_p=0.5) == [0]
+    assert kept(DYADIC, top_p=0.75) == [0, 1]
+    assert kept(DYADIC, top_p=0.875) == [0, 1, 2]
+    assert kept(DYADIC, top_p=0.7500001) == [0, 1, 2]
+    # HF's warper keeps as many on the boundary (which of the tied 1/8s it keeps may differ).
+    for top_p in (0.5, 0.75, 0.875):
+        expected = TopPLogitsWarper(top_p)(None, DYADIC[None].clone())[0]
+        assert len(kept(DYADIC, top_p=top_p)) == int((~expected.isinf()).sum()), top_p
+    # Sampled with a fixed seed, a row with top_p 0.75 draws both kept tokens and nothing else.
+    seq, sampler = Seq(SamplingParams(top_p=0.75, seed=11)), Sampler()
+    draws = {ids(sampler(DYADIC[None], [seq]))[0] for _ in range(400)}
+    assert draws == {0, 1}
+
+
+def test_top_p_one_is_off_even_where_a_float_cumulative_sum_reaches_one_early():
+    logits = torch.tensor([0.0, -30.0, -31.0])  # the first probability rounds to 1.0 in fp32
+    assert logits.softmax(-1).cumsum(-1)[0].item() == 1.0  # the premise
+    assert kept(logits, top_p=1.0) == [0, 1, 2]
+    assert kept(logits, top_p=0.999) == [0]
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth():
+    logits = torch.tensor([3.0, 2.0, 2.0, 1.0, 2.0])
+    assert kept(logits, top_k=2) == [0, 1, 2, 4]
+    assert kept(logits, top_k=1) == [0]
+    assert kept(logits, top_k=4) == [0, 1, 2, 4]
+    assert kept(logits, top_k=0) == kept(logits, top_k=5) == [0, 1, 2, 3, 4]  # off
+    # top-k first, then top-p renormalized over what is left (HF's order): top_k=2 leaves 3.0
+    # and three 2.0s, of probabilities e/(e+3) = 0.475 and 0.175 each; the first two sum to
+    # 0.65 < 0.7, so a third is needed.
+    survivors = kept(logits, top_k=2, top_p=0.7)
+    assert survivors[0] == 0 and len(survivors) == 3
+
+
+def test_two_stop_strings_cut_at_the_earliest_match_whichever_is_listed_first():
+    params = SamplingParams(stop=["world", "##"])  # the one listed second occurs first
+    assert apply_stop_strings(params, "hello ## world") == ("hello ", True, 0)
+    assert apply_stop_strings(params.replace(stop=["##", "world"]), "hello ## world") == (
+        "hello ", True, 0)
+    # Overlapping candidates: "abcd" starts before "bc" ends; the earlier start wins.
+    assert apply_stop_strings(SamplingParams(stop=["bc", "abcd"]), "xabcde") == ("x", True, 0)
+
+
+def test_the_longest_held_back_prefix_wins_over_a_shorter_one_of_another_stop_string():
+    # "abc" may become "abcd" (hold 3); "c" alone may become "cx" (hold 1): hold the 3.
+    params = SamplingParams(stop=["abcd", "cx"])
+    assert apply_stop_strings(params, "zabc") == ("z", False, 3)
+    assert apply_stop_strings(params.replace(stop=["cx", "abcd"]), "zabc") == ("z", False, 3)
+
+
+def test_a_stop_string_split_over_tokens_is_never_shown_and_stops_at_its_last_token():
+    from tetrad.inference.output import Detokenizer
+    from tetrad.tokenizer import ByteTokenizer
+
+    tokenizer = ByteTokenizer()
+    text = "fine ENxEND xx more"
+    detokenizer = Detokenizer(tokenizer, SamplingParams(stop=["END", "xx"]))
+    shown, stopped_at = [""], None
+    for position, token in enumerate(tokenizer.encode(text)):
+        delta, stopped = detokenizer.add([token])
+        shown.append(shown[-1] + delta)
+        if stopped:
+            stopped_at = position
+            break
+    # The cut is at "END" (listed first, and earlier in the text than "xx"), found at its last
+    # byte. The stream grew through prefixes of the final text, each held back while it could
+    # still start a stop string: "E" and "EN" wait (for "END"), then "x" waits (for "xx").
+    assert stopped_at == text.index("END") + len("END") - 1
+    assert shown[-1] == detokenizer.text == "fine ENx"
+    assert sorted(set(shown), key=len) == [text[:i] for i in range(6)] + ["fine EN", "fine ENx"]
