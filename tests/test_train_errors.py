@@ -59,7 +59,7 @@ def test_corrupt_and_mismatched_checkpoints(capsys, tmp_path, corpus_file):
     folder = root / "step_00000002"
     index = (folder / "index.json").read_text()
     (folder / "index.json").write_text(index.replace('"shard_00000', '"shard_00007'))
-    expect_error(capsys, "is corrupt (shard_00007.safetensors", "--model", "tiny", "--data",
+    expect_error(capsys, "shard_00000.safetensors is not in its index.json", "--model", "tiny", "--data",
                  corpus_file, "--seq-len", "32", "--checkpoint-dir", str(root), "--resume",
                  "--steps", "4")
     (folder / "index.json").write_text(index)

@@ -8,7 +8,7 @@ Layout of a checkpoint root:
     index.json            every piece: its file, the global tensor's shape, where it lies in it
     model.json            ModelConfig fields
     training_state.pt     optimizer step, loss-scaler state, every rank's RNG state
-    run.json              step, the resolved TrainConfig, the layout that wrote it
+    run.json              step, the resolved TrainConfig, the sha256 of the two files above
     tokenizer.json        only for BPE tokenizers
 
 Every rank writes its shard into one staging folder (the root must be shared by all ranks, as
@@ -18,12 +18,18 @@ the folder into place and replaces `latest` atomically. A run killed mid-save le
 deletes all but the N newest step folders once `latest` points at the new one. Loading reads
 each tensor whole from its pieces, whatever layout wrote them (tetrad.sharded_tensors), so a run
 resumes under any other layout.
+
+Loading trusts nothing it reads: `latest` must name an existing step folder, run.json's step must
+be its folder's, every file must match its checksum (pieces: index.json; the rest: run.json), and
+anything else wrong is one ConfigError naming the file, never a traceback or a silent restart.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Callable
@@ -32,14 +38,20 @@ import torch
 
 from tetrad.config import ModelConfig, from_dict
 from tetrad.errors import ConfigError, TetradError
-from tetrad.hf_config import resolve_checkpoint
 from tetrad.sharded_tensors import Piece, ShardedReader, write_index, write_pieces
 
 LATEST = "latest"
+STEP_FOLDER = re.compile(r"step_(\d{8})")
+CHECKSUMMED = ("model.json", "training_state.pt")  # their sha256 sits in run.json
 
 
 def step_folder_name(step: int) -> str:
     return f"step_{step:08d}"
+
+
+def file_digest(path: Path) -> str:
+    with open(path, "rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()
 
 
 def _fsync(path: Path) -> None:
@@ -93,7 +105,9 @@ def save_checkpoint(root: str | Path, step: int, rank: int, pieces: list[Piece],
     write_index(staging, [entry for entries in by_rank for entry in entries])
     (staging / "model.json").write_text(json.dumps(model_config.to_dict(), indent=2))
     torch.save(training_state, staging / "training_state.pt")
-    (staging / "run.json").write_text(json.dumps({"step": step, **run}, indent=2))
+    checksums = {name: file_digest(staging / name) for name in CHECKSUMMED}
+    (staging / "run.json").write_text(json.dumps({"step": step, **run, "sha256": checksums},
+                                                 indent=2))
     if tokenizer is not None:
         tokenizer.save(staging)
     for path in staging.iterdir():  # the shards were flushed by their writers
@@ -129,27 +143,90 @@ def prune_checkpoints(root: Path, keep: int) -> None:
 
 
 def find_checkpoint(path: str | Path) -> Path | None:
-    """A step folder, from either a step folder or a root holding `latest`; None if the root
-    has no checkpoint yet."""
-    folder = resolve_checkpoint(path)
-    if (folder / "model.json").is_file():
-        return folder
-    if folder != Path(path):
-        raise ConfigError(f"checkpoint {folder} named by {Path(path) / LATEST} is incomplete")
-    return None
+    """The step folder to resume from: `path` itself if it is one, else the one its `latest`
+    names; None for a folder holding no checkpoint yet. Step folders without a valid `latest`
+    are refused rather than overwritten by a run starting again from step 1."""
+    path = Path(path)
+    if (path / "model.json").is_file():
+        return path
+    latest = path / LATEST
+    if not latest.exists():
+        saved = sorted(folder.name for folder in path.glob("step_*"))
+        if saved:
+            raise ConfigError(f"{path} holds {saved[-1]} but no {LATEST} file: write the name of "
+                              f"the step folder to resume from into {latest}")
+        return None
+    try:
+        name = latest.read_bytes().decode().strip()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{latest} is not readable text ({error}): write the name of the step "
+                          f"folder to resume from into it") from None
+    if not STEP_FOLDER.fullmatch(name):
+        raise ConfigError(f"{latest} holds {name[:40]!r}, not a step folder name like "
+                          f"{step_folder_name(300)}: write the one to resume from into it")
+    folder = path / name
+    if not (folder / "model.json").is_file():
+        raise ConfigError(f"checkpoint {folder} named by {latest} is missing or incomplete")
+    return folder
+
+
+def read_json(folder: Path, name: str) -> Any:
+    try:
+        return json.loads((folder / name).read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise ConfigError(f"checkpoint {folder} is corrupt ({name}: {error})") from None
 
 
 def read_model_config(folder: Path) -> ModelConfig:
+    values = read_json(folder, "model.json")
+    if not isinstance(values, dict):
+        raise ConfigError(f"checkpoint {folder} is corrupt (model.json holds a "
+                          f"{type(values).__name__}, not an object of ModelConfig fields)")
+    return from_dict(ModelConfig, values)
+
+
+def read_step(folder: Path) -> int:
+    """run.json's step, which must be its folder's, after checking the files run.json has
+    checksums for."""
+    run = read_json(folder, "run.json")
+    step = run.get("step") if isinstance(run, dict) else None
+    match = STEP_FOLDER.fullmatch(folder.name)
+    if type(step) is not int or step < 1 or match and int(match.group(1)) != step:
+        raise ConfigError(f"checkpoint {folder} is corrupt (run.json's step is {step!r}, not "
+                          f"the step of its folder)")
+    checksums = run.get("sha256", {})
+    if not isinstance(checksums, dict):
+        raise ConfigError(f"checkpoint {folder} is corrupt (run.json's sha256 is {checksums!r})")
+    for name in CHECKSUMMED:
+        if name in checksums and file_digest(folder / name) != checksums[name]:
+            raise ConfigError(f"checkpoint {folder} is corrupt ({name} does not match its "
+                              f"checksum in run.json)")
+    return step
+
+
+def read_training_state(folder: Path) -> dict[str, Any]:
     try:
-        return from_dict(ModelConfig, json.loads((folder / "model.json").read_text()))
-    except (OSError, json.JSONDecodeError) as error:
-        raise ConfigError(f"checkpoint {folder} is corrupt (model.json: {error})") from None
+        shared = torch.load(folder / "training_state.pt", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - whatever a damaged file makes the unpickler raise
+        raise ConfigError(f"checkpoint {folder} is corrupt (training_state.pt: "
+                          f"{str(error).splitlines()[0] if str(error) else type(error).__name__})"
+                          ) from None
+    rng_size = torch.get_rng_state().numel()
+    rngs = shared.get("rng") if isinstance(shared, dict) else None
+    if (not isinstance(shared, dict) or not isinstance(shared.get("optimizer"), dict)
+            or "step" not in shared["optimizer"] or not isinstance(rngs, list) or not rngs
+            or not all(isinstance(rng, torch.Tensor) and rng.dtype == torch.uint8
+                       and rng.shape == (rng_size,) for rng in rngs)):
+        raise ConfigError(f"checkpoint {folder} is corrupt (training_state.pt lacks the "
+                          f"optimizer step or the ranks' generator states)")
+    return shared
 
 
 def load_checkpoint(folder: Path, expected_model: ModelConfig) -> tuple[int, dict[str, Any]]:
     """(step, state) of a checkpoint, after checking it was made for this model shape. The
     state holds whole tensors by name, each read from its pieces only when looked up: "model",
     "optimizer" (step, "exp_avg", "exp_avg_sq"), and "scaler" and "rng" (one per saving rank)."""
+    step = read_step(folder)
     saved_model = read_model_config(folder)
     differences = [f"{key}: checkpoint {value!r} vs run {getattr(expected_model, key)!r}"
                    for key, value in saved_model.to_dict().items()
@@ -157,11 +234,7 @@ def load_checkpoint(folder: Path, expected_model: ModelConfig) -> tuple[int, dic
     if differences:
         raise ConfigError(f"checkpoint {folder} was made for another model ("
                           f"{'; '.join(differences[:3])}): resume with the same --model")
-    try:
-        step = int(json.loads((folder / "run.json").read_text())["step"])
-        shared = torch.load(folder / "training_state.pt", weights_only=True)
-    except (OSError, KeyError, ValueError, RuntimeError) as error:
-        raise ConfigError(f"checkpoint {folder} is corrupt: {error}") from None
+    shared = read_training_state(folder)
     reader = ShardedReader(folder)
     optimizer = {"step": shared["optimizer"]["step"], "exp_avg": reader.tensors("exp_avg"),
                  "exp_avg_sq": reader.tensors("exp_avg_sq")} if reader.names("exp_avg") else None
