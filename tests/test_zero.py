@@ -8,7 +8,6 @@ Each world size is one spawned job running every case in turn (starting processe
 part on a 2-core machine).
 """
 
-from collections import namedtuple
 from fractions import Fraction
 
 import pytest
@@ -16,6 +15,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from dist import run_ranks
+from zero_harness import (BATCH, BUCKET_BYTES, CPU, LR, SEQ, Case, check_reduced,
+                          distributed_strategy, tiny_model, token_batches, train_config,
+                          train_steps, whole_parameters)
 
 from tetrad.config import ParallelConfig, TrainConfig
 from tetrad.models.transformer import Transformer
@@ -28,13 +30,6 @@ from tetrad.sharded_tensors import LazyMapping
 from tetrad.train.optim import build_optimizer, parameter_groups, set_learning_rate
 from tetrad.train.strategy import LocalStrategy, MeshStrategy
 
-STEPS, BATCH, SEQ, LR = 5, 8, 16, 3e-3
-BUCKET_BYTES = 64 * 1024  # several buckets for the tiny model, so their order matters
-CPU = torch.device("cpu")
-
-Case = namedtuple("Case", "zero offload grad_accum dtype collectives",
-                  defaults=(False, 1, "fp32", "backend"))
-
 CASES_2 = [Case(0), Case(1), Case(2), Case(3), Case(0, grad_accum=2), Case(1, True, 2),
            Case(2, True, 2), Case(3, True, 2), Case(3, grad_accum=2), Case(0, collectives="ring"),
            Case(3, collectives="ring"), Case(3, dtype="bf16"), Case(2, dtype="fp16")]
@@ -45,67 +40,15 @@ PIPELINED = [(2, "1f1b"), (3, "1f1b"), (3, "zb")]
 MICROBATCHES = 4
 
 
-def tiny_model() -> Transformer:
-    torch.manual_seed(0)
-    return Transformer(resolve_model("tiny"))
-
-
-def token_batches() -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 256, (BATCH, SEQ + 1), generator=generator) for _ in range(STEPS)]
-
-
-def train_config(case: Case, dp: int = 1) -> TrainConfig:
-    return TrainConfig(model="tiny", batch_size=BATCH, seq_len=SEQ, lr=LR,
-                       grad_accum=case.grad_accum, dtype=case.dtype, parallel=ParallelConfig(
-                           dp=dp, zero=case.zero, offload=case.offload,
-                           collectives=case.collectives))
-
-
-def train_steps(strategy, grad_accum: int) -> tuple[list[float], dict[str, int]]:
-    """The trainer's step, on random tokens: microbatches, sync, clip, step; the loss is the
-    global-batch mean. Bytes held are the most seen after the sync and after the step."""
-    losses, held = [], {}
-    for batch in token_batches():
-        microbatches = strategy.local_batch(batch).chunk(grad_accum)
-        total = 0.0
-        for index, microbatch in enumerate(microbatches):
-            with strategy.autocast():
-                logits = strategy.model(microbatch[:, :-1])
-                loss = F.cross_entropy(logits.float().flatten(0, 1), microbatch[:, 1:].flatten())
-            strategy.backward(loss / grad_accum, index == grad_accum - 1)
-            total += loss.item() / grad_accum
-        strategy.finish_gradients()
-        held = {k: max(v, held.get(k, 0)) for k, v in strategy.bytes_held().items()}
-        strategy.clip_grad_norm(1.0)
-        strategy.step(LR)
-        held = {k: max(v, held.get(k, 0)) for k, v in strategy.bytes_held().items()}
-        losses.append(strategy.global_mean(total))
-    return losses, held
-
-
-def distributed_strategy(case: Case, mesh, counter: CommCounter, model=None):
-    model = model or tiny_model()
-    return MeshStrategy(model, train_config(case, mesh.dims.dp), CPU, mesh,
-                Comm(counter, case.collectives), bucket_bytes=BUCKET_BYTES)
-
-
-def whole_parameters(strategy) -> dict[str, torch.Tensor]:
-    """The trained model's whole tensors by name (collective: every rank assembles them)."""
-    return {name: tensor.detach().cpu().clone()
-            for name, tensor in strategy.whole_model().state_dict().items()}
-
-
 def run_case(case: Case, mesh, rank: int) -> dict:
     counter = CommCounter()
     strategy = distributed_strategy(case, mesh, counter)
-    losses, held = train_steps(strategy, case.grad_accum)
+    run = train_steps(strategy, case.grad_accum)
     per_step = {tag: {kind: value / counter.steps for kind, value in
                       counter.totals((tag,)).items() if value}
                 for tag in counter.tags() if tag not in OFF_STEP_TAGS}
     params = whole_parameters(strategy)
-    return {"losses": losses, "held": held, "comm": per_step,
-            "params": params if rank == 0 else None}
+    return {**run, "comm": per_step, "params": params if rank == 0 else None}
 
 
 def check_mechanisms(mesh) -> dict:
@@ -117,8 +60,14 @@ def check_mechanisms(mesh) -> dict:
     # last: when it is ready, every other bucket must already be on the wire.
     ddp.model.embed.weight.register_post_accumulate_grad_hook(
         lambda p: launched.append(len(ddp.engine.handles)))
+    # Overlap proper: when layer 0's first gradient arrives, the buckets of the layers after it
+    # (complete since) are already on the wire, with most of backward still to run.
+    early = []
+    for param in ddp.model.layers[0].parameters():
+        param.register_post_accumulate_grad_hook(lambda p: early.append(len(ddp.engine.handles)))
     train_steps(ddp, 2)
     found["ddp_launched"] = launched[:2]
+    found["ddp_launched_early"] = early[len(list(ddp.model.layers[0].parameters()))]
     found["ddp_buckets"] = len(ddp.engine.buckets)
 
     fsdp = distributed_strategy(Case(3), mesh, CommCounter())
@@ -263,8 +212,7 @@ def references() -> dict:
     for grad_accum, dtype in [(1, "fp32"), (2, "fp32"), (1, "bf16"), (1, "fp16")]:
         case = Case(0, grad_accum=grad_accum, dtype=dtype)
         strategy = LocalStrategy(tiny_model(), train_config(case), CPU)
-        losses, held = train_steps(strategy, grad_accum)
-        runs[grad_accum, dtype] = {"losses": losses, "held": held,
+        runs[grad_accum, dtype] = {**train_steps(strategy, grad_accum),
                                    "params": whole_parameters(strategy)}
     return runs
 
@@ -301,6 +249,7 @@ def check_cases(cases: list[Case], results: list[dict], references: dict, n: int
         rank0 = results[0]["cases"][index]
         if case.dtype != "fp32":  # mixed precision trains the same model, to its precision
             assert rank0["losses"] == pytest.approx(reference["losses"], rel=2e-2), case
+            assert rank0["norms"] == pytest.approx(reference["norms"], rel=2e-2), case
             continue
         assert rank0["losses"] == pytest.approx(reference["losses"], rel=1e-5), case
         # Adam divides by sqrt(v): a weight whose gradients hover near zero turns rounding-level
@@ -309,6 +258,11 @@ def check_cases(cases: list[Case], results: list[dict], references: dict, n: int
             torch.testing.assert_close(rank0["params"][name], value, rtol=1e-4, atol=LR / 30,
                                        msg=lambda m: f"{case} {name}: {m}")
         for rank, result in enumerate(results):
+            # The global norm and the reduced gradients each rank's optimizer reads: averages
+            # over the group, as one process computes them (sums would pass the checks above).
+            run = result["cases"][index]
+            assert run["norms"] == pytest.approx(reference["norms"], rel=1e-5), (case, rank)
+            check_reduced(case, rank, run["reduced"], reference["reduced"])
             held = dict(result["cases"][index]["held"])
             gathered_peak = held.pop("params_gathered_peak", None)
             assert held == expected_bytes(case, n, phi, reference["held"]), (case, rank)
@@ -339,6 +293,7 @@ def test_two_ranks(references):
         mechanisms = result["mechanisms"]
         assert mechanisms["ddp_buckets"] > 2
         assert mechanisms["ddp_launched"] == [0, mechanisms["ddp_buckets"]]
+        assert 0 < mechanisms["ddp_launched_early"] < mechanisms["ddp_buckets"]
         # Before layer 0 runs, layer 1 is already being gathered (prefetch), layer 0 is whole;
         # right after it ran, layer 0's storage is gone.
         assert mechanisms["fsdp_seen"][0][0] != SHARDED and mechanisms["fsdp_seen"][0][1] != SHARDED
