@@ -48,7 +48,7 @@ def hf_folder(tmp_path):
 def create(folder, text: str, name: str = "pirate"):
     modelfile = parse_modelfile(text)
     modelfile.folder = folder
-    return ModelStore().create(name, modelfile, text)
+    return ModelStore().create(name, modelfile)
 
 
 @pytest.mark.parametrize("name, full", [("pirate", "pirate:latest"), ("Pirate:V1", "pirate:v1"),
@@ -114,7 +114,7 @@ def test_create_replaces_a_name_and_a_failed_create_leaves_the_store_as_it_was(h
         create(tmp_path, f"FROM {tmp_path}\n")
     assert [m.name for m in ModelStore().list()] == ["pirate:latest"]
     assert ModelStore().require("pirate").system == "two"
-    assert not [p for p in ModelStore().root.iterdir() if p.name.startswith(".")]
+    assert not [p for p in ModelStore().root.iterdir() if p.name.startswith(".tmp")]
 
 
 def test_list_show_and_rm_through_the_cli(hf_folder, tmp_path, capsys):
@@ -212,7 +212,7 @@ def test_save_as_without_a_checkpoint_dir_leaves_only_the_stored_model(corpus_fi
     assert "checkpoint:" not in out and "stored as quick:v1" in out
     root = ModelStore().root
     assert [m.name for m in ModelStore().list()] == ["quick:v1"]
-    assert not [p for p in root.iterdir() if p.name.startswith(".")]
+    assert not [p for p in root.iterdir() if p.name.startswith(".tmp")]
     assert main([*TRAIN, "--data", corpus_file, "--save-as", "Bad Name"]) == 2
     assert "is not a model name" in capsys.readouterr().err
 

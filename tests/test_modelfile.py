@@ -60,7 +60,7 @@ BAD = [
     ("FROM x\nPARAMETER min_p 0.1\n", 2, "min_p is not one tetrad uses"),
     ("FROM x\nPARAMETER temperature hot\n", 2, "needs a number, got 'hot'"),
     ("FROM x\nPARAMETER top_k 2.5\n", 2, "needs an integer"),
-    ("FROM x\nPARAMETER top_p 1.5\n", 2, "top_p must be a number in (0, 1]"),
+    ("FROM x\nPARAMETER top_p 1.5\n", 2, "top_p must be a finite number in (0, 1], got 1.5"),
     ("FROM x\nPARAMETER num_ctx 0\n", 2, "must be 1 or more"),
     ("FROM x\nSYSTEM hi\nTEMPLATE \"\"\"{{ .System }}\n{{ .Prompt }}\"\"\"\n", 3,
      "Ollama Go template"),

@@ -39,6 +39,11 @@ PARAMETERS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "num_ctx": ("max_model_len", int),
 }
 ROLES = ("system", "user", "assistant")
+SETTING_NAMES = {setting: name for name, (setting, _) in PARAMETERS.items()}  # tetrad's -> Ollama's
+# A Modelfile is settings and text (a template, a license): a larger file is a mistake, such as a
+# weights file passed with -f, and reading it whole would stall `tetrad create`.
+MAX_MODELFILE_BYTES = 2**20
+INT64_MAX = 2**63 - 1  # integer settings reach the engine as int64 (seeds, top_k, lengths)
 GO_TEMPLATE = re.compile(r"\{\{-?\s*(\.|if\s+\.|range\s+\.)")
 
 
@@ -55,6 +60,15 @@ class Modelfile:
     messages: list[dict[str, str]] = field(default_factory=list)
     license: list[str] = field(default_factory=list)
     folder: Path = Path(".")  # a relative FROM is relative to the Modelfile's folder
+    path: str = "Modelfile"  # what errors call it
+    text: str = ""  # the Modelfile as written, kept with the stored model
+    lines: dict[str, int] = field(default_factory=dict)  # setting -> its PARAMETER line (1-based)
+
+    def where(self, *settings: str) -> str:
+        """`path:line` of the PARAMETER that set the first of `settings` this Modelfile sets (the
+        path alone when it sets none)."""
+        lines = [self.lines[setting] for setting in settings if setting in self.lines]
+        return f"{self.path}:{lines[0]}" if lines else self.path
 
 
 def _argument(lines: list[str], index: int, text: str, where: str) -> tuple[str, int]:
@@ -103,6 +117,9 @@ def _check(setting: str, value: Any, name: str, where: str) -> None:
     from tetrad.inference.params import SamplingParams
 
     try:
+        if isinstance(value, int) and abs(value) > INT64_MAX:
+            raise ConfigError(f"must fit in 64 bits (at most {INT64_MAX} in size), got "
+                              f"{str(value)[:24]}...")
         if setting == "max_model_len":
             if value < 1:
                 raise ConfigError(f"must be 1 or more, got {value}")
@@ -133,7 +150,8 @@ def check_template(template: str, where: str) -> None:
 
 def parse_modelfile(text: str, name: str = "Modelfile") -> Modelfile:
     lines = text.splitlines()
-    found: dict[str, Any] = {"parameters": {}, "messages": [], "license": []}
+    found: dict[str, Any] = {"parameters": {}, "messages": [], "license": [], "lines": {},
+                             "path": name, "text": text}
     stops: list[str] = []
     index = 0
     while index < len(lines):
@@ -163,8 +181,10 @@ def parse_modelfile(text: str, name: str = "Modelfile") -> Modelfile:
             setting, value = _parameter(argument, where)
             if setting == "stop":
                 stops.append(value)
+                check_stop_count(len(stops), where)
             else:
                 found["parameters"][setting] = value
+            found["lines"][setting] = index + 1
         elif instruction == "SYSTEM":
             found["system"] = argument
         elif instruction == "TEMPLATE":
@@ -186,11 +206,68 @@ def parse_modelfile(text: str, name: str = "Modelfile") -> Modelfile:
     return Modelfile(**found)
 
 
+def check_stop_count(count: int, where: str) -> None:
+    """A model's stop strings are a request's when it sends none, so they obey the server's
+    limit per request (unchecked on the base install, which has no server: serving checks it when
+    it loads the model)."""
+    try:
+        from tetrad.inference.api import ServerConfig
+    except ImportError:
+        return
+    limit = ServerConfig().max_stop_strings
+    if count > limit:
+        raise ModelfileError(f"{where}: PARAMETER stop: {count} stop strings, at most {limit} (the "
+                             f"server's limit per request)")
+
+
+def check_parameters(parameters: Any, where: str) -> dict[str, Any]:
+    """Stored settings (tetrad's names, as a Modelfile's `parameters`) held to the rules that
+    PARAMETER lines are: a model written by an older tetrad, or edited by hand, fails here once
+    with this message instead of failing every request."""
+    if not isinstance(parameters, dict):
+        raise ModelfileError(f"{where}: parameters must be an object, got "
+                             f"{type(parameters).__name__}")
+    for setting, value in parameters.items():
+        if setting not in SETTING_NAMES:
+            raise ModelfileError(f"{where}: parameter {str(setting)[:64]!r} is not one tetrad "
+                                 f"uses: use {', '.join(SETTING_NAMES)}")
+        name = SETTING_NAMES[setting]
+        kind = PARAMETERS[name][1]
+        if setting == "stop" and not isinstance(value, list):
+            raise ModelfileError(f"{where}: PARAMETER stop must be a list of strings")
+        for one in value if setting == "stop" else [value]:
+            if one is None and setting == "max_tokens":
+                continue
+            allowed = {str: (str,), int: (int,), float: (int, float)}[kind]
+            if isinstance(one, bool) or not isinstance(one, allowed):
+                raise ModelfileError(f"{where}: PARAMETER {name} must be "
+                                     f"{kind.__name__}, got {str(one)[:64]!r}")
+            _check(setting, one, name, where)
+    check_stop_count(len(parameters.get("stop", [])), where)
+    return parameters
+
+
 def read_modelfile(path: str | Path) -> Modelfile:
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"Modelfile {path} does not exist")
-    modelfile = parse_modelfile(path.read_text(), str(path))
+        raise ConfigError(f"Modelfile {path} does not exist or is not a file")
+    try:
+        with open(path, "rb") as file:  # bounded: a file's size may not say (/proc) or may grow
+            data = file.read(MAX_MODELFILE_BYTES + 1)
+    except OSError as error:
+        raise ConfigError(f"Modelfile {path} cannot be read ({error.strerror})") from None
+    if len(data) > MAX_MODELFILE_BYTES:
+        raise ModelfileError(f"{path}: more than a Modelfile's {MAX_MODELFILE_BYTES // 2**20} MiB: "
+                             f"is -f the right file?")
+    try:
+        text = data.decode()
+    except UnicodeDecodeError as error:
+        raise ModelfileError(f"{path}: not UTF-8 text (byte {error.start}): is -f the right "
+                             f"file?") from None
+    if "\0" in text:
+        raise ModelfileError(f"{path}: holds NUL bytes, so it is not a text file: is -f the right "
+                             f"file?")
+    modelfile = parse_modelfile(text, str(path))
     modelfile.folder = path.resolve().parent
     return modelfile
 
@@ -199,7 +276,6 @@ def render_modelfile(source: str, system: str | None, template: str | None,
                      parameters: dict[str, Any], messages: list[dict[str, str]],
                      license: list[str]) -> str:
     """A Modelfile that recreates a stored model (`tetrad show --modelfile`)."""
-    ollama_name = {setting: name for name, (setting, _) in PARAMETERS.items()}
     lines = [f"FROM {source}"]
     if template is not None:
         lines.append(f'TEMPLATE """{template}"""')
@@ -208,8 +284,8 @@ def render_modelfile(source: str, system: str | None, template: str | None,
     for setting, value in parameters.items():
         for one in value if setting == "stop" else [value]:
             shown = -1 if one is None else one
-            lines.append(f'PARAMETER {ollama_name[setting]} "{one}"' if setting == "stop"
-                         else f"PARAMETER {ollama_name[setting]} {shown}")
+            lines.append(f'PARAMETER {SETTING_NAMES[setting]} "{one}"' if setting == "stop"
+                         else f"PARAMETER {SETTING_NAMES[setting]} {shown}")
     lines += [f"MESSAGE {m['role']} {m['content']}" for m in messages]
     lines += [f'LICENSE """{text}"""' for text in license]
     return "\n".join(lines) + "\n"

@@ -16,14 +16,12 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from tetrad.modelfile import read_modelfile
     from tetrad.store import ModelStore, parse_name
 
     parse_name(args.name)  # a bad name costs nothing
     modelfile = read_modelfile(args.file)
-    model = ModelStore().create(args.name, modelfile, Path(args.file).read_text())
+    model = ModelStore().create(args.name, modelfile)
     print(f"created {model.name} ({format_size(model.size)}) in {model.folder}")
     return 0
 

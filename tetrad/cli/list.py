@@ -1,4 +1,5 @@
-"""`tetrad list`: the models in the local store (Ollama's `list`)."""
+"""`tetrad list`: the models in the local store (Ollama's `list`); a broken one is named on stderr,
+one line each, and the others are still listed."""
 
 from __future__ import annotations
 
@@ -12,14 +13,18 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import sys
+
     from tetrad.cli.create import format_size
     from tetrad.store import ModelStore
 
-    models = ModelStore().list()
+    models, broken = ModelStore().scan()
     rows = [("NAME", "SIZE", "CREATED", "FROM")] + [
-        (m.name, format_size(m.size), m.manifest.get("created", "")[:16].replace("T", " "),
-         m.manifest.get("from", "")) for m in models]
+        (m.name, format_size(m.size), m.manifest["created"][:16].replace("T", " "),
+         m.manifest["from"]) for m in models]
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[3])
+    for problem in broken:
+        print(f"tetrad list: {problem}", file=sys.stderr)
     return 0

@@ -15,8 +15,8 @@ def run(args: argparse.Namespace) -> int:
     from tetrad.store import ModelStore, parse_name
 
     store = ModelStore()
-    for name in args.names:
-        store.require(name)  # all or nothing: check every name before removing any
+    for name in args.names:  # all or nothing: check every name before removing any
+        store.require_present(name)  # a broken model too: rm is how it goes
     for name in args.names:
         store.remove(name)
         print(f"deleted {parse_name(name)}")

@@ -27,8 +27,8 @@ def run(args: argparse.Namespace) -> int:
     config = resolve_model(str(model.folder))
     manifest = model.manifest
     print(f"{model.name}  ({format_size(model.size)} in {model.folder})")
-    print(f"  from        {manifest.get('from')}")
-    print(f"  created     {manifest.get('created')}")
+    print(f"  from        {manifest['from']}")
+    print(f"  created     {manifest['created']}")
     print(f"  model       {count_parameters(config) / 1e6:.2f}M parameters, {config.num_layers} "
           f"layers, hidden {config.hidden_size}, vocabulary {config.vocab_size}, context "
           f"{config.max_seq_len}")
@@ -37,10 +37,10 @@ def run(args: argparse.Namespace) -> int:
                                            model.parameters.items()))
     if model.system is not None:
         print(f"  system      {model.system!r}")
-    if manifest.get("template"):
+    if manifest["template"]:
         print("  template    chat_template.jinja")
     for message in model.messages:
         print(f"  message     {message['role']}: {message['content']}")
-    for text in manifest.get("license", []):
+    for text in manifest["license"]:
         print(f"  license     {text.splitlines()[0] if text else ''}")
     return 0
