@@ -256,3 +256,19 @@ def test_random_workloads_finish_with_the_unpaged_outputs(
     manager = scheduler.block_manager
     manager.check_invariants([], [])
     assert manager.num_free_blocks == num_blocks and len(manager.cpu_free) == manager.num_cpu_blocks
+
+
+def test_requests_exactly_at_each_limit_are_accepted():
+    """The context, the pool and max_num_seqs are limits a request may reach, not exceed."""
+    scheduler = make_scheduler(num_blocks=8, block_size=4, max_model_len=32, max_num_seqs=3)
+    at_context = scheduler.add_request("a", [1] * 10, SamplingParams(max_tokens=22))
+    assert at_context.params.max_tokens == 22  # 10 + 22 = 32 tokens
+    assert scheduler.add_request("b", [1] * 31, SamplingParams()).params.max_tokens == 1
+    whole_pool = make_scheduler(num_blocks=4, block_size=4, max_model_len=32)
+    assert whole_pool.add_request("c", [1] * 6, SamplingParams(max_tokens=10))  # 16 = 4 blocks
+    with pytest.raises(RequestRejected, match="needs 5 KV blocks"):
+        whole_pool.add_request("d", [1] * 6, SamplingParams(max_tokens=11))
+    assert scheduler.add_request("e", [1], SamplingParams(n=3, max_tokens=1)).params.n == 3
+    with pytest.raises(RequestRejected, match="n = 4"):
+        scheduler.add_request("f", [1], SamplingParams(n=4, max_tokens=1))
+
