@@ -70,3 +70,48 @@ def test_corrupt_and_mismatched_checkpoints(capsys, tmp_path, corpus_file):
     (root / "step_00000002" / "model.json").write_text("{ truncated")
     expect_error(capsys, "is corrupt", "--model", "tiny", "--data", corpus_file,
                  "--checkpoint-dir", str(root), "--resume")
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--lr", "nan"], "lr must be a finite number, got nan"),
+    (["--lr", "inf"], "lr must be a finite number, got inf"),
+    (["--lr", "-0.1"], "lr must be >= 0"),
+    (["--grad-clip", "nan"], "grad_clip must be a finite number"),
+    (["--seed", str(10**23)], "seed must be in [0, 2**63)"),
+    (["--seed", "-1"], "seed must be in [0, 2**63)"),
+    (["--steps", "0"], "steps must be > 0"),
+    (["--steps", "-5"], "steps must be > 0"),
+], ids=lambda value: " ".join(value) if isinstance(value, list) else "")
+def test_nonsense_numbers_on_the_command_line(capsys, argv, fragment):
+    expect_error(capsys, fragment, "--model", "tiny", *argv)
+
+
+@pytest.mark.parametrize("flag, value", [("--seed", "1e23"), ("--batch-size", "1e8")])
+def test_counts_written_as_floats_are_refused_by_the_parser(capsys, flag, value):
+    with pytest.raises(SystemExit) as stopped:
+        main(["train", flag, value])
+    err = capsys.readouterr().err.strip()
+    assert stopped.value.code == 2 and len(err.splitlines()) == 1, err
+    assert f"invalid int value: '{value}'" in err
+
+
+@pytest.mark.parametrize("line, fragment", [
+    ("seed = 1e23", "seed must be an integer, got 1e+23"),
+    ("warmup_steps = 2.5", "warmup_steps must be an integer, got 2.5"),
+    ("lr = nan", "lr must be a finite number, got nan"),
+    ("beta2 = 1.0", "beta2 must be in [0, 1)"),
+    ('batch_size = "8"', "batch_size must be an integer, got '8'"),
+    ("data = 5", "data must be a str, got 5"),
+])
+def test_nonsense_values_in_a_toml_config(capsys, tmp_path, line, fragment):
+    config = tmp_path / "run.toml"
+    config.write_text(f'model = "tiny"\n{line}\n')
+    expect_error(capsys, fragment, "--config", str(config))
+
+
+def test_a_batch_that_cannot_fit_is_refused_before_building_it(capsys, corpus_file):
+    """10^8 sequences of 33 token ids alone are 26 GB: one line naming the estimate, at once."""
+    err = expect_error(capsys, "--batch-size 100000000 x --seq-len 32 needs about", "--model",
+                       "tiny", "--data", corpus_file, "--seq-len", "32",
+                       "--batch-size", "100000000")
+    assert "lower --batch-size" in err

@@ -171,6 +171,8 @@ def train_and_store(config, name: str) -> int:
         raise
     if result is None:  # a torchrun rank other than 0: rank 0 stores
         return 0
+    if result.stopped_by:  # stored once the run finishes: --resume, then it is
+        return finish(result, config)
     try:
         stored = store.create(name, Modelfile(source=str(result.checkpoint)),
                               origin=f"tetrad train --model {config.model} ({config.steps} steps)")
@@ -187,7 +189,13 @@ def train_and_store(config, name: str) -> int:
 
 
 def finish(result, config) -> int:
-    """Print what the run did (nothing on a torchrun rank other than 0: rank 0 reports)."""
+    """Print what the run did (nothing on a torchrun rank other than 0: rank 0 reports); the
+    exit status is 128 + the signal that stopped it early (130 Ctrl-C, 143 SIGTERM), else 0."""
+    import signal
+    import sys
+
+    from tetrad.train.stop import exit_status
+
     if result is None:
         return 0
     steps = result.report["steps"]
@@ -207,4 +215,11 @@ def finish(result, config) -> int:
         print(f"run report: {config.report}")
     if result.checkpoint:
         print(f"checkpoint: {result.checkpoint}")
+    if result.stopped_by:
+        done = steps[-1]["step"] if steps else "none"
+        saved = f"saved in {result.checkpoint}: --resume continues" if result.checkpoint else \
+            "not saved (no --checkpoint-dir)"
+        print(f"stopped by {signal.Signals(result.stopped_by).name} after step {done}; the run "
+              f"is {saved}", file=sys.stderr)
+        return exit_status(result.stopped_by)
     return 0

@@ -12,11 +12,14 @@ A failing rank takes the whole job down at once: its report reaches the parent, 
 other ranks (they would otherwise sit in a collective waiting for the dead one) and raises an
 error naming the rank. Collectives time out too, so nothing waits forever. The one exception:
 ranks the caller calls expendable (parameter-server workers in async and ssp mode), which the
-job goes on without (docs/parameter_server.md).
+job goes on without (docs/parameter_server.md). With `forward_signals` (`tetrad train`), the
+first SIGINT or SIGTERM the launcher receives goes on to every rank, which stop together after a
+step and save it (tetrad.train.stop); a second one stops the ranks and the launcher at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import multiprocessing
@@ -24,9 +27,10 @@ import os
 import queue
 import signal
 import sys
+import threading
 import time
 import traceback
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -204,20 +208,50 @@ class WorkerProcesses:
                 process.join()
 
 
+@contextlib.contextmanager
+def forwarding_stop_signals(processes: list) -> Iterator[None]:
+    """While the ranks run: the first SIGINT or SIGTERM is sent on to each of them; a second
+    raises here (KeyboardInterrupt, or SystemExit with 128 + the signal), which stops them."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+
+    def forward(signum: int, frame) -> None:
+        if received:
+            raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(128 + signum)
+        received.append(signum)
+        for process in processes:
+            if process.is_alive():
+                os.kill(process.pid, signum)
+
+    previous = {signum: signal.signal(signum, forward)
+                for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def spawn(fn: Callable, nprocs: int, args: tuple = (), timeout_s: float | None = None,
           collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
-          expendable: frozenset[int] = frozenset(), device_type: str | None = None) -> list[Any]:
+          expendable: frozenset[int] = frozenset(), device_type: str | None = None,
+          forward_signals: bool = False) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `nprocs` fresh processes joined in one process group,
     and return each rank's return value in rank order. `fn` must be importable by name. Raises
     WorkerFailed as soon as one worker fails, and after `timeout_s` (None: no limit on the whole
     job; the collective timeout still catches a hang). The ranks in `expendable` may fail or
     die: their error goes to stderr, their value is None, and the job returns once every other
-    rank has returned. `device_type` as WorkerProcesses'."""
+    rank has returned. `device_type` as WorkerProcesses'; `forward_signals`: the ranks get this
+    process's SIGINT and SIGTERM (forwarding_stop_signals)."""
     workers = WorkerProcesses(fn, range(nprocs), nprocs, args, device_type=device_type,
                               collective_timeout_s=collective_timeout_s)
     try:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        values = _collect(workers.processes, workers.reports, deadline, expendable)
+        with (forwarding_stop_signals(workers.processes) if forward_signals
+              else contextlib.nullcontext()):
+            values = _collect(workers.processes, workers.reports, deadline, expendable)
     except BaseException:
         workers.stop(grace_s=0)
         raise

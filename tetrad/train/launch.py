@@ -163,7 +163,7 @@ def launch_training(config: TrainConfig):
     expendable = (frozenset(range(1, parallel.dp))
                   if parallel.strategy == "ps" and parallel.ps_mode != "sync" else frozenset())
     return spawn(train_worker, config.nproc, (config, layout), expendable=expendable,
-                 device_type=device_type)[0]
+                 device_type=device_type, forward_signals=True)[0]
 
 
 def run_training(config: TrainConfig):

@@ -117,6 +117,9 @@ class LocalStrategy:
         """Every rank's `value`, in rank order (collective): how the ranks agree on a save."""
         return [value]
 
+    def agree_on_signal(self, signum: int) -> int:
+        return signum
+
     def load_state_dict(self, state: dict) -> None:
         """From a checkpoint of any layout: whole tensors by name (tetrad.sharded_tensors)."""
         load_named(self.optimizer, dict(self.model.named_parameters()), state["model"],

@@ -12,6 +12,7 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tetrad.config import TrainConfig
@@ -136,6 +137,17 @@ class MeshStrategy:
     def exchange(self, value: Any) -> list[Any]:
         """Every rank's `value` (collective over the world, tag "checkpoint")."""
         return self.collectives.all_gather_object(value, self.mesh["world"], "checkpoint")
+
+    def agree_on_signal(self, signum: int) -> int:
+        """The largest signal number any rank received (SIGTERM over SIGINT). Outside the byte
+        counter: four bytes a step are not the layout's traffic the report compares with the
+        planner's."""
+        world = self.mesh["world"]
+        if world.handle is None:
+            return signum
+        agreed = torch.tensor([signum], dtype=torch.int32, device=self.device)
+        dist.all_reduce(agreed, dist.ReduceOp.MAX, group=world.handle)
+        return int(agreed.item())
 
     def load_state_dict(self, state: dict) -> None:
         self.parallel.load(state)

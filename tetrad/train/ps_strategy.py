@@ -120,6 +120,11 @@ class ParameterServerStrategy:
         """Only rank 0 writes checkpoint files (it fetched the whole state): no one to wait for."""
         return [value]
 
+    def agree_on_signal(self, signum: int) -> int:
+        """Its own signal: workers talk only to the servers (the launcher signals every worker
+        at once; rank 0 alone saves, from the servers' state)."""
+        return signum
+
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         """The replica's parameters; the servers load their own ranges and moments."""

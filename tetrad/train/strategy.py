@@ -76,6 +76,10 @@ class Strategy(Protocol):
     def exchange(self, value: Any) -> list[Any]:
         """Every rank's `value` (collective): how the ranks agree on a save."""
 
+    def agree_on_signal(self, signum: int) -> int:
+        """The stop signal any rank received (0: none), the same on every rank (collective, once
+        per step: tetrad.train.stop)."""
+
     def load_state_dict(self, state: dict) -> None:
         """From a checkpoint of any layout: whole tensors by name (tetrad.sharded_tensors)."""
 

@@ -32,6 +32,7 @@ from tetrad.train.data import AnyTokenizer, Dataset
 from tetrad.train.metrics import build_report, rank_entry, write_json_atomic, zero_per_comm_kind
 from tetrad.train.optim import learning_rate
 from tetrad.train.sample import sample_text
+from tetrad.train.stop import StopRequest, check_fits
 from tetrad.train.strategy import Strategy, build_strategy, planned_precision
 
 VALIDATION_BATCHES = 8
@@ -42,6 +43,7 @@ class TrainResult:
     report: dict[str, Any]
     checkpoint: Path | None
     sample: str
+    stopped_by: int = 0  # the signal (SIGTERM, SIGINT) that stopped the run early; 0: none
 
 
 def resolve_run(config: TrainConfig) -> ResolvedLayout:
@@ -155,8 +157,12 @@ def train(config: TrainConfig, make_strategy: Callable[..., Strategy] = build_st
     num_parameters = count_parameters(model)  # before a layout spreads the model over ranks
     strategy = make_strategy(model, config, device)
     start_step = resume(strategy, resume_from, model_config) if resume_from is not None else 0
+    if start_step > config.steps:
+        raise ConfigError(f"the checkpoint in {config.checkpoint_dir} is at step {start_step}, "
+                          f"past --steps {config.steps}: raise --steps to continue it")
     gpu = device_gpu(device)
     predicted = predict(layout, config, prediction_hardware(config, gpu))
+    check_fits(predicted, config, device, strategy.world_size)
     peak_flops = gpu.peak(config.dtype) * strategy.world_size if gpu else None
     held: dict[str, int] = {}
     steps: list[dict[str, Any]] = []
@@ -170,7 +176,9 @@ def train(config: TrainConfig, make_strategy: Callable[..., Strategy] = build_st
     progress = tqdm(range(start_step, config.steps), initial=start_step, total=config.steps,
                     desc=f"train {model_config.name} ({num_parameters / 1e6:.2f}M)",
                     disable=not (show_progress and is_main), dynamic_ncols=True)
-    for step in progress:
+    done, stop_request = start_step, StopRequest()
+    for step in stop_request.steps(progress, strategy.agree_on_signal):
+        done = step + 1
         started = time.perf_counter()
         compiled_before = clock.seconds if clock else 0.0
         loss, aux = strategy.forward_backward(dataset.train.batch(step, config.batch_size))
@@ -202,8 +210,11 @@ def train(config: TrainConfig, make_strategy: Callable[..., Strategy] = build_st
     progress.close()
     if clock:
         clock.close()
-    if config.checkpoint_dir and last_saved_step != config.steps:
-        saved = save(strategy, config, model_config, tokenizer, config.steps)
+    if config.checkpoint_dir and last_saved_step != done:
+        saved = save(strategy, config, model_config, tokenizer, done)
+    # A stopped run reports its steps, not a validation loss or a sample: a pre-empted job has
+    # seconds left, and every rank skips the same collectives.
+    stopped = stop_request.stopped_by != 0
     ranks = strategy.gather(rank_entry(
         strategy.rank, strategy.coords, held, strategy.activations_peak,
         strategy.comm.totals_per_step() if strategy.comm else None, strategy.idle_fraction,
@@ -211,12 +222,13 @@ def train(config: TrainConfig, make_strategy: Callable[..., Strategy] = build_st
         strategy.comm.exposed_per_step() if strategy.comm else None)
         | ({"compile_time_s": clock.seconds} if clock else {})
         | {"comm_calls": strategy.comm.calls_per_step() if strategy.comm else zero_per_comm_kind()})
-    whole = strategy.whole_model()  # collective: the model with every parameter whole
+    whole = None if stopped else strategy.whole_model()  # collective: every parameter whole
     report = build_report(
         config={**config.to_dict(), "model_config": model_config.to_dict()}, steps=steps,
         ranks=ranks, predicted=predicted, num_parameters=num_parameters,
         device={"type": device.type, "gpu": gpu.name if gpu else None},
-        validation_loss=evaluate(whole, dataset, config, device) if is_main else None,
+        validation_loss=evaluate(whole, dataset, config, device)
+        if is_main and not stopped else None,
         # The slowest rank's compile time (--compile; parameter servers compile nothing).
         **({"compile_time_s": max(rank.get("compile_time_s", 0.0) for rank in ranks)}
            if clock else {}),
@@ -225,8 +237,9 @@ def train(config: TrainConfig, make_strategy: Callable[..., Strategy] = build_st
     if config.report and is_main:
         write_json_atomic(config.report, report)
     sample = sample_text(whole, tokenizer, "\n", config.sample_tokens, config.seq_len,
-                         seed=config.seed) if is_main else ""
-    return TrainResult(report=report, checkpoint=saved, sample=sample)
+                         seed=config.seed) if is_main and not stopped else ""
+    return TrainResult(report=report, checkpoint=saved, sample=sample,
+                       stopped_by=stop_request.stopped_by)
 
 
 @torch.no_grad()
