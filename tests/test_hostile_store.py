@@ -344,3 +344,20 @@ def test_a_checkpoint_index_naming_files_outside_its_folder_is_refused(tmp_path,
     assert victim.read_bytes() == b"not yours"
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("victim")] == [victim.name]
     assert not any(ModelStore().root.glob("*/*/*"))
+
+
+def test_export_never_writes_into_the_store_or_through_a_hardlink(tmp_path):
+    from serving import save_tiny_model
+
+    save_tiny_model(tmp_path / "real")
+    assert create(tmp_path, "FROM ./real\n", "a") == (0, "")
+    stored = ModelStore().require("a").folder
+    before = contents(stored)
+    for out in (stored, ModelStore().root / "new"):
+        one_line_error(*run_cli(["export", "a", "--out", str(out), "--dtype", "bf16"]),
+                       "is inside the model store")
+    one_line_error(*run_cli(["export", "a", "--out", str(tmp_path / "real"), "--dtype", "bf16"]),
+                   "holds config.json, a file hardlinked elsewhere")
+    assert contents(stored) == before
+    assert run_cli(["export", "a", "--out", str(tmp_path / "fresh"), "--dtype", "bf16"])[0] == 0
+    assert contents(stored) == before

@@ -29,6 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from tetrad.tokenizer import load_tokenizer
 
     folder, _ = resolve_model_argument(args.checkpoint)
+    check_out_folder(args.out)
     model = load_pretrained(folder)
     tokenizer = load_tokenizer(folder)
     save_hf(model, args.out, eos_id=tokenizer.eos_id, dtype=args.dtype)
@@ -37,3 +38,23 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {model.config.name} as an HF model to {args.out}"
           + ("" if args.dtype == "auto" else f" ({args.dtype})"))
     return 0
+
+
+def check_out_folder(out: str) -> None:
+    """Export writes its files in place, so `out` must hold no file that another folder shares:
+    a stored model's files are hardlinks to its source's and to other stored models'."""
+    from pathlib import Path
+
+    from tetrad.errors import ConfigError
+    from tetrad.store import ModelStore
+
+    folder, root = Path(out).resolve(), ModelStore().root.resolve()
+    if folder == root or root in folder.parents:
+        raise ConfigError(f"--out {out} is inside the model store ({root}), whose files are "
+                          f"shared with other models: export to a folder outside it")
+    if folder.is_dir():
+        for path in sorted(folder.iterdir()):
+            if path.is_file() and not path.is_symlink() and path.stat().st_nlink > 1:
+                raise ConfigError(f"--out {out} holds {path.name}, a file hardlinked elsewhere "
+                                  f"(a stored model's, or its source's): writing it would change "
+                                  f"them too; export to an empty folder")
