@@ -229,3 +229,12 @@ def test_a_stop_string_split_over_tokens_is_never_shown_and_stops_at_its_last_to
     assert stopped_at == text.index("END") + len("END") - 1
     assert shown[-1] == detokenizer.text == "fine ENx"
     assert sorted(set(shown), key=len) == [text[:i] for i in range(6)] + ["fine EN", "fine ENx"]
+
+
+def test_the_penalty_skips_history_ids_past_the_models_vocabulary():
+    """A tokenizer may know more ids than the model can emit (ids >= vocab have no logit): the
+    penalty ignores them instead of indexing past the row."""
+    logits = torch.tensor([[0.0, 5.0, 4.0, 1.0]])
+    params = SamplingParams(temperature=0, repetition_penalty=2.0)
+    for history in ([1], [1, 4], [1, 4, 9]):
+        assert ids(Sampler()(logits, [Seq(params, token_ids=history)])) == [2], history
