@@ -39,10 +39,10 @@ def test_malformed_model_files(capsys, bad_model_files):
 
 
 @pytest.mark.parametrize("extra, words", [
-    (["--tokens=-1e12"], "--tokens must be a token budget"),
-    (["--tokens", "-1e12"], "--tokens must be a token budget"),  # a value, not an option
-    (["--num-gpus", "16", "--nic-gbps=-100"], "--nic-gbps must be a positive bandwidth"),
-    (["--num-gpus", "16", "--nic-gbps", "0"], "--nic-gbps must be a positive bandwidth"),
+    (["--tokens=-1e12"], "--tokens must be at least 0, got -1e+12"),
+    (["--tokens", "-1e12"], "--tokens must be at least 0"),  # a value, not an option
+    (["--num-gpus", "16", "--nic-gbps=-100"], "--nic-gbps must be at least 1, got -100"),
+    (["--num-gpus", "16", "--nic-gbps", "0"], "--nic-gbps must be at least 1, got 0"),
     (["--seq-len", "0"], "--seq-len must be at least 1"),
     (["--gpus-per-node", "0"], "--gpus-per-node must be at least 1"),
     (["--global-batch", "0"], "--global-batch must be at least 1"),

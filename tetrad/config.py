@@ -35,6 +35,9 @@ def unknown_key_message(kind: str, key: str, known: list[str]) -> str:
 
 def from_dict(cls, values: dict[str, Any]):
     """Build a config dataclass from a plain dict, naming unknown keys and their close matches."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{cls.__name__} fields must be a table of names and values, not a "
+                          f"{type(values).__name__}")
     known = [f.name for f in dataclasses.fields(cls)]
     for key in values:
         if key not in known:
@@ -43,6 +46,31 @@ def from_dict(cls, values: dict[str, Any]):
         return cls(**values)
     except TypeError as error:  # a wrong type that the dataclass itself noticed
         raise ConfigError(f"{cls.__name__}: {error}") from None
+
+
+def check_field_types(config) -> None:
+    """Each field of the dataclass `config` of its declared type: an int that is an int (a bool
+    is not one, nor 64.0), a finite real, a str, a bool. A config file's "64", null, true or
+    1e400 is then refused by name rather than used."""
+    for spec in dataclasses.fields(config):
+        value = getattr(config, spec.name)
+        if spec.type == "int" and type(value) is not int:
+            raise ConfigError(f"{spec.name} must be an integer, got {value!r}")
+        if spec.type == "float" and (type(value) not in (int, float)
+                                     or not math.isfinite(value)):
+            raise ConfigError(f"{spec.name} must be a finite number, got {value!r}")
+        if spec.type in ("str", "bool") and type(value).__name__ != spec.type:
+            raise ConfigError(f"{spec.name} must be a {spec.type}, got {value!r}")
+
+
+# Bounds far above any model (hidden sizes near 2**15, vocabularies near 2**18, 10**7-token
+# contexts; DeepNet's 1,000 layers, DeepSeek's 256 experts) that keep the planner's
+# loops over layers, heads and experts short.
+MAX_MODEL_SIZE = 2**31 - 1
+MAX_MODEL_COUNT = 4096
+MODEL_COUNTS = ("num_layers", "num_heads", "num_kv_heads", "num_experts", "num_experts_per_token",
+                "num_shared_experts", "num_dense_layers", "num_expert_groups",
+                "topk_expert_groups")
 
 
 @dataclass(frozen=True)
@@ -103,11 +131,10 @@ class ModelConfig:
     v_head_dim: int = 0
 
     def __post_init__(self) -> None:
+        check_field_types(self)
+        self._check_ranges()
         if self.num_kv_heads == 0:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size",
-                     "max_seq_len"):
-            check_positive(name, getattr(self, name))
         check_choice("norm", self.norm, ("rmsnorm", "layernorm"))
         check_choice("position", self.position, ("rope", "learned"))
         check_choice("mlp", self.mlp, ("swiglu", "gelu"))
@@ -148,6 +175,26 @@ class ModelConfig:
             raise ConfigError("attention = 'mla' needs position = 'rope' and an even "
                               "qk_rope_head_dim")
 
+    def _check_ranges(self) -> None:
+        """Sizes that are positive and below bounds no model comes near (the planner loops over
+        layers and experts, so a typo of 10**12 layers would hang it); reals where the formulas
+        need them (a zero norm_eps divides by zero)."""
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size",
+                     "max_seq_len", "num_expert_groups", "topk_expert_groups"):
+            check_positive(name, getattr(self, name))
+        for spec in dataclasses.fields(self):
+            value = getattr(self, spec.name)
+            if spec.type == "int" and value < 0:
+                raise ConfigError(f"{spec.name} must be >= 0, got {value}")
+            bound = MAX_MODEL_COUNT if spec.name in MODEL_COUNTS else MAX_MODEL_SIZE
+            if spec.type == "int" and value > bound:
+                raise ConfigError(f"{spec.name} {value} is more than {bound:,}: no model comes "
+                                  f"near that many (check the value)")
+        for name in ("norm_eps", "rope_theta", "routed_scaling_factor"):
+            check_positive(name, getattr(self, name))
+        for name in ("init_std", "router_aux_loss_coef", "router_bias_update_rate"):
+            check_positive(name, getattr(self, name), allow_zero=True)
+
     def _check_expert_groups(self) -> None:
         groups, kept = self.num_expert_groups, self.topk_expert_groups
         if groups < 1 or self.num_experts % groups:
@@ -162,7 +209,6 @@ class ModelConfig:
         if kept * (self.num_experts // groups) < self.num_experts_per_token:
             raise ConfigError(f"topk_expert_groups {kept} of {groups} groups keep fewer experts "
                               f"than num_experts_per_token {self.num_experts_per_token}")
-        check_positive("router_bias_update_rate", self.router_bias_update_rate, allow_zero=True)
 
     @property
     def is_moe(self) -> bool:
@@ -246,15 +292,7 @@ class TrainConfig:
     def _check_numbers(self) -> None:
         """Integers that are integers, finite reals, and ranges the generators and AdamW take:
         a NaN learning rate or a float seed from a TOML file would fail mid-run, or not at all."""
-        for spec in dataclasses.fields(self):
-            value = getattr(self, spec.name)
-            if spec.type == "int" and type(value) is not int:
-                raise ConfigError(f"{spec.name} must be an integer, got {value!r}")
-            if spec.type == "float" and (type(value) not in (int, float)
-                                         or not math.isfinite(value)):
-                raise ConfigError(f"{spec.name} must be a finite number, got {value!r}")
-            if spec.type in ("str", "bool") and type(value).__name__ != spec.type:
-                raise ConfigError(f"{spec.name} must be a {spec.type}, got {value!r}")
+        check_field_types(self)
         if not 0 <= self.seed < 2**63:
             raise ConfigError(f"seed must be in [0, 2**63), got {self.seed}")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -276,8 +314,18 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} does not exist")
     try:
         return tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as error:
-        raise ConfigError(f"config file {path} is not valid TOML: {error}") from None
+    except (ValueError, RecursionError) as error:  # TOMLDecodeError, UnicodeDecodeError, nesting
+        raise ConfigError(f"config file {path} is not valid TOML: "
+                          f"{parse_problem(error)}") from None
+
+
+def parse_problem(error: Exception) -> str:
+    """What was wrong with a config file's text, in a few words."""
+    if isinstance(error, RecursionError):
+        return "nested too deeply"
+    if isinstance(error, UnicodeDecodeError):
+        return f"not UTF-8 text (byte {error.start})"
+    return str(error)
 
 
 def build_train_config(toml_path: str | None, overrides: dict[str, Any]) -> TrainConfig:

@@ -31,5 +31,5 @@ def read_json_file(path: str | Path, what: str, made_by: str) -> object:
         raise ConfigError(f"{what} {path} does not exist (write one with {made_by} {path})")
     try:
         return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+    except (ValueError, RecursionError) as error:  # bad JSON or UTF-8, nesting, huge numbers
         raise ConfigError(f"{path} is not a {what} (invalid JSON: {error})") from None

@@ -190,6 +190,11 @@ def gpu_from_device_name(device_name: str) -> GPU | None:
     return _lookup_table()[max(matches)[1]] if matches else None
 
 
+# The largest cluster the planner is meant for: 1,048,576 GPUs, five times the largest built
+# (about 200,000 in 2025); past it a count is a typo, and the search would only take longer.
+MAX_GPUS = 2**20
+
+
 @dataclass(frozen=True)
 class Cluster:
     """`num_gpus` GPUs of one kind in nodes of `gpus_per_node`, NVLink/PCIe inside a node and one
@@ -203,6 +208,9 @@ class Cluster:
     def __post_init__(self) -> None:
         if self.num_gpus < 1:
             raise ConfigError(f"--num-gpus must be at least 1, got {self.num_gpus}")
+        if self.num_gpus > MAX_GPUS:
+            raise ConfigError(f"--num-gpus {self.num_gpus} is more than {MAX_GPUS:,}, the "
+                              f"largest cluster the planner is meant for")
         if self.gpus_per_node < 1:
             raise ConfigError(f"--gpus-per-node must be at least 1, got {self.gpus_per_node}")
         if self.num_gpus > self.gpus_per_node and self.num_gpus % self.gpus_per_node:

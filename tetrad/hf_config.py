@@ -8,18 +8,63 @@ so that torch-free readers (tokenizer, planner) and the model loader agree on it
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
-from tetrad.config import ModelConfig
+from tetrad.config import ModelConfig, parse_problem
 from tetrad.errors import ConfigError
 
 LLAMA_LIKE = ("llama", "qwen2", "mistral", "mixtral", "deepseek_v3")
 SUPPORTED = LLAMA_LIKE + ("gpt2",)
 
 
+# The HF keys the conversion reads, by the type it reads them as (null stands for "unset" in
+# HF configs): checked before any arithmetic, so that "64", 64.5, true or a list is refused by
+# name instead of multiplied, compared or silently read as 1.
+HF_INTEGERS = ("vocab_size", "n_embd", "n_layer", "n_head", "n_inner", "n_positions",
+               "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "head_dim", "intermediate_size", "max_position_embeddings", "sliding_window",
+               "num_local_experts", "num_experts_per_tok", "n_routed_experts",
+               "n_shared_experts", "moe_intermediate_size", "first_k_dense_replace",
+               "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+               "v_head_dim", "n_group", "topk_group", "original_max_position_embeddings")
+HF_REALS = ("layer_norm_epsilon", "rms_norm_eps", "initializer_range", "rope_theta",
+            "router_aux_loss_coef", "routed_scaling_factor", "factor", "beta_fast", "beta_slow",
+            "mscale", "mscale_all_dim")
+HF_BOOLS = ("tie_word_embeddings", "attention_bias", "use_sliding_window", "norm_topk_prob")
+HF_TABLES = ("rope_scaling", "rope_parameters")
+
+
+def check_hf_types(hf: dict[str, Any], name: str) -> None:
+    """Each key the conversion reads is null or of its type (module tables above), and the
+    rope scaling tables' keys too; num_key_value_heads, when set, is at least 1."""
+    for table in HF_TABLES:
+        if not isinstance(hf.get(table) or {}, dict):
+            raise ConfigError(f"HF config {name!r}: {table} must be a JSON object or null, got "
+                              f"{hf[table]!r}")
+    values = {**hf, **rope_scaling_parameters(hf)}
+    for key, value in values.items():
+        if value is None:
+            continue
+        if key in HF_INTEGERS and type(value) is not int:
+            wrong = "an integer"
+        elif key in HF_REALS and (type(value) not in (int, float) or not math.isfinite(value)):
+            wrong = "a finite number"
+        elif key in HF_BOOLS and type(value) is not bool:
+            wrong = "true or false"
+        else:
+            continue
+        raise ConfigError(f"HF config {name!r}: {key} must be {wrong}, got {value!r}")
+    if hf.get("num_key_value_heads") is not None and hf["num_key_value_heads"] < 1:
+        raise ConfigError(f"HF config {name!r}: num_key_value_heads must be at least 1 (null "
+                          f"means one per attention head), got {hf['num_key_value_heads']}")
+
+
 def model_config_from_hf(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
-    """A ModelConfig from an HF config dict; a missing required key is a ConfigError naming it."""
+    """A ModelConfig from an HF config dict; a missing required key or a value of the wrong
+    type is a ConfigError naming it."""
+    check_hf_types(hf, name)
     try:
         return _model_config_from_hf(hf, name)
     except KeyError as missing:
@@ -214,8 +259,8 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"no config.json at {path}")
     try:
         values = json.loads(file.read_text())
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"{file} is not valid JSON: {error}") from None
+    except (ValueError, RecursionError) as error:  # bad JSON or UTF-8, 4,300-digit numbers
+        raise ConfigError(f"{file} is not valid JSON: {parse_problem(error)}") from None
     if not isinstance(values, dict):
         raise ConfigError(f"{file} must hold one JSON object of model fields, "
                           f"not a {type(values).__name__}")
@@ -229,8 +274,12 @@ def resolve_checkpoint(path: str | Path) -> Path:
     latest = path / "latest"
     if not latest.is_file():
         return path
-    step = path / latest.read_text().strip()
-    if not step.is_dir():
-        raise ConfigError(f"{latest} names {step.name!r}, which is not a folder in {path}: "
+    try:
+        name = latest.read_text().strip()
+    except UnicodeDecodeError:
+        name = ""
+    step = path / name
+    if name in ("", "..") or Path(name).name != name or not step.is_dir():
+        raise ConfigError(f"{latest} names {name!r}, which is not a folder in {path}: "
                           f"point at a step folder instead")
     return step

@@ -46,7 +46,7 @@ def resolve_model(spec: str, overrides: dict | None = None) -> ModelConfig:
     """Turn a `--model` argument into a ModelConfig, then apply field overrides."""
     path = resolve_checkpoint(spec)
     if (path / "model.json").is_file():  # a tetrad checkpoint: its own ModelConfig fields
-        config = from_dict(ModelConfig, json.loads((path / "model.json").read_text()))
+        config = from_dict(ModelConfig, read_hf_config(path / "model.json"))
     elif path.is_dir() or (path.is_file() and path.name == "config.json"):
         hf = read_hf_config(path)
         config = (model_config_from_hf(hf, name=path.resolve().parent.name if path.is_file()

@@ -84,20 +84,32 @@ def add_parser(subparsers) -> None:
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
-    """Counts must be counts: 0 or a negative value is refused, never read as "unset"."""
-    from tetrad.errors import ConfigError
+    """Counts must be counts: 0 or a negative value is refused, never read as "unset"; and every
+    number is bounded (tetrad.planner.limits) before any search, so none can make it run long or
+    come back out as NaN."""
+    from tetrad.hardware import MAX_GPUS
+    from tetrad.planner.limits import (MAX_GLOBAL_BATCH, MAX_NIC_GBPS, MAX_SEQ_LEN, MAX_TOKENS,
+                                       MIN_NIC_GBPS, check_count, check_number)
 
-    at_least_one = ["num_gpus", "tp", "pp", "ep", "top"]
+    cluster = (MAX_GPUS, "the largest cluster the planner is meant for")
+    batch = (MAX_GLOBAL_BATCH, "8,000 times the largest published batch (Llama 3's 2,048)")
+    tokens = (MAX_SEQ_LEN, "above the longest published context (10M tokens)")
+    bounds = {name: cluster for name in ("num_gpus", "gpus_per_node", "tp", "pp", "ep", "dp",
+                                         "cp", "vpp", "top")}
     if args.mode == "train":
-        at_least_one += ["dp", "cp", "vpp", "micro_batch", "global_batch", "seq_len"]
-        if args.tokens < 0:
-            raise ConfigError(f"--tokens must be a token budget (0 or more), got {args.tokens:g}")
+        bounds.update(micro_batch=batch, global_batch=batch, seq_len=tokens)
+        check_number("--tokens", args.tokens, 0, MAX_TOKENS,
+                     "25,000 times Llama 3's 15.6e12 training tokens")
     else:
-        at_least_one += ["prompt_len", "context_len"]
-    for name in at_least_one:
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        bounds.update(prompt_len=tokens, context_len=tokens)
+        # ServeWorkload says what their low ends mean (0: no output; as many as fit).
+        check_count("--output-len", args.output_len, *tokens, at_least=None)
+        check_count("--batch", args.batch, *batch, at_least=None)
+    for name, (at_most, why) in bounds.items():
+        if name in vars(args):
+            check_count(f"--{name.replace('_', '-')}", getattr(args, name), at_most, why)
+    check_number("--nic-gbps", args.nic_gbps, MIN_NIC_GBPS, MAX_NIC_GBPS,
+                 "60 times the fastest NIC (1.6 Tb/s)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -137,7 +149,7 @@ def _train(args, config, world) -> int:
     result = plan_training(config, world, workload, global_batch, space, args.top)
     if args.json:
         print(json.dumps(training_json(config, world, workload, global_batch, result,
-                                       args.tokens), indent=2))
+                                       args.tokens), indent=2, allow_nan=False))
     else:
         print(training_text(config, world, workload, global_batch, result, args.tokens))
         if not result.num_fitting:
@@ -162,7 +174,8 @@ def _serve(args, config, world) -> int:
     result = plan_serving(config, world, workload, ServeSpace(args.tp, args.pp, args.ep),
                           args.top)
     if args.json:
-        print(json.dumps(serving_json(config, world, workload, result), indent=2))
+        print(json.dumps(serving_json(config, world, workload, result), indent=2,
+                         allow_nan=False))
     else:
         print(serving_text(config, world, workload, result))
         if not result.num_fitting:

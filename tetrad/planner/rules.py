@@ -15,6 +15,7 @@ and to the planner's prediction, so the three read the very same object.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from tetrad.config import ModelConfig, ParallelConfig
@@ -22,8 +23,15 @@ from tetrad.errors import ConfigError
 from tetrad.planner.partition import check_stages, partition
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def divisors(n: int, at_most: int | None = None) -> list[int]:
+    """The divisors of `n` (those up to `at_most`), ascending, in O(min(sqrt(n), at_most))
+    steps: the search asks for the divisors of GPU counts and batches of millions."""
+    limit = n if at_most is None else min(n, at_most)
+    if limit * limit <= n:
+        return [d for d in range(1, limit + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    large = [n // d for d in reversed(small) if d * d != n and n // d <= limit]
+    return small + large
 
 
 def _options(values: list[int]) -> str:

@@ -100,7 +100,7 @@ def training_layouts(config: ModelConfig, cluster: Cluster, global_batch: int, s
             if n % (tp * cp):
                 continue
             rest = n // (tp * cp)
-            pps = _choices(space.pp, [p for p in divisors(rest) if p <= config.num_layers])
+            pps = _choices(space.pp, divisors(rest, at_most=config.num_layers))
             for pp in pps:
                 if rest % pp:
                     continue
@@ -111,8 +111,7 @@ def training_layouts(config: ModelConfig, cluster: Cluster, global_batch: int, s
                                           if config.is_moe and config.num_experts % e == 0]
                                or [1])
                 micro_batches = _choices(space.micro_batch,
-                                         [b for b in divisors(global_batch // dp)
-                                          if b <= MAX_MICRO_BATCH])
+                                         divisors(global_batch // dp, at_most=MAX_MICRO_BATCH))
                 sequence_parallel = (space.sequence_parallel if space.sequence_parallel
                                      is not None else tp > 1)
                 for ep in eps:
@@ -258,7 +257,7 @@ def serving_layouts(config: ModelConfig, cluster: Cluster, space: ServeSpace):
                                   if n % t == 0]):
         if n % tp:
             continue
-        for pp in _choices(space.pp, [p for p in divisors(n // tp) if p <= config.num_layers]):
+        for pp in _choices(space.pp, divisors(n // tp, at_most=config.num_layers)):
             if (n // tp) % pp:
                 continue
             dp = n // (tp * pp)

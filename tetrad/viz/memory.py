@@ -4,6 +4,7 @@ matplotlib is imported here only, so the planner itself never needs it."""
 from __future__ import annotations
 
 from tetrad.hardware import GiB
+from tetrad.viz.save import save_figure
 
 PARTS = ("params", "grads", "optimizer", "activations", "kv_cache")
 COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868",
@@ -36,5 +37,4 @@ def save_memory_breakdown(path: str, bars: list[tuple[str, dict[str, float], flo
     ax.set_title(title + "  (dashed: usable memory)", fontsize=10)
     ax.legend(fontsize=8, bbox_to_anchor=(1.01, 1.0), loc="upper left")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)

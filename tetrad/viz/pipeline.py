@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tetrad.schedules.simulate import Timeline
+from tetrad.viz.save import save_figure
 
 COLOURS = {"F": "#4e79a7", "B": "#59a14f", "W": "#f28e2b"}  # forward blue, backward green, W orange
 
@@ -60,5 +61,4 @@ def draw_pipeline(timeline: Timeline, path: str | Path) -> None:
                    f"microbatches={schedule.microbatches}, bubble "
                    f"{timeline.bubble_fraction:.1%}", fontsize=10)
     figure.tight_layout(rect=(0, 0.1, 1, 1))  # the bottom strip holds the legend
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from tetrad.errors import ConfigError, read_json_file
+from tetrad.viz.save import save_figure
 
 COMM_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "p2p")
 # Bottom to top of a memory bar (and the table's order); host_* are CPU memory (offload).
@@ -360,5 +361,4 @@ def draw_report(report: dict[str, Any], path: str | Path) -> None:
     name = report.get("config", {}).get("model_config", {}).get("name", "")
     fig.suptitle(f"run report: {name}, {_layout(report.get('config', {}))}", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
