@@ -170,6 +170,10 @@ def corrupt_manifest(manifest: Path, how: str) -> None:
     }
     if how in changes:
         manifest.write_bytes(changes[how])
+    elif how == "a config.json holding a list":
+        config = manifest.parent / "config.json"
+        config.unlink()  # a hardlink to the source's: replaced, not written through
+        config.write_text("[1, 2]")
     elif how == "a template it does not have":
         manifest.write_text(json.dumps({**good, "template": True}))
         (manifest.parent / "chat_template.jinja").unlink()
@@ -188,9 +192,9 @@ def corrupt_manifest(manifest: Path, how: str) -> None:
 CORRUPTIONS = [
     ("a list", "holds a list, not an object"),
     ("a number", "holds a int, not an object"),
-    ("binary bytes", "stored model bad:latest is broken"),
-    ("invalid UTF-8", "stored model bad:latest is broken"),
-    ("100k-deep JSON", "stored model bad:latest is broken"),
+    ("binary bytes", f"{MANIFEST} is not JSON"),
+    ("invalid UTF-8", f"{MANIFEST} is not JSON"),
+    ("100k-deep JSON", f"{MANIFEST} is not JSON"),
     ("missing keys", "lacks 'name'"),
     ("a name escaping the store", "says it is '../../../etc'"),
     ("a system message that is a number", "system is a int"),
@@ -200,6 +204,7 @@ CORRUPTIONS = [
     ("1000 stop strings", f"1000 stop strings, at most {ServerConfig().max_stop_strings}"),
     ("an unknown parameter", "'min_p' is not one tetrad uses"),
     ("a template it does not have", "lacks the chat_template.jinja"),
+    ("a config.json holding a list", "config.json must hold one JSON object"),
     ("no manifest", f"has no {MANIFEST}"),
     ("a manifest that is a folder", "is not a plain file"),
     ("a manifest linked to a device", "is not a plain file"),
@@ -361,3 +366,26 @@ def test_export_never_writes_into_the_store_or_through_a_hardlink(tmp_path):
     assert contents(stored) == before
     assert run_cli(["export", "a", "--out", str(tmp_path / "fresh"), "--dtype", "bf16"])[0] == 0
     assert contents(stored) == before
+
+
+def test_a_store_that_cannot_be_written_is_one_line_and_keeps_the_model_it_had(
+        tmp_path, src, home, monkeypatch):
+    assert create(tmp_path, "FROM ./src\nSYSTEM one\n") == (0, "")
+    rename = Path.rename
+    failures = []
+
+    def full_disk_on_the_swap(self, target):
+        if Path(target).name == "latest" and not failures:
+            failures.append(self)
+            raise OSError(28, "No space left on device")
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", full_disk_on_the_swap)
+    one_line_error(*create(tmp_path, "FROM ./src\nSYSTEM two\n"),
+                   "storing m:latest in", "No space left on device")
+    monkeypatch.setattr(Path, "rename", rename)
+    assert ModelStore().require("m").system == "one"
+    assert not [p for p in ModelStore().root.iterdir() if p.name.startswith(".tmp")]
+    (home / "models").rename(home / "elsewhere")
+    (home / "models").write_text("a file where the store should be")
+    one_line_error(*create(tmp_path, "FROM ./src\n", "n"), "storing n:latest in", "File exists")

@@ -209,7 +209,10 @@ def parse_modelfile(text: str, name: str = "Modelfile") -> Modelfile:
 def check_stop_count(count: int, where: str) -> None:
     """A model's stop strings are a request's when it sends none, so they obey the server's
     limit per request (unchecked on the base install, which has no server: serving checks it when
-    it loads the model)."""
+    it loads the model). The limit is imported only for a model with stop strings: the server's
+    module brings fastapi, a second's import that `tetrad list` should not pay."""
+    if count == 0:
+        return
     try:
         from tetrad.inference.api import ServerConfig
     except ImportError:

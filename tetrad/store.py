@@ -40,10 +40,9 @@ from tetrad.hf_config import resolve_checkpoint
 from tetrad.modelfile import (ROLES, Modelfile, ModelfileError, check_parameters,
                               render_modelfile)
 from tetrad.presets import resolve_model
-from tetrad.store_files import copy_model_pieces, link_or_copy, write_fresh
+from tetrad.store_files import MANIFEST, assemble
 
 STORE_ENV = "TETRAD_HOME"  # the store is $TETRAD_HOME/models
-MANIFEST = "tetrad-model.json"
 MANIFEST_FIELDS = {"name": str, "from": str, "source": str, "created": str,
                    "system": (str, type(None)), "parameters": dict, "messages": list,
                    "license": list, "template": bool, "modelfile": str}
@@ -52,9 +51,6 @@ DEFAULT_TAG = "latest"
 DEFAULT_NAMESPACE = "library"  # every folder is three deep, so no name's folder holds another's
 NAME_PART = r"[a-z0-9][a-z0-9._-]{0,63}"
 NAME = re.compile(rf"(?:({NAME_PART})/)?({NAME_PART})(?::({NAME_PART}))?")
-# Never taken from a source folder: training state, and weight formats tetrad does not read.
-SKIPPED_FILES = {"training_state.pt", "run.json", MANIFEST}
-SKIPPED_SUFFIXES = {".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".gguf"}
 
 
 def default_root() -> Path:
@@ -174,29 +170,29 @@ class ModelStore:
         settings["license"] = modelfile.license or settings["license"]
         settings["template"] = settings["template"] or modelfile.template is not None
         check_context(settings["parameters"], source, modelfile.where)
-        self.root.mkdir(parents=True, exist_ok=True)
-        staging = self.root / f".tmp-{uuid.uuid4().hex}"
-        retired = None
+        manifest = {"name": full, "from": origin or modelfile.source, "source": str(source),
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **settings,
+                    "modelfile": modelfile.text}
+        staging = retired = None
         try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            staging = self.root / f".tmp-{uuid.uuid4().hex}"
             staging.mkdir()
-            shards = copy_model_pieces(source, staging)
-            for path in sorted(source.iterdir()):
-                if (path.is_file() and not path.name.startswith(".")
-                        and path.name not in SKIPPED_FILES | shards
-                        and path.suffix not in SKIPPED_SUFFIXES):
-                    link_or_copy(path, staging / path.name)
-            if modelfile.template is not None:
-                write_fresh(staging / "chat_template.jinja", modelfile.template)
-            manifest = {"name": full, "from": origin or modelfile.source, "source": str(source),
-                        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **settings,
-                        "modelfile": modelfile.text}
-            write_fresh(staging / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+            assemble(staging, source, modelfile.template, manifest)
             target = self.folder(full)
             with self._lock():
                 target.parent.mkdir(parents=True, exist_ok=True)
                 retired = self._retire(target)
-                staging.rename(target)
+                try:
+                    staging.rename(target)
+                except OSError:
+                    if retired is not None:  # the model it replaces, back in place
+                        retired.rename(target)
+                        retired = None
+                    raise
                 return self._load(target)
+        except OSError as error:  # a full disk, a store that is not a writable folder
+            raise ConfigError(f"storing {full} in {self.root} failed ({error})") from None
         finally:
             for folder in (staging, retired):
                 if folder is not None:
@@ -219,16 +215,20 @@ class ModelStore:
 
     def remove(self, name: str) -> None:
         folder = self.folder(name)
-        with self._lock():
-            if not os.path.lexists(folder):
-                raise self._missing(name)
-            retired = self._retire(folder)
-            for parent in folder.parents:  # the name's now empty folders
-                if parent == self.root or any(parent.iterdir()):
-                    break
-                parent.rmdir()
-        if retired is not None:
-            shutil.rmtree(retired)
+        try:
+            with self._lock():
+                if not os.path.lexists(folder):
+                    raise self._missing(name)
+                retired = self._retire(folder)
+                for parent in folder.parents:  # the name's now empty folders
+                    if parent == self.root or any(parent.iterdir()):
+                        break
+                    parent.rmdir()
+            if retired is not None:
+                shutil.rmtree(retired)
+        except OSError as error:
+            raise ConfigError(f"removing {parse_name(name)} from {self.root} failed "
+                              f"({error})") from None
 
     def require_present(self, name: str) -> None:
         """A ConfigError when nothing, not even a broken model, is stored as `name`."""
@@ -288,7 +288,7 @@ def read_manifest(folder: Path, name: str) -> dict[str, Any]:
     wrong otherwise (a store can be edited by hand, or written by an older tetrad)."""
     try:
         return _checked_manifest(folder, folder / MANIFEST, name)
-    except (ConfigError, OSError, ValueError, RecursionError) as error:
+    except (ConfigError, OSError) as error:
         problem = error.strerror if isinstance(error, OSError) and error.strerror else error
         raise ConfigError(f"stored model {name} is broken ({problem}): `tetrad rm {name}` removes "
                           f"it, `tetrad create {name}` stores it again") from None
@@ -301,7 +301,10 @@ def _checked_manifest(folder: Path, path: Path, name: str) -> dict[str, Any]:
         raise ConfigError(f"{folder} has no {MANIFEST}")
     if not stat.S_ISREG(os.lstat(path).st_mode):  # a link, a FIFO or a device: never followed
         raise ConfigError(f"{path} is not a plain file")
-    manifest = json.loads(path.read_bytes())
+    try:
+        manifest = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as error:  # not JSON, not UTF-8, nested past the stack
+        raise ConfigError(f"{path} is not JSON ({str(error)[:80]})") from None
     if not isinstance(manifest, dict):
         raise ConfigError(f"{path} holds a {type(manifest).__name__}, not an object")
     for key, kind in MANIFEST_FIELDS.items():

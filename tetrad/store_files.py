@@ -12,6 +12,25 @@ from pathlib import Path
 from tetrad.errors import ConfigError, read_json_file
 from tetrad.safetensors_subset import tensor_keys, write_subset
 
+MANIFEST = "tetrad-model.json"
+# Never taken from a source folder: training state, and weight formats tetrad does not read.
+SKIPPED_FILES = {"training_state.pt", "run.json", MANIFEST}
+SKIPPED_SUFFIXES = {".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".gguf"}
+
+
+def assemble(folder: Path, source: Path, template: str | None, manifest: dict) -> None:
+    """A stored model in the empty `folder`: what serving reads of `source`, the TEMPLATE as
+    chat_template.jinja (replacing the source's), and the manifest."""
+    shards = copy_model_pieces(source, folder)
+    for path in sorted(source.iterdir()):
+        if (path.is_file() and not path.name.startswith(".")
+                and path.name not in SKIPPED_FILES | shards
+                and path.suffix not in SKIPPED_SUFFIXES):
+            link_or_copy(path, folder / path.name)
+    if template is not None:
+        write_fresh(folder / "chat_template.jinja", template)
+    write_fresh(folder / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+
 
 def copy_model_pieces(source: Path, target: Path) -> set[str]:
     """A tetrad checkpoint's parameters without its AdamW moments (two thirds of its bytes, and
