@@ -234,6 +234,14 @@ def test_a_corrupt_manifest_is_one_line_everywhere_and_the_healthy_models_still_
     assert [m.name for m in ModelStore().list()] == ["good:latest"]
 
 
+def test_a_stored_template_that_is_not_text_is_one_line(tmp_path, src):
+    assert create(tmp_path, 'FROM ./src\nTEMPLATE """{{ messages }}"""\n') == (0, "")
+    template = ModelStore().folder("m") / "chat_template.jinja"
+    template.write_bytes(bytes(range(256)))  # written fresh by create: no other file shares it
+    one_line_error(*run_cli(["show", "m", "--modelfile"]), "stored model m:latest is broken",
+                   "chat_template.jinja")
+
+
 def test_a_model_folder_that_is_a_link_or_badly_named_is_reported_not_followed(tmp_path, src,
                                                                                 capsys):
     assert create(tmp_path, "FROM ./src\n", "good") == (0, "")

@@ -104,11 +104,16 @@ class StoredModel:
         return self.manifest["messages"]
 
     def modelfile(self) -> str:
-        template = self.folder / "chat_template.jinja"
-        return render_modelfile(
-            str(self.folder), self.system,
-            template.read_text() if self.manifest["template"] else None, self.parameters,
-            self.messages, self.manifest["license"])
+        template = None
+        if self.manifest["template"]:
+            path = self.folder / "chat_template.jinja"
+            try:
+                template = path.read_text()
+            except (OSError, UnicodeDecodeError) as error:
+                raise ConfigError(f"stored model {self.name} is broken ({path}: {error}): "
+                                  f"`tetrad rm {self.name}` removes it") from None
+        return render_modelfile(str(self.folder), self.system, template, self.parameters,
+                                self.messages, self.manifest["license"])
 
 
 class ModelStore:
