@@ -5,6 +5,7 @@ midway leaves the previous checkpoint loadable."""
 
 import json
 import shutil
+import struct
 import subprocess
 import sys
 import textwrap
@@ -94,6 +95,32 @@ def test_flipped_bytes_in_the_adamw_moments_are_refused(capsys, corpus_file, roo
 ], ids=["truncated", "header-only", "deleted", "extra-shard"])
 def test_truncated_missing_and_extra_shards(capsys, corpus_file, root, damage, fragment):
     damage(root / STEP / SHARD)
+    expect_refused(capsys, corpus_file, root, fragment)
+
+
+def swap_offsets(header):
+    first, second = [key for key in header if key.startswith("exp_avg/")
+                     and header[key]["shape"] == header["exp_avg/embed.weight"]["shape"]][:2]
+    header[first]["data_offsets"], header[second]["data_offsets"] = (
+        header[second]["data_offsets"], header[first]["data_offsets"])
+
+
+def overflow_offsets(header):
+    header["exp_avg/embed.weight"]["data_offsets"] = [0, 10**9]
+
+
+@pytest.mark.parametrize("change, fragment", [
+    (swap_offsets, f"{SHARD}: the bytes of exp_avg/"),
+    (overflow_offsets, f"{SHARD}: Error while deserializing header"),
+], ids=["swapped", "beyond-the-file"])
+def test_wrong_offsets_in_a_shards_header(capsys, corpus_file, root, change, fragment):
+    shard = root / STEP / SHARD
+    header, data_start = read_header(shard)
+    data = shard.read_bytes()[data_start:]
+    change(header)
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    shard.write_bytes(struct.pack("<Q", len(encoded)) + encoded + data)
     expect_refused(capsys, corpus_file, root, fragment)
 
 
