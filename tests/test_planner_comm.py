@@ -171,3 +171,42 @@ def test_overlapped_collectives_slow_the_compute_they_hide_behind():
     assert overlapped(4.8, 5.0, True, 0.25) == pytest.approx(1.2)  # compute 5 -> 6.2
     assert overlapped(8.0, 5.0, True, 0.25) == pytest.approx(3.0)  # the collective sets 8
     assert overlapped(7.0, 5.0, False, 0.25) == 7.0
+
+
+@pytest.mark.parametrize("zero", range(4))
+def test_data_parallel_calls_per_step_with_several_microbatches(zero):
+    """ZeRO 0/1 reduce once per step; ZeRO-2 reduce-scatters each microbatch's gradients; ZeRO-3
+    also gathers the parameters for each microbatch's forward and again for its backward."""
+    n, d, m = count_parameters(preset("small")), 4, 3
+    grads = params = 2 * n  # bf16
+    result = _predict(ParallelConfig(dp=d, zero=zero), num_microbatches=m)
+    expected = {0: {"all_reduce": 1}, 1: {"reduce_scatter": 1, "all_gather": 1},
+                2: {"reduce_scatter": m, "all_gather": 1},
+                3: {"reduce_scatter": m, "all_gather": 2 * m}}[zero]
+    assert result["comm_calls"] == {kind: expected.get(kind, 0) for kind in comm.COLLECTIVES}
+    sizes = {"all_reduce": grads, "reduce_scatter": grads, "all_gather": params}
+    for kind, calls in expected.items():
+        assert result["comm_payload_bytes"][kind] == pytest.approx(calls * sizes[kind])
+        share = 2 * (d - 1) / d if kind == "all_reduce" else (d - 1) / d
+        assert result["comm_bytes"][kind] == pytest.approx(calls * share * sizes[kind])
+
+
+@pytest.mark.parametrize("schedule, pp, vpp, m", [("1f1b", 3, 1, 6), ("gpipe", 2, 1, 4),
+                                                  ("interleaved", 3, 2, 6)])
+def test_each_pipeline_stage_sends_from_every_chunk_but_the_model_ends(schedule, pp, vpp, m):
+    """Counted chunk by chunk: a chunk sends its activations on unless it is the model's last, and
+    its input gradient back unless it is the model's first; once per microbatch each."""
+    config = preset("small")
+    parallel = ParallelConfig(pp=pp, vpp=vpp, schedule=schedule)
+    size = 2 * 128 * config.hidden_size * 2
+    last = pp * vpp - 1
+    sends = [m * sum((chunk < last) + (chunk > 0) for chunk in range(rank, last + 1, pp))
+             for rank in range(pp)]
+    stages = _predict(parallel, num_microbatches=m, runtime="tetrad")["stages"]
+    assert [stage["comm_calls"]["p2p"] for stage in stages] == sends
+    assert [stage["comm_payload_bytes"]["p2p"] for stage in stages] == \
+        pytest.approx([count * size for count in sends])
+    megatron = _predict(parallel, num_microbatches=m)
+    assert megatron["comm_calls"]["p2p"] == sends[megatron["fullest_stage"]]
+    assert megatron["comm_payload_bytes"]["p2p"] == \
+        pytest.approx(sends[megatron["fullest_stage"]] * size)

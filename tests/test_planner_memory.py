@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tetrad.config import ModelConfig
 from tetrad.planner.layout import TrainLayout
 from tetrad.planner.memory import (ActivationOptions, activation_bytes_per_layer,
-                                   in_flight_microbatches, kv_bytes_per_token, model_state_bytes,
-                                   stage_layer_counts, training_memory, zero_state_bytes)
+                                   in_flight_microbatches, kv_bytes_per_token, kv_token_layout,
+                                   model_state_bytes, peak_bytes_by_zero_stage,
+                                   representative_stages, stage_activation_bytes,
+                                   stage_layer_counts, stage_params, training_memory,
+                                   zero_state_bytes)
 from tetrad.planner.model_stats import count_parameters
 from tetrad.planner.precision import training_precision, weight_bytes
 from tetrad.planner.serving import model_weight_bytes
@@ -137,3 +142,57 @@ def test_served_weights():
     assert weight_bytes("fp8") == 1 + 4 / 16384
     assert count_parameters(r1) < fp8 < count_parameters(r1) * 1.01
     assert model_weight_bytes(r1, "bf16") == pytest.approx(2 * count_parameters(r1))
+
+
+@pytest.mark.parametrize("name", ["small", "llama2-7b", "deepseek-v3"])
+def test_stages_hold_every_parameter_once(name):
+    """Over the stages of any cut, a rank's dense and expert elements add up to the model's count
+    (a tied head on its own stage keeps one more copy of the embedding, as Megatron does)."""
+    config = preset(name)
+    n = count_parameters(config)
+    for pp in (1, 2, 4):
+        held = sum(sum(stage_params(config, pp, stage, 1, 1)) for stage in range(pp))
+        assert held == n
+    tied = _gpt(layers=4)
+    embedding = tied.vocab_size * tied.hidden_size
+    assert sum(stage_params(tied, 1, 0, 1, 1)) == count_parameters(tied)
+    assert sum(sum(stage_params(tied, 2, s, 1, 1)) for s in range(2)) == \
+        count_parameters(tied) + embedding
+
+
+def test_the_fullest_stage_candidates():
+    assert representative_stages(126, 16) == (0, 1, 15)  # 7 + 14 x 8 + 7 layers
+    assert representative_stages(32, 4) == (0, 3)
+    assert representative_stages(30, 1) == (0,)
+
+
+@pytest.mark.parametrize("runtime", ["megatron", "tetrad"])
+def test_peak_by_zero_stage_is_the_full_count_and_follows_the_zero_paper(runtime):
+    config = preset("small")
+    layout = TrainLayout(dp=8, pp=2, microbatches=4, micro_batch=2)
+    options = ActivationOptions(runtime=runtime)
+    peaks = peak_bytes_by_zero_stage(config, layout, BF16, 256, options, (0, 1, 2, 3))
+    for zero, peak in enumerate(peaks):
+        slow = training_memory(config, dataclasses.replace(layout, zero=zero), BF16, 256, options)
+        assert peak == pytest.approx(slow[0].total)
+    flat = peak_bytes_by_zero_stage(config, TrainLayout(dp=8, micro_batch=2), BF16, 256,
+                                    ActivationOptions(), (0, 1, 2))
+    n = count_parameters(config)
+    assert flat[0] - flat[1] == pytest.approx(12 * n * 7 / 8)  # Adam's K = 12 bytes sharded
+    assert flat[1] - flat[2] == pytest.approx(2 * n * 7 / 8)  # then the bf16 gradients
+
+
+def test_last_stage_keeps_the_head_input_and_its_logits_in_two_precisions():
+    config, s, b = _gpt(layers=4, seq=512), 512, 2
+    layout = TrainLayout(pp=2, microbatches=1, micro_batch=b)
+    options = ActivationOptions()
+    first = stage_activation_bytes(config, layout, s, options, 2.0, 0)
+    last = stage_activation_bytes(config, layout, s, options, 2.0, 1)
+    # Both stages hold two blocks' activations for their one microbatch.
+    assert last - first == pytest.approx(b * s * (1024 * 2 + 1000 * (2 + 4)))
+
+
+def test_kv_token_layout_of_one_gpu():
+    assert kv_token_layout(preset("llama3-70b")) == (2, 8, 128)
+    assert kv_token_layout(preset("llama3-70b"), 16) == (2, 1, 128)
+    assert kv_token_layout(preset("deepseek-v3")) == (1, 1, 512 + 64)

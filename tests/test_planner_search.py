@@ -6,6 +6,8 @@ import pytest
 
 from tetrad.errors import ConfigError
 from tetrad.hardware import GiB, cluster, gpu
+from tetrad.planner import comm
+from tetrad.planner.memory import kv_bytes_per_token
 from tetrad.planner.report import training_fit_advice
 from tetrad.planner.search import ServeSpace, TrainSpace, search_serving, search_training
 from tetrad.planner.serving import ServeLayout, ServeWorkload, evaluate_serving
@@ -145,3 +147,38 @@ def test_deepseek_r1_on_16_h100():
     assert fp8.num_fitting > 0
     bf16 = search_serving(config, world, _serve(), ServeSpace(tp=8, pp=2, ep=1))
     assert bf16.num_fitting == 0  # 1.34 TB of bf16 weights exceed 16 x 80 GiB x 0.9
+
+
+def test_a_pipeline_adds_one_hop_to_the_first_token():
+    """Prefill runs the stages one after the other: the same layers and head as one GPU, plus
+    the prompt's activations sent once between the two stages (within one node)."""
+    config, prompt = preset("llama2-7b"), 1024
+    world = cluster("h100-sxm", 2)
+    alone = evaluate_serving(config, world, ServeLayout(dp=2), _serve(prompt, batch=1))
+    piped = evaluate_serving(config, world, ServeLayout(pp=2), _serve(prompt, batch=1))
+    hop = comm.p2p_time(world, False, prompt * config.hidden_size * 2)
+    assert piped.ttft_s == pytest.approx(alone.ttft_s + hop)
+
+
+def test_decode_reads_the_kv_cache_at_the_mean_context():
+    """A token is decoded, on average, at prompt + output/2 tokens of context: two workloads
+    with the same mean decode equally fast, and a longer mean decodes slower."""
+    config, world = preset("llama2-7b"), cluster("h100-sxm", 1)
+
+    def tpot(prompt, output):
+        workload = ServeWorkload(context_len=8192, prompt_len=prompt, output_len=output, batch=64)
+        return evaluate_serving(config, world, ServeLayout(), workload).tpot_s
+
+    assert tpot(2000, 4000) == pytest.approx(tpot(3000, 2000), rel=1e-12)
+    assert tpot(2000, 4000) > tpot(2000, 2000) > tpot(1000, 2000)
+
+
+def test_replicas_multiply_sequences_and_throughput_but_not_per_gpu_memory():
+    config = preset("llama2-7b")
+    one = evaluate_serving(config, cluster("h100-sxm", 1), ServeLayout(), _serve())
+    two = evaluate_serving(config, cluster("h100-sxm", 2), ServeLayout(dp=2), _serve())
+    assert two.max_concurrent_sequences == 2 * one.max_concurrent_sequences
+    assert two.decode_tokens_per_s == pytest.approx(2 * one.decode_tokens_per_s)
+    assert two.total_memory == pytest.approx(one.total_memory)
+    per_token = kv_bytes_per_token(config, 2.0)
+    assert one.kv_cache == one.batch * (1024 + 256) * per_token

@@ -182,3 +182,50 @@ def test_every_schedule_has_a_cli_choice(capsys):
         assert main(["schedule", "--pp", "2", "--microbatches", "4", "--schedule", name,
                      *extra]) == 0, name
     capsys.readouterr()
+
+
+def _reference_ends(schedule, durations):
+    """Each compute ends its own duration after the latest of: the rank's previous compute, the
+    same stage's earlier pass (F before B before W) and the neighbouring stage's pass it consumes
+    -- worked out by recursion, independently of the simulator's event loop."""
+    computes = [[a for a in actions if a.is_compute] for actions in schedule.actions]
+    index = {action: (rank, i) for rank, actions in enumerate(computes)
+             for i, action in enumerate(actions)}
+    last = schedule.num_stages - 1
+    part_input, part_weight = durations.split()
+    lengths = {"F": Fraction(durations.forward),
+               "B": part_input if schedule.split_backward else Fraction(durations.backward),
+               "W": part_weight}
+    ends = {}
+
+    def end(action):
+        if action not in ends:
+            rank, i = index[action]
+            ready = [end(computes[rank][i - 1])] if i else []
+            if action.kind == "B":
+                ready.append(end(Action("F", action.stage, action.microbatch)))
+            if action.kind == "W":
+                ready.append(end(Action("B", action.stage, action.microbatch)))
+            if action.kind == "F" and action.stage > 0:
+                ready.append(end(Action("F", action.stage - 1, action.microbatch)))
+            if action.kind == "B" and action.stage < last:
+                ready.append(end(Action("B", action.stage + 1, action.microbatch)))
+            ends[action] = max(ready, default=Fraction(0)) + lengths[action.kind] / schedule.vpp
+        return ends[action]
+
+    return {action: end(action) for action in index}
+
+
+@pytest.mark.parametrize("name,pp,vpp,m", [case for case in CASES if case[1] > 1])
+def test_simulated_times_equal_an_independent_recursion(name, pp, vpp, m):
+    durations = Durations(forward=1.5, backward=2.5, backward_input=0.75)
+    schedule = build_schedule(name, pp, m, vpp)
+    timeline = simulate(schedule, durations)
+    expected = _reference_ends(schedule, durations)
+    simulated = {span.action: span.end for spans in timeline.spans for span in spans}
+    assert simulated == expected
+    assert timeline.makespan == max(expected.values())
+    for spans in timeline.spans:
+        for span in spans:
+            assert span.end - span.start == durations.of(span.action.kind, schedule)
+    assert simulate(schedule, durations, blocking=True).makespan >= timeline.makespan
