@@ -310,3 +310,34 @@ def test_bad_step_arguments_say_what_to_change():
     stages = build_stages(build_model(LLAMA), partition(LLAMA, 1), 1, 0)
     with pytest.raises(ConfigError, match="schedule is for pp=2"):
         PipelineExecutor(stages, build_schedule("1f1b", 2, 4), Group("pp", (0,), 0), Comm())
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
+def test_the_stage_hook_sees_each_microbatchs_weight_gradients_complete(schedule):
+    """What ZeRO-2/3 reduce on: at each `after_stage_backward` call the stage's gradients have
+    grown by exactly one microbatch's whole gradient (after W when the backward is split)."""
+    microbatches = 4
+    model = build_model(LLAMA)
+    tokens = batch(0)
+    per_microbatch = []
+    for window in tokens.chunk(microbatches):
+        model.zero_grad()
+        loss = F.cross_entropy(model(window[:, :-1]).flatten(0, 1), window[:, 1:].flatten())
+        (loss / microbatches).backward()
+        per_microbatch.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    executor = single_rank_executor(LLAMA, schedule, microbatches)
+    params = executor.named_parameters()
+    snapshots = []
+    executor.after_stage_backward = lambda stage: snapshots.append(
+        {n: torch.zeros_like(p) if p.grad is None else p.grad.clone() for n, p in params.items()})
+    executor.step(tokens)
+    assert len(snapshots) == microbatches
+    unmatched = list(range(microbatches))
+    previous = {n: torch.zeros_like(p) for n, p in params.items()}
+    for snapshot in snapshots:
+        added = {n: snapshot[n] - previous[n] for n in params}
+        match = [j for j in unmatched if all(
+            relative_error(added[n], per_microbatch[j][n]) < 1e-4 for n in params)]
+        assert match, (schedule, "a hook call saw no single microbatch's whole gradient")
+        unmatched.remove(match[0])
+        previous = snapshot
