@@ -207,6 +207,8 @@ def test_the_longest_held_back_prefix_wins_over_a_shorter_one_of_another_stop_st
     params = SamplingParams(stop=["abcd", "cx"])
     assert apply_stop_strings(params, "zabc") == ("z", False, 3)
     assert apply_stop_strings(params.replace(stop=["cx", "abcd"]), "zabc") == ("z", False, 3)
+    # Within one stop string too: "abab" and "ab" both start "abab!"; hold the longer.
+    assert apply_stop_strings(SamplingParams(stop=["abab!"]), "xabab") == ("x", False, 4)
 
 
 def test_a_stop_string_split_over_tokens_is_never_shown_and_stops_at_its_last_token():
