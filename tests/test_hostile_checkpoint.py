@@ -204,7 +204,7 @@ def test_step_folders_without_latest_are_not_overwritten(capsys, corpus_file, ro
     ("run.json", '{"step": 7}', "run.json's step is 7, not the step of its folder"),
     ("run.json", "[2]", "run.json's step is None"),
     ("training_state.pt", "garbage", "training_state.pt does not match its checksum"),
-    ("model.json", "[1, 2]", "model.json holds a list"),
+    ("model.json", "[1, 2]", "model.json does not match its checksum"),
 ], ids=["run-garbage", "run-negative", "run-other-step", "run-list", "state-garbage",
         "model-list"])
 def test_damaged_small_files_are_named(capsys, corpus_file, root, file, content, fragment):
@@ -220,13 +220,19 @@ def test_flipped_bytes_in_the_training_state_fail_its_checksum(capsys, corpus_fi
     expect_refused(capsys, corpus_file, root, "training_state.pt does not match its checksum")
 
 
-def test_a_garbage_training_state_without_checksums_is_named(capsys, corpus_file, root):
+@pytest.mark.parametrize("file, content, fragment", [
+    ("training_state.pt", b"PK\x03\x04 garbage", "training_state.pt: "),
+    ("model.json", b"[1, 2]", "model.json holds a list"),
+    ("model.json", b"\xff\xfe", "model.json: 'utf-8' codec can't decode"),
+], ids=["state-garbage", "model-list", "model-binary"])
+def test_damaged_files_without_checksums_are_named(capsys, corpus_file, root, file, content,
+                                                    fragment):
     """Checkpoints of an older tetrad have no checksums: loading still checks what it reads."""
     run = json.loads((root / STEP / "run.json").read_text())
     del run["sha256"]
     (root / STEP / "run.json").write_text(json.dumps(run))
-    (root / STEP / "training_state.pt").write_bytes(b"PK\x03\x04 garbage")
-    expect_refused(capsys, corpus_file, root, "training_state.pt: ")
+    (root / STEP / file).write_bytes(content)
+    expect_refused(capsys, corpus_file, root, fragment)
 
 
 def test_a_training_state_without_generator_states_is_named(capsys, corpus_file, root):

@@ -67,8 +67,10 @@ def prepare(config: TrainConfig, model_config: ModelConfig | None = None
     resume_from = None
     if config.resume:
         resume_from = ckpt.find_checkpoint(config.checkpoint_dir)
-        if resume_from is not None:
-            ckpt.read_model_config(resume_from)  # fails early on a corrupt checkpoint
+        if resume_from is not None:  # a corrupt checkpoint fails here, before any rank starts
+            ckpt.read_step(resume_from)
+            ckpt.read_model_config(resume_from)
+            ckpt.read_training_state(resume_from)
     return model_config, tokenizer, resume_from
 
 
