@@ -401,6 +401,19 @@ def test_key_ranges_cover_every_parameter_once():
         assert layout.dense_numel + layout.num_rows * layout.row_numel == sum(
             p.numel() for p in model.parameters())
         assert max(hi - lo for lo, hi in dense) - min(hi - lo for lo, hi in dense) <= 1
+        # Each dense parameter's flat elements, in order, from the servers' pieces in turn.
+        covered = {name: [] for name, _ in layout.dense}
+        for server, (lo, hi) in enumerate(dense):
+            for name, start, end, offset in layout.dense_pieces(server):
+                assert 0 <= start < end <= hi - lo
+                covered[name].append((offset, offset + end - start))
+        for name, numel in layout.dense:
+            pieces = covered[name]
+            assert pieces[0][0] == 0 and pieces[-1][1] == numel, name
+            assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:])), name
+        offsets = list(layout.dense_offsets().values())
+        assert offsets[0] == 0 and all(
+            b - a == numel for a, b, (_, numel) in zip(offsets, offsets[1:], layout.dense))
     tied = build_model(model_config.replace(tie_embeddings=True), config)
     assert KeyLayout.from_model(tied, 2).sparse is None  # the head reads every row
 
@@ -444,6 +457,13 @@ def test_header_round_trip():
     decoded = Message.from_header(message.header())
     assert (decoded.kind, decoded.sender, decoded.clock, decoded.count, decoded.values) == (
         Kind.STEP, 3, 7, 11, (1.25e-3, 0.5))
+    # Two kinds sharing a number would make one an alias of the other on the wire.
+    assert len(list(Kind)) == len(Kind.__members__)
+    for kind in Kind:
+        assert Message.from_header(Message(kind, 0, clock=2**40).header()).kind is kind
+    carried = Message.carrying(Kind.DONE, 4, {"rank": 4, "losses": [2.5, float("inf")]})
+    assert carried.count == carried.payload[0].numel()
+    assert carried.object() == {"rank": 4, "losses": [2.5, float("inf")]}
 
 
 @pytest.mark.parametrize("options, fragment", [
