@@ -81,7 +81,9 @@ class BPETokenizer:
 
     def encode(self, text: str) -> list[int]:
         # A loaded HF tokenizer may add BOS through its post-processor, as transformers does.
-        return self.tokenizer.encode(text).ids
+        # encode_batch releases the GIL while it works (encode holds it: seconds for a long
+        # text, during which the server's event loop cannot run).
+        return self.tokenizer.encode_batch([text])[0].ids
 
     def decode(self, ids: Iterable[int]) -> str:
         # Special tokens are kept, so decode(encode(text)) == text even when text contains one.
