@@ -40,6 +40,8 @@ SERVER_FLAGS: list[tuple[str, type, str]] = [
                                     "Retry-After (default 1024)"),
     ("--request-timeout", float, "seconds a request may run before it is stopped with a 408 "
                                  "(default 600)"),
+    ("--template-timeout", float, "seconds the chat template may take on one request's "
+                                  "messages; a render past it is stopped (400) (default 5)"),
     ("--stream-interval", int, "engine steps between a streamed answer's events: its first "
                                "token and its end go at once, the steps between merged "
                                "(default 1: every step)"),

@@ -27,10 +27,11 @@ class ServerConfig:
     request_timeout: float = 600.0  # seconds; a request still running then is stopped (408)
     enable_docs: bool = False  # /docs, /redoc and /openapi.json
     stream_interval: int = 1  # engine steps between a stream's events (AsyncEngine)
+    template_timeout: float = 5.0  # seconds a chat template may render (front_end.py)
 
     def __post_init__(self) -> None:
         for name in ("max_request_bytes", "max_sequences_per_request", "max_waiting_requests",
-                     "request_timeout", "stream_interval"):
+                     "request_timeout", "stream_interval", "template_timeout"):
             check_positive(name, getattr(self, name))
         check_positive("max_stop_strings", self.max_stop_strings, allow_zero=True)
 
@@ -90,6 +91,7 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict | None = None
 
     @field_validator("stop")
     @classmethod
@@ -111,6 +113,8 @@ class SamplingFields(BaseModel):
         if self.presence_penalty or self.frequency_penalty:
             raise TetradError("presence_penalty and frequency_penalty are not supported: use "
                               "repetition_penalty")
+        if self.logit_bias:  # refused rather than ignored: the answer would not follow it
+            raise TetradError("logit_bias is not supported")
         values = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                   "repetition_penalty": self.repetition_penalty, "max_tokens": self.max_tokens,
                   "stop": self.stop_strings(limits), "seed": self.seed, "n": self.n,

@@ -188,7 +188,7 @@ class AsyncEngine:
                 result, error = function(), None
             except Exception as failure:
                 result, error = None, failure
-            loop.call_soon_threadsafe(_settle, future, result, error)
+            loop.call_soon_threadsafe(settle, future, result, error)
 
     def _run(self) -> None:
         while not self._stopping:
@@ -246,7 +246,7 @@ def _deliver(items: list[tuple[OutputCollector, RequestOutput]]) -> None:
         collector.put(output)
 
 
-def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+def settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
     if future.cancelled():
         return
     if error is not None:

@@ -15,11 +15,16 @@ PLAIN_STOP = ("\nUser:",)
 
 
 def message_text(content) -> str:
-    """OpenAI content: a string, or a list of parts of which the text ones count."""
+    """OpenAI content: a string, or a list of parts of which the text ones count (each needs its
+    text as a string, as OpenAI checks it)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(part, dict) for part in content):
-        return "".join(part.get("text", "") for part in content if part.get("type") == "text")
+        texts = [part.get("text") for part in content if part.get("type") == "text"]
+        if all(isinstance(text, str) for text in texts):
+            return "".join(texts)
+        raise ConfigError(f"a {{type: text}} content part needs its text as a string, got "
+                          f"{next(t for t in texts if not isinstance(t, str))!r:.80}")
     raise ConfigError("message content must be a string or a list of {type: text} parts")
 
 
@@ -46,26 +51,29 @@ class ChatFormatter:
         self.source = template or None  # the template's text (/tokenizer_info shows it)
         self.system = system
         if template:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
+            from tetrad.inference.template_sandbox import BoundedSandbox
 
-            environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            self.template = environment.from_string(template)
+            self.template = BoundedSandbox(trim_blocks=True, lstrip_blocks=True).from_string(
+                template)
         self.stop = () if template else PLAIN_STOP
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], max_chars: int | None = None) -> str:
+        """The prompt; a template's output past max_chars characters raises RenderTooLong."""
         if not messages:
             raise ConfigError("messages is empty: send at least one {role, content} message")
         cleaned = []
         for message in messages:
             if not isinstance(message, dict) or message.get("role") not in ROLES:
                 raise ConfigError(f"each message needs a role ({', '.join(ROLES)}) and content, "
-                                  f"got {message!r}")
+                                  f"got {message!r:.200}")
             cleaned.append({"role": message["role"],
                             "content": message_text(message.get("content", ""))})
         if self.system and all(message["role"] != "system" for message in cleaned):
             cleaned.insert(0, {"role": "system", "content": self.system})
         if self.template is not None:
-            return self.template.render(messages=cleaned, add_generation_prompt=True,
-                                        bos_token="", eos_token="")
+            from tetrad.inference.template_sandbox import render_bounded
+
+            return render_bounded(self.template, max_chars, messages=cleaned,
+                                  add_generation_prompt=True, bos_token="", eos_token="")
         lines = [f"{m['role'].capitalize()}: {m['content']}\n" for m in cleaned]
         return "".join(lines) + "Assistant:"

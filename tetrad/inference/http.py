@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from json.encoder import encode_basestring_ascii as json_string  # json.dumps of a str, in C
 
 from fastapi.responses import StreamingResponse
@@ -163,29 +163,38 @@ async def _interleaved(streams: list[RequestStream]) -> AsyncIterator[tuple[int,
 
 
 async def final_outputs(request: Request, streams: list[RequestStream], timeout_s: float
-                        ) -> list | None:
-    """The finished output of every stream, or None when the client went away first (its
-    requests are then aborted). The disconnect is awaited, not polled: polling woke the event
-    loop 4 times a second per request, each wake-up taking the GIL from the engine thread."""
+                        ) -> list:
+    """The finished output of every stream; a 499 when the client went away first (closing
+    merged() aborts the requests still running)."""
     async def collect() -> list:
         finals = [None] * len(streams)
         async for index, output in merged(streams, timeout_s):
             finals[index] = output
         return finals
 
-    task = asyncio.create_task(collect())
+    return await unless_gone(request, collect())
+
+
+async def unless_gone(request: Request, work: Coroutine):
+    """work's result; when the client leaves first, work is cancelled (its cleanup stops what it
+    started) and ApiError 499 raised. The disconnect is awaited, not polled: polling woke the
+    event loop 4 times a second per request, each wake-up taking the GIL from the engine
+    thread."""
+    task = asyncio.create_task(work)
     gone = asyncio.create_task(_disconnected(request))
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
         if not task.done():
-            task.cancel()  # closes merged(), which aborts the requests still running
+            task.cancel()
             try:
                 await task
             except asyncio.CancelledError:
                 pass
-    return task.result() if not task.cancelled() else None
+    if task.cancelled():
+        raise ApiError(499, "client closed the request")
+    return task.result()
 
 
 async def _disconnected(request: Request) -> None:

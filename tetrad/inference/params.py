@@ -4,6 +4,7 @@ the scheduler, the server and the tests use these without torch."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from tetrad.config import from_dict
@@ -68,8 +69,10 @@ class SamplingParams:
             value = getattr(self, name)
             if value is None and name in ("max_tokens", "seed", "logprobs", "prompt_logprobs"):
                 continue
-            if isinstance(value, bool) or not isinstance(value, types) or not rule(value):
-                kind = "an integer" if types is integer else "a number"
+            # Python's JSON reads Infinity and NaN: no rule here may hold for them.
+            if isinstance(value, bool) or not isinstance(value, types) or not rule(value) or \
+                    (isinstance(value, float) and not math.isfinite(value)):
+                kind = "an integer" if types is integer else "a finite number"
                 raise ConfigError(f"{name} must be {kind} {says}".rstrip() + f", got {value!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ConfigError(f"stop must be a non-empty string or a list of them, "

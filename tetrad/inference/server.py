@@ -3,18 +3,19 @@ streaming by server-sent events, with log-probabilities and echo), /v1/models, v
 /detokenize and /tokenizer_info, /health and Prometheus /metrics.
 
 The engine steps on a thread of its own (async_engine.py); the event loop only validates requests,
-queues them and relays their outputs, and tokenizing and chat templates run on worker threads, so a
-long step or a long prompt never stalls HTTP. Every error is OpenAI's error JSON: a bad request a
-400, a missing API key a 401, a too large body a 413, a full queue a 503 with Retry-After, a
-request over its time a 408; a client that disconnects has its request aborted, which frees its
-KV blocks at the next step. A step that fails fails the requests it ran (500) and no others; an
-engine that can no longer step (a tensor-parallel rank died) fails the requests in flight, answers
-503, turns /health to 503 and calls `on_fatal` (`tetrad serve` stops the server there).
+queues them and relays their outputs; prompts too long for the context are refused from their
+byte length, larger ones are tokenized and chat templates rendered on threads, within a time limit
+(front_end.py), so a long step, a long prompt or a slow template never stalls HTTP. Every error is
+OpenAI's error JSON: a bad request a 400, a missing API key a 401, a too large body a 413, a full
+queue a 503 with Retry-After, a request over its time a 408; a client that disconnects has its
+request aborted, which frees its KV blocks at the next step, and its chat template stopped. A
+step that fails fails the requests it ran (500) and no others; an engine that can no longer step
+(a tensor-parallel rank died) fails the requests in flight, answers 503, turns /health to 503 and
+calls `on_fatal` (`tetrad serve` stops the server there); so does a stalled front end.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import Callable
@@ -32,7 +33,8 @@ from tetrad.inference.api import (ApiError, ChatRequest, CompletionRequest, Deto
 from tetrad.inference.async_engine import AsyncEngine, EngineStopped, RequestError
 from tetrad.inference.chat import ChatFormatter
 from tetrad.inference.engine import LLM
-from tetrad.inference.http import ChunkEvents, Guard, final_outputs, merged, sse
+from tetrad.inference.front_end import FrontEnd
+from tetrad.inference.http import ChunkEvents, Guard, final_outputs, merged, sse, unless_gone
 from tetrad.inference.output import RequestOutput
 
 
@@ -44,6 +46,7 @@ def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None,
     config = config or ServerConfig()
     engine = AsyncEngine(llm, on_fatal, config.stream_interval)
     chat = chat or ChatFormatter()
+    front = FrontEnd(llm.tokenizer, llm.max_model_len, chat, config.template_timeout)
     token_text = TokenText(llm.tokenizer)
 
     @asynccontextmanager
@@ -51,6 +54,7 @@ def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None,
         engine.start()
         yield
         engine.shutdown()
+        front.close()
 
     docs = {} if config.enable_docs else {"docs_url": None, "redoc_url": None,
                                           "openapi_url": None}
@@ -89,10 +93,6 @@ def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None,
             raise ApiError(404, f"model {name!r} is not served here: use {model_name!r}",
                            "not_found_error")
 
-    def encode(prompts: list) -> list[list[int]]:
-        """Token ids of each prompt (a string, or ids already); runs on a worker thread."""
-        return [llm.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
-
     def submit_all(prompts: list[list[int]], params, stream: bool) -> list:
         if len(prompts) * params.n > config.max_sequences_per_request:
             raise ApiError(400, f"{len(prompts)} prompts x n = {params.n} asks for "
@@ -112,19 +112,13 @@ def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None,
             raise
         return streams
 
-    async def finals_of(request: Request, streams: list) -> list[RequestOutput]:
-        finals = await final_outputs(request, streams, config.request_timeout)
-        if finals is None:
-            raise ApiError(499, "client closed the request")
-        return finals
-
     def usage(prompt_tokens: int, completion_tokens: int) -> dict:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}
 
     @app.get("/health")
     async def health():
-        if (problem := engine.health()) is not None:
+        if (problem := engine.health() or front.health()) is not None:
             return error_response(503, problem, "server_error")
         return {"status": "ok"}
 
@@ -141,15 +135,18 @@ def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None,
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
-        tokens = (await asyncio.to_thread(encode, [body.prompt]))[0]
+        tokens = (await front.tokenize([body.prompt]))[0]
         return {"tokens": tokens, "count": len(tokens), "max_model_len": llm.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
+        if len(body.tokens) > llm.max_model_len:
+            raise ApiError(400, f"{len(body.tokens)} tokens: at most the model's context length "
+                                f"({llm.max_model_len})")
         vocab = llm.model_config.vocab_size
         if not all(0 <= token < vocab for token in body.tokens):
             raise ApiError(400, f"tokens must be in 0..{vocab - 1} (the model's vocab)")
-        return {"prompt": await asyncio.to_thread(llm.tokenizer.decode, body.tokens)}
+        return {"prompt": await front.detokenize(body.tokens)}
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():
@@ -174,12 +171,10 @@ def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None,
             prompt_logprobs=body.logprobs if body.echo and scored else None,
             **({"max_tokens": 1} if prompt_only else {}))
         texts = [p if isinstance(p, str) else None for p in prompts]
-        # Token ids need no tokenizing, so no hand-off to a worker thread (and its wake-up).
-        ids = (await asyncio.to_thread(encode, prompts)
-               if any(text is not None for text in texts) else prompts)
+        ids = await front.tokenize(prompts)
         if body.echo or scored:  # the prompt's text: echoed, and where text offsets start
-            texts = [text if text is not None else await asyncio.to_thread(
-                llm.tokenizer.decode, prompt_ids) for text, prompt_ids in zip(texts, ids)]
+            texts = [text if text is not None else await front.detokenize(prompt_ids)
+                     for text, prompt_ids in zip(texts, ids)]
         streams = submit_all(ids, params, body.stream)
         common = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                   "created": int(time.time()), "model": model_name}
@@ -232,7 +227,7 @@ def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None,
                                 scored and piece["logprobs"]["tokens"]):
                             yield events.event(piece)
             return sse(chunks())
-        finals = await finals_of(request, streams)
+        finals = await final_outputs(request, streams, config.request_timeout)
         choices = [choice(i, final, completion, True, start_offset(i))[0]
                    for i, final in enumerate(finals) for completion in final.outputs]
         generated = 0 if prompt_only else sum(len(c.token_ids) for f in finals
@@ -250,7 +245,8 @@ def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None,
         params = body.sampling_params(
             config, chat.stop, defaults,
             logprobs=(body.top_logprobs or 0) if body.logprobs else None)
-        ids = await asyncio.to_thread(lambda: encode([chat.render(body.messages)]))
+        prompt = await unless_gone(request, front.render(body.messages))
+        ids = await front.tokenize([prompt])
         streams = submit_all(ids, params, body.stream)
         common = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
                   "model": model_name}
@@ -276,7 +272,7 @@ def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None,
                         elif c.delta_text or c.finish_reason:
                             yield events.text_event(c.index, c.delta_text, c.finish_reason)
             return sse(chunks())
-        final = (await finals_of(request, streams))[0]
+        final = (await final_outputs(request, streams, config.request_timeout))[0]
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "logprobs": logprobs_of(c.logprobs), "finish_reason": c.finish_reason}
                    for c in final.outputs]
