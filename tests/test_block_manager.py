@@ -220,3 +220,15 @@ def test_a_prompt_that_fits_the_free_blocks_exactly_is_admitted():
     assert len(hits) == 2 and manager.num_free_blocks == 3
     assert not manager.can_allocate(again, hits, 5, use_watermark=False)
     assert manager.can_allocate(again, hits, 4, use_watermark=False)
+
+
+def test_blocks_swapped_back_in_rejoin_the_prefix_cache():
+    # A pool the sequence fills: swapping in evicts the cached copies it left behind, so its
+    # prefix stays findable only if the blocks it comes back to are registered again.
+    manager = BlockManager(num_blocks=3, block_size=4, num_cpu_blocks=3)
+    seq = make_seq(0, range(9))
+    admit(manager, seq)
+    manager.swap_out(seq)
+    manager.swap_in(seq)
+    assert manager.prefix_hits(make_seq(1, range(9))) == seq.block_table[:2]
+    manager.check_invariants([seq], [])
