@@ -22,6 +22,7 @@ from zero_harness import (BATCH, BUCKET_BYTES, CPU, LR, SEQ, Case, check_reduced
 from tetrad.config import ParallelConfig, TrainConfig
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import OFF_STEP_TAGS, Comm, CommCounter
+from tetrad.parallel.data_parallel import LaunchInOrder, bucket_params
 from tetrad.parallel.fsdp import SHARDED
 from tetrad.parallel.mesh import Group, build_mesh
 from tetrad.parallel.zero_optimizer import FlatShard, scatter_state
@@ -351,3 +352,29 @@ def test_a_shard_loads_only_the_parameters_its_range_overlaps():
                   target)
     assert looked_up == ["b", "c"]
     assert target.tolist() == [7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 0.0]
+
+
+def test_buckets_follow_backward_order_and_close_once_they_reach_their_size():
+    """Reverse registration order (backward's), a bucket closed by the parameter that brings it
+    to its limit, the first bucket's limit its own."""
+    params = [torch.nn.Parameter(torch.zeros(25)) for _ in range(10)]  # 100 bytes each
+    buckets = bucket_params(params, bucket_bytes=300, first_bucket_bytes=200)
+    position = {id(p): index for index, p in enumerate(params)}
+    assert [[position[id(p)] for p in bucket] for bucket in buckets] == [
+        [9, 8], [7, 6, 5], [4, 3, 2], [1, 0]]
+
+
+def test_buckets_launch_in_order_as_soon_as_they_and_all_before_them_are_complete():
+    launched = []
+    order = LaunchInOrder([1, 2, 1], launched.append)
+    for bucket in (2, 1, 1):  # complete, but bucket 0 has not started: ranks must agree
+        order.arrived(bucket)
+    assert launched == []
+    order.arrived(0)
+    assert launched == [0, 1, 2]
+    order.finish()  # the next backward counts afresh
+    order.arrived(0)
+    order.arrived(1)
+    assert launched == [0, 1, 2, 0]
+    order.flush()  # bucket 1 never completed (an unused parameter): started anyway, in order
+    assert launched == [0, 1, 2, 0, 1, 2]
