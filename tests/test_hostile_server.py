@@ -380,3 +380,16 @@ def test_tokenizing_a_long_prompt_leaves_the_event_loop_free(model_dir, monkeypa
         (status, took), = hostile
         assert status == 200 and took > 2 * max(seconds)  # it ran while the small ones did
         assert max(seconds) < SMALL_REQUEST_S, seconds
+
+
+def test_a_models_stop_strings_obey_the_servers_limit(model_dir):
+    from tetrad.errors import ConfigError
+    from tetrad.inference.api import ServerConfig
+    from tetrad.inference.server import build_app
+
+    llm = LLM(model_dir, **ENGINE)
+    with pytest.raises(ConfigError, match="3 stop strings.*--max-stop-strings 2"):
+        build_app(llm, "tiny", defaults={"stop": ("a", "b", "c")},
+                  config=ServerConfig(max_stop_strings=2))
+    assert build_app(llm, "tiny", defaults={"stop": ("a", "b")},
+                     config=ServerConfig(max_stop_strings=2))

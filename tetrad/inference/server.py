@@ -26,7 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse
 from starlette.exceptions import HTTPException
 
-from tetrad.errors import TetradError
+from tetrad.errors import ConfigError, TetradError
 from tetrad.inference.api import (ApiError, ChatRequest, CompletionRequest, DetokenizeRequest,
                                   ServerConfig, TokenizeRequest, TokenText, chat_logprobs,
                                   completion_logprobs, error_response)
@@ -44,6 +44,10 @@ def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None,
     """`defaults`: sampling fields for requests that leave them out (a stored model's
     Modelfile PARAMETERs); `config`: the API key and the limits."""
     config = config or ServerConfig()
+    default_stops = len((defaults or {}).get("stop", ()))
+    if default_stops > config.max_stop_strings:  # else every request without stop passes it
+        raise ConfigError(f"the model's Modelfile has {default_stops} stop strings: more than "
+                          f"--max-stop-strings {config.max_stop_strings}")
     engine = AsyncEngine(llm, on_fatal, config.stream_interval)
     chat = chat or ChatFormatter()
     front = FrontEnd(llm.tokenizer, llm.max_model_len, chat, config.template_timeout)
