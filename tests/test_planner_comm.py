@@ -210,3 +210,50 @@ def test_each_pipeline_stage_sends_from_every_chunk_but_the_model_ends(schedule,
     assert megatron["comm_calls"]["p2p"] == sends[megatron["fullest_stage"]]
     assert megatron["comm_payload_bytes"]["p2p"] == \
         pytest.approx(sends[megatron["fullest_stage"]] * size)
+
+
+def test_groups_partly_inside_a_node_and_their_latency():
+    world = cluster("a100-80gb", 64)  # 8 GPUs and 8 NICs of 25 GB/s per node
+    profile = world.gpu.efficiency
+    assert comm.place_group(world, 4, 2) == comm.Group(4, 4, 1)  # 8 GPUs: one node
+    two_per_node = comm.place_group(world, 8, 4)
+    assert two_per_node == comm.Group(8, 2, 4)
+    assert comm.bus_bandwidth(world, two_per_node) == pytest.approx(
+        2 * 25 * GB * profile.inter_link)
+    # A ring step per member inside each node, a tree across 4 nodes (2 log2 4 steps).
+    size = 1 * GB
+    assert comm.all_reduce_time(world, two_per_node, size) == pytest.approx(
+        2 * 1 * profile.intra_latency_s + 4 * profile.inter_latency_s
+        + 2 * 7 / 8 * size / (2 * 25 * GB * profile.inter_link))
+    assert comm.reduce_scatter_time(world, two_per_node, size) == pytest.approx(
+        1 * profile.intra_latency_s + 4 * profile.inter_latency_s
+        + 7 / 8 * size / (2 * 25 * GB * profile.inter_link))
+    assert comm.all_reduce_time(world, comm.Group(1, 1, 1), size) == 0
+    assert comm.all_gather_time(world, two_per_node, 0) == 0
+
+
+def test_all_to_all_sends_off_node_shares_over_the_nic():
+    world = cluster("a100-80gb", 16)
+    profile = world.gpu.efficiency
+    local = 1 * GB
+    inside = comm.place_group(world, 8, 1)
+    assert comm.all_to_all_time(world, inside, local) == pytest.approx(
+        profile.intra_latency_s + 7 / 8 * local / (300 * GB * profile.intra_link))
+    # 16 ranks on two nodes: 7/16 of the local bytes stay on NVLink, 8/16 cross one NIC.
+    across = comm.place_group(world, 16, 1)
+    assert comm.all_to_all_time(world, across, local) == pytest.approx(
+        profile.intra_latency_s + profile.inter_latency_s
+        + max(7 / 16 * local / (300 * GB * profile.intra_link),
+              8 / 16 * local / (25 * GB * profile.inter_link)))
+
+
+def test_point_to_point_within_and_across_nodes():
+    world = cluster("a100-80gb", 16)
+    profile = world.gpu.efficiency
+    size = 1 * GB
+    assert comm.p2p_time(world, False, size) == pytest.approx(
+        profile.intra_latency_s + size / (300 * GB * profile.intra_link))
+    assert comm.p2p_time(world, True, size) == pytest.approx(
+        profile.inter_latency_s + size / (25 * GB * profile.inter_link))
+    assert comm.p2p_time(world, True, 0) == 0
+    assert comm.sent_bytes("all_gather", 1, size) == 0
