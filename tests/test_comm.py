@@ -87,6 +87,20 @@ def check_collectives(rank: int, world_size: int) -> dict:
     received = torch.empty_like(rows)
     comm.all_to_all(received, rows, world, "test")
     assert received[:, 0].tolist() == [float(r) for r in range(world_size) for _ in range(2)]
+    # Uneven splits (expert parallelism's dispatch): rank s sends rank i rows(s, i) rows.
+    def rows_between(source: int, target: int) -> int:
+        return (source + target) % 3 + 1
+
+    uneven = Comm(CommCounter())
+    splits_out = [rows_between(rank, i) for i in range(world_size)]
+    splits_in = [rows_between(s, rank) for s in range(world_size)]
+    outgoing = torch.cat([torch.full((n, 3), 100.0 * rank + i) for i, n in enumerate(splits_out)])
+    incoming = torch.empty(sum(splits_in), 3)
+    uneven.all_to_all(incoming, outgoing, world, "test", splits_in, splits_out)
+    assert incoming[:, 0].tolist() == [100.0 * s + rank for s, n in enumerate(splits_in)
+                                       for _ in range(n)]
+    assert sent(uneven.counter, "all_to_all") == 3 * 4 * sum(
+        n for i, n in enumerate(splits_out) if i != rank)
     value = torch.full((10,), float(rank))
     comm.broadcast(value, 1, world, "test")
     assert value.tolist() == [1.0] * 10
