@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 
@@ -53,11 +54,41 @@ def profile_from_dict(data: dict, source: str = "profile") -> GPU:
     except (KeyError, TypeError, ValueError) as error:
         raise ConfigError(f"{source} is not a valid hardware profile ({type(error).__name__}: "
                           f"{error})") from None
-    if not device.peak_flops or min(device.peak_flops.values()) <= 0 \
-            or device.memory_bandwidth <= 0:
+    _check_numbers(device, source)
+    return device
+
+
+# The efficiency fractions every time divides by; a profile's other numbers may be 0 (unknown).
+DIVISORS = ("matmul", "attention", "memory", "intra_link", "inter_link")
+
+
+def _finite(value) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+def _check_numbers(device: GPU, source: str) -> None:
+    """Every number of the profile finite and not negative, the ones times are divided by
+    positive: a "fast" string, a NaN or a negative bandwidth would come back out as NaN times."""
+    if not device.peak_flops or not all(_finite(v) and v > 0 for v in device.peak_flops.values()) \
+            or not (_finite(device.memory_bandwidth) and device.memory_bandwidth > 0):
         raise ConfigError(f"{source}: a hardware profile needs positive peak_flops and "
                           f"memory_bandwidth")
-    return device
+    if not isinstance(device.name, str) or not all(isinstance(a, str) for a in device.aliases):
+        raise ConfigError(f"{source}: name and aliases must be strings")
+    numbers = {f.name: getattr(device, f.name) for f in dataclasses.fields(GPU)
+               if f.type == "float"}
+    numbers.update((f.name, getattr(device.efficiency, f.name))
+                   for f in dataclasses.fields(EfficiencyProfile) if f.type in ("float", "int"))
+    for curve in ("matmul_curve", *CURVES):
+        numbers.update((f"{curve}[{i}]", value) for i, point in
+                       enumerate(getattr(device.efficiency, curve)) for value in point)
+    numbers.update((f"collectives[{i}]", value) for i, fit in
+                   enumerate(device.efficiency.collectives) for value in fit[1:])
+    for name, value in numbers.items():
+        if not _finite(value) or value < 0 or (name in DIVISORS and value == 0):
+            raise ConfigError(f"{source}: {name} must be a finite "
+                              f"{'positive' if name in DIVISORS else 'non-negative'} number, "
+                              f"got {value!r}")
 
 
 def load_profile(path: str | Path) -> GPU:

@@ -29,12 +29,9 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from tetrad.errors import ConfigError
     from tetrad.schedules import Durations, build_schedule, render, simulate, validate
 
-    if args.fb_ratio <= 0:
-        raise ConfigError(f"--fb-ratio is backward time / forward time and must be > 0, "
-                          f"got {args.fb_ratio}")
+    _check_numbers(args)
     schedule = build_schedule(args.schedule, args.pp, args.microbatches, args.vpp)
     validate(schedule)
     timeline = simulate(schedule, Durations(forward=1.0, backward=args.fb_ratio))
@@ -42,5 +39,30 @@ def run(args: argparse.Namespace) -> int:
         from tetrad.viz.pipeline import draw_pipeline
 
         draw_pipeline(timeline, args.png)
-    print(json.dumps(timeline.to_dict()) if args.json else render(timeline))
+    print(json.dumps(timeline.to_dict(), allow_nan=False) if args.json else render(timeline))
     return 0
+
+
+# One character per time unit and one row per rank: past 4,096 stage-microbatches (pp 16 with 256
+# microbatches) the timeline runs off any screen and its simulation takes seconds.
+MAX_STAGE_MICROBATCHES = 4096
+# Backward over forward is 2 for a transformer (1 to 3 with recomputation or fused kernels); a
+# ratio 16 times off either way is a typo, and it stretches the timeline by as much.
+FB_RATIO_RANGE = (1 / 16, 16.0)
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    from tetrad.errors import ConfigError
+    from tetrad.planner.limits import check_count, check_number
+
+    why = "the most stage-microbatches (pp x vpp x microbatches) a timeline shows"
+    for flag, value in (("--pp", args.pp), ("--microbatches", args.microbatches),
+                        ("--vpp", args.vpp)):
+        check_count(flag, value, MAX_STAGE_MICROBATCHES, why)
+    total = args.pp * args.vpp * args.microbatches
+    if total > MAX_STAGE_MICROBATCHES:
+        raise ConfigError(f"pp x vpp x microbatches = {total:,} is more than "
+                          f"{MAX_STAGE_MICROBATCHES:,}: the timeline would run off any screen; "
+                          f"lower --pp or --microbatches")
+    check_number("--fb-ratio", args.fb_ratio, *FB_RATIO_RANGE,
+                 "backward time / forward time is 1 to 3 for a transformer")

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from tetrad.errors import ConfigError, read_json_file
+from tetrad.viz.report_check import check_report
 from tetrad.viz.save import save_figure
 
 COMM_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "p2p")
@@ -26,6 +27,7 @@ def load_report(path: str | Path) -> dict[str, Any]:
     if not isinstance(report, dict) or report.get("schema") != 1 or "ranks" not in report:
         raise ConfigError(f"{path} is not a schema-1 run report (the JSON tetrad train --report "
                           f"writes)")
+    check_report(report, str(path))
     return report
 
 
