@@ -272,3 +272,11 @@ def test_requests_exactly_at_each_limit_are_accepted():
     with pytest.raises(RequestRejected, match="n = 4"):
         scheduler.add_request("f", [1], SamplingParams(n=4, max_tokens=1))
 
+
+
+def test_the_watermark_does_not_hold_back_a_request_when_nothing_runs():
+    # Alone, a prompt may take all but fewer blocks than the watermark keeps (else it would
+    # wait for ever: nothing running will free any).
+    scheduler = make_scheduler(num_blocks=10, block_size=2, prefix=False, watermark=0.3)
+    alone = scheduler.add_request("a", [1] * 18, SamplingParams(max_tokens=2))  # 9 blocks
+    assert scheduler.schedule().seqs == [alone]
