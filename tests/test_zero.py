@@ -1,6 +1,7 @@
 """DDP (ZeRO-0) and ZeRO-1/2/3, with offload and gradient accumulation, on 2 and 4 gloo ranks,
-against the single-process run on the same global batches: losses, final parameters, bytes held
-(counted from the tensors each rank owns) and bytes sent per step, checked against the formulas;
+against the single-process run on the same global batches: losses, final parameters, every
+step's gradient norm and each rank's reduced gradients (tests/zero_harness.py says why), bytes
+held (counted from the tensors each rank owns) and bytes sent per step, against the formulas;
 ZeRO-2/3 under a pipeline too (the formulas of the rank's stages, per pipeline microbatch).
 Torch's own DDP and FSDP2 (fully_shard) run the same steps side by side.
 
