@@ -172,6 +172,10 @@ def test_serve_flags_are_checked_before_the_model_loads(model_dir, capsys):
     assert "request_timeout must be" in capsys.readouterr().err
     assert main(["serve", str(model_dir), "--stream-interval", "0"]) == 2
     assert "stream_interval must be" in capsys.readouterr().err
+    assert main(["serve", str(model_dir), "--template-timeout", "nan"]) == 2
+    assert "template_timeout must be" in capsys.readouterr().err
+    assert main(["serve", str(model_dir), "--request-timeout", "inf"]) == 2
+    assert "request_timeout must be" in capsys.readouterr().err
 
 
 def test_docs_only_when_asked(model_dir):

@@ -4,13 +4,14 @@ in the shapes of /v1/completions and /v1/chat/completions."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from tetrad.config import check_positive
-from tetrad.errors import TetradError
+from tetrad.errors import ConfigError, TetradError
 from tetrad.inference.output import TokenLogprob
 from tetrad.inference.params import SamplingParams
 
@@ -34,6 +35,10 @@ class ServerConfig:
                      "request_timeout", "stream_interval", "template_timeout"):
             check_positive(name, getattr(self, name))
         check_positive("max_stop_strings", self.max_stop_strings, allow_zero=True)
+        for name in ("request_timeout", "template_timeout"):  # nan passes check_positive
+            if not math.isfinite(getattr(self, name)):
+                raise ConfigError(f"{name} must be a finite number of seconds, got "
+                                  f"{getattr(self, name)}")
 
 
 class ApiError(TetradError):

@@ -201,8 +201,7 @@ class FrontEnd:
         self.renders[render] = deadline
         render.thread.start()
         try:
-            return await asyncio.wait_for(asyncio.shield(future),
-                                          max(0.0, deadline - time.monotonic()))
+            return await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()))
         except TimeoutError:
             raise ApiError(400, f"the chat template ran longer than {self.template_timeout:g} s "
                                 f"on these messages and was stopped (tetrad serve "
