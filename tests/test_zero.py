@@ -169,26 +169,27 @@ def torch_native(rank: int, world_size: int, kind: str) -> list[float]:
 
 
 def run_pipelined(zero: int, schedule: str, mesh) -> dict:
-    """The trainer's steps with ZeRO-2/3 under a pipeline: losses, the most bytes held after the
-    gradient reduction and after the step, bytes sent per step, and what the rank holds."""
+    """The trainer's steps with ZeRO-2/3 under a pipeline: losses, gradient norms, the most bytes
+    held after the gradient reduction and after the step, bytes sent per step, and what the rank
+    holds."""
     counter = CommCounter()
     parallel = ParallelConfig(dp=mesh.dims.dp, pp=mesh.dims.pp, zero=zero, schedule=schedule,
                               microbatches=MICROBATCHES)
     config = TrainConfig(model="tiny", batch_size=BATCH, seq_len=SEQ, lr=LR, parallel=parallel)
     strategy = MeshStrategy(tiny_model(), config, CPU, mesh, Comm(counter),
                             bucket_bytes=BUCKET_BYTES)
-    losses, held = [], {}
+    losses, held, norms = [], {}, []
     for batch in token_batches():
         loss, _ = strategy.forward_backward(batch)
         strategy.finish_gradients()
         held = {k: max(v, held.get(k, 0)) for k, v in strategy.bytes_held().items()}
-        strategy.clip_grad_norm(1.0)
+        norms.append(strategy.clip_grad_norm(1.0))
         strategy.step(LR)
         held = {k: max(v, held.get(k, 0)) for k, v in strategy.bytes_held().items()}
         losses.append(loss)
     comm = {tag: {kind: value / counter.steps for kind, value in counter.totals((tag,)).items()
                   if value} for tag in ("grads", "params")}
-    return {"losses": losses, "held": held, "comm": comm,
+    return {"losses": losses, "norms": norms, "held": held, "comm": comm,
             "phi": sum(p.numel() for p in strategy.params.values()),
             "first_stage": 0 in strategy.parallel.pipeline.stages}
 
@@ -329,6 +330,7 @@ def test_four_ranks(references):
         for (zero, schedule), run in zip(PIPELINED, result["pipelined"]):
             name, phi = (zero, schedule, rank), run["phi"]
             assert run["losses"] == pytest.approx(references[1, "fp32"]["losses"], rel=1e-5), name
+            assert run["norms"] == pytest.approx(references[1, "fp32"]["norms"], rel=1e-5), name
             held = dict(run["held"])
             assert (held.pop("params_gathered_peak", None) is not None) == (zero == 3), name
             assert held == {"params": 4 * phi // (n if zero == 3 else 1), "grads": 4 * phi // n,
