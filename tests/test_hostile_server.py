@@ -289,7 +289,10 @@ def test_huge_prompts_are_refused_from_their_size_at_once(server):
 
 
 class SlowTokenizer(ByteTokenizer):
-    """Takes its time (off the GIL, as HF tokenizers' batch encoding does) on long text."""
+    """Takes its time (off the GIL, as HF tokenizers' batch encoding does) on long text, and
+    claims no bound on a token's bytes, so long text is allowed in."""
+
+    longest_token_bytes = None
 
     def encode(self, text: str) -> list[int]:
         if len(text) > front_end.INLINE_TOKENIZE_BYTES:
@@ -300,7 +303,6 @@ class SlowTokenizer(ByteTokenizer):
 def test_a_saturated_tokenizer_pool_delays_no_small_prompt_and_health_tells(
         model_dir, monkeypatch):
     monkeypatch.setattr(front_end, "TOKENIZE_STALL_S", 0.5)
-    monkeypatch.setattr(front_end, "longest_token_bytes", lambda tokenizer: None)  # no bound
     with serve(model_dir, tokenizer=SlowTokenizer()) as (_, port):
         long_text = "z" * (front_end.INLINE_TOKENIZE_BYTES + 1)
         hostile = [lambda: call(port, "/tokenize", {"prompt": long_text})
@@ -367,12 +369,12 @@ def test_clients_leaving_mid_stream_free_their_sequences(server, monkeypatch):
     assert llm.metrics.num_generated_tokens - before < 16 * 100  # aborted, not run to the end
 
 
-def test_tokenizing_a_long_prompt_leaves_the_event_loop_free(model_dir, monkeypatch):
+def test_tokenizing_a_long_prompt_leaves_the_event_loop_free(model_dir):
     from tetrad.tokenizer import BPETokenizer
 
     words = "the quick brown fox jumps over the lazy dog and runs far away "
     bpe = BPETokenizer.train([words * 50], vocab_size=300)
-    monkeypatch.setattr(front_end, "longest_token_bytes", lambda tokenizer: None)  # no bound
+    bpe.longest_token_bytes = None  # no byte bound: the long text is tokenized
     with serve(model_dir, tokenizer=bpe) as (_, port):
         long_text = words * 16000  # ~1 MB: a second or more of tokenizing on this machine
         hostile = [lambda: timed(port, "/tokenize", {"prompt": long_text})]
@@ -393,3 +395,22 @@ def test_a_models_stop_strings_obey_the_servers_limit(model_dir):
                   config=ServerConfig(max_stop_strings=2))
     assert build_app(llm, "tiny", defaults={"stop": ("a", "b")},
                      config=ServerConfig(max_stop_strings=2))
+
+
+def test_no_bpe_token_stands_for_more_bytes_than_the_bound():
+    import random
+
+    from tokenizers import Tokenizer, models
+
+    from tetrad.tokenizer import BPETokenizer
+
+    rng = random.Random(0)
+    corpus = ["".join(rng.choice("ab cé€\n") for _ in range(400)) for _ in range(20)]
+    bpe = BPETokenizer.train(corpus, vocab_size=400)
+    longest = bpe.longest_token_bytes
+    for text in corpus[:5] + ["ab" * 300, "€" * 200, "\U0001f600" * 50]:
+        ids = bpe.encode(text)
+        assert len(ids) * longest >= len(text.encode())  # so more bytes is more tokens
+        assert max(len(bpe.decode([token]).encode()) for token in ids) <= longest
+    # One unk token can stand for any unknown text: no bound.
+    assert BPETokenizer(Tokenizer(models.BPE(unk_token="[UNK]"))).longest_token_bytes is None

@@ -12,6 +12,7 @@ No torch here: the data loader and the planner-side CLI use these.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -27,6 +28,7 @@ EOS_TOKEN = "<|endoftext|>"
 class ByteTokenizer:
     vocab_size = 256
     eos_id = None
+    longest_token_bytes = 1  # the most bytes of text one token stands for
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -78,6 +80,20 @@ class BPETokenizer:
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def longest_token_bytes(self) -> int | None:
+        """The most bytes of text one token stands for, bounded by the UTF-8 length of the
+        longest vocabulary entry as stored: byte-level BPE stores each byte as one character of
+        1-2 bytes ('Ġ' for a space), SentencePiece-style BPE a space as '▁' (3 bytes) and a
+        fallback byte as '<0x0A>'. None where no such bound holds: a model that maps any unknown
+        text to one token (an unk token without byte fallback; WordPiece, Unigram)."""
+        model = self.tokenizer.model
+        if type(model).__name__ != "BPE" or (model.unk_token is not None
+                                             and not model.byte_fallback):
+            return None
+        return max(len(entry.encode("utf-8"))
+                   for entry in self.tokenizer.get_vocab(with_added_tokens=True))
 
     def encode(self, text: str) -> list[int]:
         # A loaded HF tokenizer may add BOS through its post-processor, as transformers does.

@@ -25,7 +25,6 @@ from tetrad.errors import TetradError
 from tetrad.inference.api import ApiError
 from tetrad.inference.async_engine import settle
 from tetrad.inference.chat import ChatFormatter
-from tetrad.tokenizer import BPETokenizer, ByteTokenizer
 
 INLINE_TOKENIZE_BYTES = 1024  # a BPE tokenizes this in about a ms: less than a thread hand-off
 TOKENIZE_THREADS = 4
@@ -35,28 +34,11 @@ TOKENIZE_STALL_S = 5.0  # a prompt waiting this long for a tokenizer thread: sta
 TEMPLATE_OUTPUT = "the chat prompt (the template's output)"
 
 
-def longest_token_bytes(tokenizer) -> int | None:
-    """The UTF-8 length of the tokenizer's longest vocabulary entry as stored, or None when no
-    such bound holds. Stored entries are never shorter than the text they stand for: the byte
-    tokenizer's are one byte, byte-level BPE writes each byte as one character of 1-2 bytes ('Ġ'
-    for a space), SentencePiece-style BPE writes a space as '▁' (3 bytes) and a fallback byte as
-    '<0x0A>'. A tokenizer that maps any unknown text to one token (an unk token without byte
-    fallback: WordPiece, Unigram) has no such bound."""
-    if isinstance(tokenizer, ByteTokenizer):
-        return 1
-    if not isinstance(tokenizer, BPETokenizer):
-        return None
-    inner = tokenizer.tokenizer
-    model = inner.model
-    if type(model).__name__ != "BPE" or (model.unk_token is not None and not model.byte_fallback):
-        return None
-    return max(len(entry.encode("utf-8")) for entry in inner.get_vocab(with_added_tokens=True))
-
-
 def prompt_byte_limit(tokenizer, max_model_len: int) -> int | None:
     """The most UTF-8 bytes a prompt of max_model_len tokens can hold: each token stands for at
-    most longest_token_bytes of text, so a longer prompt is more tokens than the context."""
-    longest = longest_token_bytes(tokenizer)
+    most the tokenizer's longest_token_bytes of text (tetrad/tokenizer.py says why), so a longer
+    prompt is more tokens than the context. None for a tokenizer without that bound."""
+    longest = getattr(tokenizer, "longest_token_bytes", None)
     return None if longest is None else max_model_len * longest
 
 
@@ -107,7 +89,7 @@ class FrontEnd:
                  template_timeout: float):
         self.tokenizer, self.max_model_len, self.chat = tokenizer, max_model_len, chat
         self.template_timeout = template_timeout
-        self.longest_token = longest_token_bytes(tokenizer)
+        self.longest_token = getattr(tokenizer, "longest_token_bytes", None)
         self.max_prompt_bytes = prompt_byte_limit(tokenizer, max_model_len)
         self.pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tetrad-tokenize")
         self.render_slots = asyncio.Semaphore(MAX_RENDERS)
