@@ -257,3 +257,21 @@ def test_point_to_point_within_and_across_nodes():
         profile.inter_latency_s + size / (25 * GB * profile.inter_link))
     assert comm.p2p_time(world, True, 0) == 0
     assert comm.sent_bytes("all_gather", 1, size) == 0
+
+
+def test_per_microbatch_collectives_are_counted_per_step():
+    """Tensor- and context-parallel collectives run in every microbatch: calls, like bytes, are
+    per step. Ring attention passes K/V around cp - 1 times forward, and K/V and dK/dV again
+    backward, in every layer."""
+    config, b, s, m = preset("small"), 2, 128, 3
+    t, c = 2, 2
+    tp = _predict(ParallelConfig(tp=t), num_microbatches=m)
+    size = b * s * config.hidden_size * 2
+    assert tp["comm_calls"]["all_reduce"] == (4 * config.num_layers + 2) * m
+    assert tp["comm_payload_bytes"]["all_reduce"] == pytest.approx(
+        tp["comm_calls"]["all_reduce"] * size)
+    cp = _predict(ParallelConfig(cp=c), num_microbatches=m)
+    chunk = b * s / c * config.num_kv_heads * 2 * config.head_dim * 2  # this rank's K and V
+    calls = 3 * (c - 1) * config.num_layers * m
+    assert cp["comm_calls"]["p2p"] == calls
+    assert cp["comm_payload_bytes"]["p2p"] == pytest.approx(calls * chunk)

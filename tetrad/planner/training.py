@@ -290,6 +290,8 @@ def evaluate_training(config: ModelConfig, cluster: Cluster, layout: TrainLayout
         for kind in ledger.sent:  # per microbatch so far: scale to the step
             ledger.sent[kind] *= layout.num_microbatches
             ledger.payload[kind] *= layout.num_microbatches
+        for call in ledger.calls:
+            ledger.calls[call] *= layout.num_microbatches
     m = layout.num_microbatches
     per_microbatch_kernels = kernels.forward + kernels.backward + kernels.recompute
     dense, expert = stage_params(config, layout.pp, fullest, layout.tp, layout.ep,
