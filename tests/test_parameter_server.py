@@ -435,6 +435,24 @@ def test_ssp_gate_holds_the_fastest_and_releases_it():
     assert summary["update_lag"]["histogram"] == {"0": 2, "2": 1}  # 2: worker 0's updates
 
 
+def test_ssp_gate_bounds_the_lead_over_the_slowest_not_the_clock():
+    book = Scheduler([0, 1], "ssp", 1)
+    for clock in range(2):  # both on step 2: a lead of 0, far from clock 0
+        for worker in (0, 1):
+            book.push(worker, clock)
+            book.applied([worker])
+            assert book.may_start(worker)
+    book.push(0, 2)
+    book.applied([0])
+    assert book.may_start(0)  # 3 - 2 = 1 step ahead: within the bound
+    book.push(0, 3)
+    book.applied([0])
+    assert not book.may_start(0) and book.held == [0]  # 2 ahead
+    book.push(1, 2)
+    book.applied([1])
+    assert book.release() == [0]  # 4 - 3 = 1 again
+
+
 def test_async_never_holds_and_sync_has_no_lag():
     book = Scheduler([0, 1], "async", None)
     gaps = []
