@@ -442,10 +442,10 @@ def test_ssp_gate_bounds_the_lead_over_the_slowest_not_the_clock():
             book.push(worker, clock)
             book.applied([worker])
             assert book.may_start(worker)
-    book.push(0, 2)
+    assert book.push(0, 2) == 0  # the gap: 2 - 2
     book.applied([0])
     assert book.may_start(0)  # 3 - 2 = 1 step ahead: within the bound
-    book.push(0, 3)
+    assert book.push(0, 3) == 1
     book.applied([0])
     assert not book.may_start(0) and book.held == [0]  # 2 ahead
     book.push(1, 2)
