@@ -17,8 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from dist import run_ranks
 from zero_harness import (BATCH, BUCKET_BYTES, CPU, LR, SEQ, Case, check_reduced,
-                          distributed_strategy, tiny_model, token_batches, train_config,
-                          train_steps, whole_parameters)
+                          distributed_strategy, first_layer_launches, launches_seen, tiny_model,
+                          token_batches, train_config, train_steps, whole_parameters)
 
 from tetrad.config import ParallelConfig, TrainConfig
 from tetrad.models.transformer import Transformer
@@ -57,20 +57,14 @@ def check_mechanisms(mesh) -> dict:
     """Overlap, no_sync, prefetch and resharding, seen from inside backward and forward."""
     found = {}
     ddp = distributed_strategy(Case(0, grad_accum=2), mesh, CommCounter())
-    launched = []
     # embed.weight is registered first, so it sits in the last bucket and its gradient comes
     # last: when it is ready, every other bucket must already be on the wire.
-    ddp.model.embed.weight.register_post_accumulate_grad_hook(
-        lambda p: launched.append(len(ddp.engine.handles)))
-    # Overlap proper: when layer 0's first gradient arrives, the buckets of the layers after it
-    # (complete since) are already on the wire, with most of backward still to run.
-    early = []
-    for param in ddp.model.layers[0].parameters():
-        param.register_post_accumulate_grad_hook(lambda p: early.append(len(ddp.engine.handles)))
+    launched = launches_seen(ddp, [ddp.model.embed.weight])
     train_steps(ddp, 2)
     found["ddp_launched"] = launched[:2]
-    found["ddp_launched_early"] = early[len(list(ddp.model.layers[0].parameters()))]
     found["ddp_buckets"] = len(ddp.engine.buckets)
+    found["early"] = {zero: first_layer_launches(Case(zero, grad_accum=2), mesh)
+                      for zero in (0, 1, 2)}
 
     fsdp = distributed_strategy(Case(3), mesh, CommCounter())
     units = fsdp.engine.units  # embedding, layer 0, layer 1, head
@@ -298,7 +292,12 @@ def test_two_ranks(references):
         mechanisms = result["mechanisms"]
         assert mechanisms["ddp_buckets"] > 2
         assert mechanisms["ddp_launched"] == [0, mechanisms["ddp_buckets"]]
-        assert 0 < mechanisms["ddp_launched_early"] < mechanisms["ddp_buckets"]
+        # Overlap proper, at layer 0's first gradient: DDP and ZeRO-1 reduce on the last
+        # microbatch only, ZeRO-2 on every one.
+        early = mechanisms["early"]
+        assert early[0][0] == 0 and 0 < early[0][1] < mechanisms["ddp_buckets"]
+        assert early[1][0] == 0 and early[1][1] > 0
+        assert early[2][0] > 0 and early[2][1] > 0
         # Before layer 0 runs, layer 1 is already being gathered (prefetch), layer 0 is whole;
         # right after it ran, layer 0's storage is gone.
         assert mechanisms["fsdp_seen"][0][0] != SHARDED and mechanisms["fsdp_seen"][0][1] != SHARDED

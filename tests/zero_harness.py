@@ -4,7 +4,8 @@ each rank holds after the first step's reduction (before clipping), to compare w
 
 AdamW is nearly invariant to a constant gradient scale and clipping to 1 hides any larger one, so
 losses and parameters cannot tell a gradient summed over the group from one averaged over it;
-the norms and the reduced gradients themselves can."""
+the norms and the reduced gradients themselves can. Hooks on gradients also show how many
+reductions are already on the wire while backward runs (overlap)."""
 
 from collections import namedtuple
 
@@ -94,6 +95,27 @@ def distributed_strategy(case: Case, mesh, counter: CommCounter, model=None):
     model = model or tiny_model()
     return MeshStrategy(model, train_config(case, mesh.dims.dp), CPU, mesh,
                         Comm(counter, case.collectives), bucket_bytes=BUCKET_BYTES)
+
+
+def launches_seen(strategy, params) -> list[int]:
+    """Registers hooks that record, each time one of `params` gets its gradient, how many
+    reductions of the step are on the wire (call before training)."""
+    seen = []
+    for param in params:
+        param.register_post_accumulate_grad_hook(
+            lambda p: seen.append(len(strategy.engine.handles)))
+    return seen
+
+
+def first_layer_launches(case: Case, mesh) -> list[int]:
+    """Reductions on the wire when layer 0's first gradient of each microbatch arrives, for the
+    first step: the buckets of the layers after it are complete by then and should be sent while
+    backward still has layer 0 and the embedding to run."""
+    strategy = distributed_strategy(case, mesh, CommCounter())
+    layer0 = list(strategy.model.layers[0].parameters())
+    seen = launches_seen(strategy, layer0)
+    train_steps(strategy, case.grad_accum)
+    return seen[:case.grad_accum * len(layer0):len(layer0)]
 
 
 def whole_parameters(strategy) -> dict[str, torch.Tensor]:
