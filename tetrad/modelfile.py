@@ -208,16 +208,9 @@ def parse_modelfile(text: str, name: str = "Modelfile") -> Modelfile:
 
 def check_stop_count(count: int, where: str) -> None:
     """A model's stop strings are a request's when it sends none, so they obey the server's
-    limit per request (unchecked on the base install, which has no server: serving checks it when
-    it loads the model). The limit is imported only for a model with stop strings: the server's
-    module brings fastapi, a second's import that `tetrad list` should not pay."""
-    if count == 0:
-        return
-    try:
-        from tetrad.inference.api import ServerConfig
-    except ImportError:
-        return
-    limit = ServerConfig().max_stop_strings
+    default limit per request (a server started with a lower `--max-stop-strings` checks again
+    when it loads the model)."""
+    from tetrad.inference.params import DEFAULT_MAX_STOP_STRINGS as limit
     if count > limit:
         raise ModelfileError(f"{where}: PARAMETER stop: {count} stop strings, at most {limit} (the "
                              f"server's limit per request)")

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 from tetrad.config import check_positive
 from tetrad.errors import ConfigError, TetradError
 from tetrad.inference.output import TokenLogprob
-from tetrad.inference.params import SamplingParams
+from tetrad.inference.params import DEFAULT_MAX_STOP_STRINGS, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class ServerConfig:
     api_key: str | None = None  # clients send "Authorization: Bearer KEY" to /v1 and /tokenize
     max_request_bytes: int = 16 * 2**20  # request body
     max_sequences_per_request: int = 256  # prompts x n
-    max_stop_strings: int = 16
+    max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS
     max_waiting_requests: int = 1024  # requests queued and not started: more get a 503
     request_timeout: float = 600.0  # seconds; a request still running then is stopped (408)
     enable_docs: bool = False  # /docs, /redoc and /openapi.json

@@ -12,6 +12,9 @@ from tetrad.errors import ConfigError, TetradError
 
 
 MAX_LOGPROBS = 20  # top log-probabilities a request may ask for per token (OpenAI's limit)
+# Stop strings per request, the server's default limit (`--max-stop-strings`); here, not in the
+# server's module, so that `tetrad create` checks a Modelfile against it without fastapi.
+DEFAULT_MAX_STOP_STRINGS = 16
 # Temperatures below this sample as greedy (vLLM's rule): dividing logits by 1e-300 overflows to
 # inf and the softmax to NaN.
 GREEDY_TEMPERATURE = 1e-5
