@@ -51,7 +51,7 @@ def profile_from_dict(data: dict, source: str = "profile") -> GPU:
                       peak_flops={str(k): float(v) for k, v in data["peak_flops"].items()},
                       aliases=tuple(data.get("aliases", ())))
         device = GPU(**fields)
-    except (KeyError, TypeError, ValueError) as error:
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise ConfigError(f"{source} is not a valid hardware profile ({type(error).__name__}: "
                           f"{error})") from None
     _check_numbers(device, source)

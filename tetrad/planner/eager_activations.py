@@ -209,7 +209,7 @@ def activations_peak(config: ModelConfig, layout: TrainLayout, seq_len: int,
     through the rank's action list as the executor's meter holds and releases them."""
     if layout.pp == 1:
         return stage_bytes(config, layout, 0, seq_len, precision)
-    walked = walked_microbatches(layout.schedule, layout.pp, layout.schedule_microbatches)
+    walked, scale = walked_microbatches(layout.schedule, layout.pp, layout.schedule_microbatches)
     release = "W" if layout.schedule in SPLIT_BACKWARD else "B"
     held = peak = 0.0
     for action in _actions(layout.schedule, layout.pp, walked, layout.vpp)[pp_rank]:
@@ -218,17 +218,17 @@ def activations_peak(config: ModelConfig, layout: TrainLayout, seq_len: int,
             peak = max(peak, held)
         elif action.kind == release:
             held -= stage_bytes(config, layout, action.stage, seq_len, precision)
-    return peak * layout.schedule_microbatches / walked
+    return peak * scale
 
 
-def walked_microbatches(schedule: str, pp: int, microbatches: int) -> int:
-    """The microbatches whose walk gives the peak of `microbatches`: a batch of millions of
-    sequences must not cost a walk of millions of actions per layout. GPipe holds every
-    forward before the first backward, so its peak is one microbatch's times the count (the
-    caller scales it back); every other schedule repeats one pattern of forwards and backwards
-    past its warm-up, so its peak is reached within 2 * pp microbatches (interleaved; 1F1B and
-    ZB-H1 within pp, tests/test_hostile_planner.py checks this over every small shape), and
-    4 * pp of the same remainder modulo pp keep a margin."""
+def walked_microbatches(schedule: str, pp: int, microbatches: int) -> tuple[int, int]:
+    """(the microbatches whose walk gives the peak of `microbatches`, the factor on that
+    walk's peak): a batch of millions of sequences must not cost a walk of millions of actions
+    per layout. GPipe holds every forward before the first backward, so its peak is one
+    microbatch's times the count; every other schedule repeats one pattern of forwards and
+    backwards past its warm-up, so its peak is reached within 2 * pp microbatches
+    (interleaved; 1F1B and ZB-H1 within pp, tests/test_hostile_planner.py checks this over
+    every small shape), and 4 * pp of the same remainder modulo pp keep a margin."""
     if schedule == "gpipe":
-        return 1
-    return min(microbatches, 4 * pp + microbatches % pp)
+        return 1, microbatches
+    return min(microbatches, 4 * pp + microbatches % pp), 1
