@@ -414,3 +414,26 @@ def test_no_bpe_token_stands_for_more_bytes_than_the_bound():
         assert max(len(bpe.decode([token]).encode()) for token in ids) <= longest
     # One unk token can stand for any unknown text: no bound.
     assert BPETokenizer(Tokenizer(models.BPE(unk_token="[UNK]"))).longest_token_bytes is None
+
+
+@pytest.mark.parametrize("name, content, words", [
+    ("chat_template.jinja", b"\xff\xfe{{ x }}", "chat_template.jinja is not a chat template"),
+    ("tokenizer_config.json", b"{not json", "tokenizer_config.json is not a chat template"),
+    ("tokenizer_config.json", b"\xff", "tokenizer_config.json is not a chat template"),
+    ("tokenizer_config.json", b"[1, 2]", "must hold a JSON object, got list"),
+    ("tokenizer_config.json", b'{"chat_template": 5}', "chat_template must be text, got int"),
+    ("tokenizer_config.json", b"[" * 100_000, "tokenizer_config.json is not a chat template"),
+])
+def test_a_broken_template_file_is_one_error_naming_it(tmp_path, name, content, words):
+    from tetrad.errors import ConfigError
+    from tetrad.inference.chat import load_chat_template
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(ConfigError, match=words):
+        load_chat_template(tmp_path)
+
+
+def test_named_templates_give_the_default_one(tmp_path):
+    from tetrad.inference.chat import load_chat_template
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "tool_use", "template": "T"}, "junk", {"name": "default", "template": "D"}]}))
+    assert load_chat_template(tmp_path) == "D"

@@ -29,18 +29,30 @@ def message_text(content) -> str:
 
 
 def load_chat_template(folder: str | Path | None) -> str | None:
+    """The model folder's chat template, or None; a template file that is not UTF-8 text, or a
+    tokenizer_config.json that is not a JSON object, is one ConfigError naming the file."""
     if folder is None or not Path(folder).is_dir():
         return None
     folder = Path(folder)
-    if (folder / "chat_template.jinja").is_file():
-        return (folder / "chat_template.jinja").read_text()
-    config_file = folder / "tokenizer_config.json"
-    if config_file.is_file():
-        template = json.loads(config_file.read_text()).get("chat_template")
-        if isinstance(template, list):  # named templates: take the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        return template
-    return None
+    template_file, config_file = folder / "chat_template.jinja", folder / "tokenizer_config.json"
+    try:
+        if template_file.is_file():
+            return template_file.read_text()
+        if not config_file.is_file():
+            return None
+        config = json.loads(config_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+        raise ConfigError(f"{template_file if template_file.is_file() else config_file} is not "
+                          f"a chat template source ({type(error).__name__}: {error})"[:300]) from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{config_file} must hold a JSON object, got {type(config).__name__}")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: take the default one
+        template = next((t.get("template") for t in template
+                         if isinstance(t, dict) and t.get("name") == "default"), None)
+    if template is not None and not isinstance(template, str):
+        raise ConfigError(f"{config_file}: chat_template must be text, got {type(template).__name__}")
+    return template
 
 
 class ChatFormatter:
