@@ -264,7 +264,7 @@ def test_per_microbatch_collectives_are_counted_per_step():
     per step. Ring attention passes K/V around cp - 1 times forward, and K/V and dK/dV again
     backward, in every layer."""
     config, b, s, m = preset("small"), 2, 128, 3
-    t, c = 2, 2
+    t, c = 2, 4
     tp = _predict(ParallelConfig(tp=t), num_microbatches=m)
     size = b * s * config.hidden_size * 2
     assert tp["comm_calls"]["all_reduce"] == (4 * config.num_layers + 2) * m
