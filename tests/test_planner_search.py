@@ -12,7 +12,9 @@ from tetrad.planner import comm
 from tetrad.planner.memory import kv_bytes_per_token
 from tetrad.planner.report import training_fit_advice
 from tetrad.planner.search import ServeSpace, TrainSpace, search_serving, search_training
-from tetrad.planner.serving import ServeLayout, ServeWorkload, evaluate_serving
+from tetrad.planner.model_stats import count_parameters
+from tetrad.planner.serving import (ServeLayout, ServeWorkload, evaluate_serving,
+                                    model_weight_bytes, weight_bytes_per_gpu)
 from tetrad.planner.training import TrainWorkload
 from tetrad.presets import preset, resolve_model
 
@@ -208,3 +210,17 @@ def test_the_best_layout_beats_every_layout_given_in_full():
     assert best_given > 0
     best = search_training(config, world, WORKLOAD, batch).ranked[0]
     assert best.tokens_per_s == pytest.approx(best_given, rel=1e-12)
+
+
+def test_served_stages_hold_every_weight_once_and_a_tied_head_twice():
+    for config in (preset("llama2-7b"), preset("small").replace(tie_embeddings=True)):
+        whole = model_weight_bytes(config, "bf16")
+        assert whole == 2 * count_parameters(config)
+        copy = 2 * config.vocab_size * config.hidden_size if config.tie_embeddings else 0
+        for pp in (2, 3):
+            stages = [weight_bytes_per_gpu(config, ServeLayout(pp=pp), "bf16", stage)
+                      for stage in range(pp)]
+            assert sum(stages) == pytest.approx(whole + copy)
+        halves = [weight_bytes_per_gpu(config, ServeLayout(tp=2), "bf16", 0),
+                  weight_bytes_per_gpu(config, ServeLayout(tp=4), "bf16", 0)]
+        assert whole > halves[0] > halves[1] > whole / 4
