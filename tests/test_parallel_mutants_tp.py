@@ -12,7 +12,9 @@ from tetrad.parallel.comm import Comm
 from tetrad.parallel.mesh import Group
 from tetrad.parallel.tp_operators import (GatherFromSequence, ScatterToSequence, TensorParallel,
                                           f, g, g_bar_seq, g_seq)
+from tetrad.parallel.tp_overlap import row_chunks
 from tetrad.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from tetrad.planner.eager_overlap import TP_OVERLAP_CHUNKS
 
 
 class ThreadComm(Comm):
@@ -182,3 +184,13 @@ def test_the_operators_forward_and_backward_by_their_definitions():
         for name, (value, grad) in expected.items():
             torch.testing.assert_close(out[name][0], value, msg=f"{name} forward, rank {i}")
             torch.testing.assert_close(out[name][1], grad, msg=f"{name} backward, rank {i}")
+
+
+def test_overlap_row_chunks_cover_the_rows_evenly_and_none_is_empty():
+    for rows in range(1, 3 * TP_OVERLAP_CHUNKS + 2):
+        chunks = row_chunks(rows)
+        assert len(chunks) == min(TP_OVERLAP_CHUNKS, rows), rows  # the planner prices as many
+        assert chunks[0][0] == 0 and chunks[-1][1] == rows
+        assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
+        sizes = [stop - start for start, stop in chunks]
+        assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1, (rows, sizes)
