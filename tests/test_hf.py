@@ -220,3 +220,19 @@ def test_import_tetrad_stays_torch_free():
             "assert 'torch' not in sys.modules, 'torch imported'; "
             "assert callable(tetrad.load_pretrained); assert 'torch' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("name, content, words", [
+    ("model.json", b"\xff\xfe", "is not a tetrad model description"),
+    ("model.json", b"[1, 2]", "must be a table of names and values, not a list"),
+    ("model.safetensors.index.json", b"{", "is not a safetensors index"),
+    ("model.safetensors.index.json", b'{"weight_map": []}', "must map tensor names"),
+    ("model.safetensors.index.json", b'{"weight_map": {"a": "../../etc/passwd"}}',
+     "must map tensor names to file names in its folder"),
+])
+def test_a_damaged_model_description_is_one_error(tmp_path, name, content, words):
+    if name != "model.json":
+        save_hf_model(HF_CASES["llama"](), tmp_path, max_shard_size="20KB")
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(ConfigError, match=words):
+        load_pretrained(tmp_path)

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from torch import nn
 
 from tetrad.config import ModelConfig, from_dict
-from tetrad.errors import ConfigError
+from tetrad.errors import ConfigError, read_json_file
 from tetrad.hf_config import (hf_from_model_config, hf_model_type, model_config_from_hf,
                               read_hf_config, resolve_checkpoint, rope_scaling_parameters,
                               rope_scaling_type)
@@ -139,7 +139,13 @@ class HFWeights:
         self.block, self.keep_fp8 = block, keep_fp8
         index = folder / "model.safetensors.index.json"
         if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            weight_map = read_json_file(index, "safetensors index", "save_pretrained")
+            weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+            if not isinstance(weight_map, dict) or not all(
+                    isinstance(name, str) and "/" not in name and name not in ("", ".", "..")
+                    for name in weight_map.values()):
+                raise ConfigError(f"{index} must map tensor names to file names in its folder")
+            files = sorted(set(weight_map.values()))
         elif (folder / "model.safetensors").is_file():
             files = ["model.safetensors"]
         else:
@@ -363,10 +369,8 @@ def load_pretrained(path: str | Path, device: torch.device | str = "cpu",
                           f"checkpoint folder")
     device = torch.device(device)
     if (folder / "model.json").is_file():
-        try:
-            values = json.loads((folder / "model.json").read_text())
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"{folder / 'model.json'} is not valid JSON: {error}") from None
+        values = read_json_file(folder / "model.json", "tetrad model description",
+                                "tetrad train --checkpoint-dir")
         config = from_dict(ModelConfig, values)
         tensors = _checkpoint_tensors(_parameter_names(config), folder)
     elif (folder / "config.json").is_file():
