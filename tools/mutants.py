@@ -11,8 +11,9 @@ read the result and lists the survivors that are equivalent (no behaviour change
     python tools/mutants.py --sample 20 --seed 3 tetrad/planner/*.py   # 20 drawn at random
     python tools/mutants.py tetrad/parallel/zero.py --tests tests/test_zero.py
 
-Which tests run for a module: `--tests` when given, else the test files that name the module
-(its dotted path or `from tetrad.x import module`), else the whole suite.
+Which tests run for a module: `--tests` when given, else its entry in TEST_MAP below, else the
+test files that name the module (its dotted path or `from tetrad.x import module`), else the whole
+suite.
 """
 
 from __future__ import annotations
@@ -146,9 +147,39 @@ def planted_source(mutant: Mutant, source: str) -> str:
     return "".join(lines)
 
 
+# The tests that exercise a module when no test file names it (it is reached through another
+# module), or when the files that do are slow to spawn: the smallest set that still reaches it.
+# Arguments after a "-k" select tests inside those files.
+NOT_FOUR_RANKS = ["-k", "not four_ranks"]
+TP_TESTS = ["tests/test_parallel_mutants_tp.py", "tests/test_tensor_parallel.py", *NOT_FOUR_RANKS]
+PIPELINE_TESTS = ["tests/test_pipeline.py", *NOT_FOUR_RANKS]
+PS_TESTS = ["tests/test_parameter_server.py", "-k",
+            "not dead and not hung and not another and not async_converges"]
+TEST_MAP = {
+    "tetrad/parallel/comm.py": ["tests/test_parallel_mutants_comm.py", "tests/test_comm.py"],
+    "tetrad/parallel/tensor_parallel.py": ["tests/test_tensor_parallel.py", *NOT_FOUR_RANKS],
+    "tetrad/parallel/tp_operators.py": TP_TESTS,
+    "tetrad/parallel/vocab_parallel.py": TP_TESTS,
+    "tetrad/parallel/tp_overlap.py": ["tests/test_parallel_mutants_tp.py", "tests/test_overlap.py"],
+    "tetrad/parallel/expert_parallel.py": ["tests/test_expert_parallel.py", *NOT_FOUR_RANKS],
+    "tetrad/parallel/pipeline/executor.py": PIPELINE_TESTS,
+    "tetrad/parallel/pipeline/stage.py": PIPELINE_TESTS,
+    "tetrad/parallel/fsdp.py": ["tests/test_zero.py"],
+    "tetrad/parallel/zero_optimizer.py": ["tests/test_zero.py"],
+    "tetrad/parallel/engine.py": ["tests/test_parallel_mutants_engine.py",
+                                  "tests/test_parallel_mutants_model.py", "tests/test_overlap.py"],
+    "tetrad/parallel/parallelize.py": ["tests/test_parallel_mutants_model.py",
+                                       "tests/test_train_composition.py", "-k", "four_ranks"],
+    **{f"tetrad/parallel/ps/{name}.py": PS_TESTS
+       for name in ("clock", "keys", "protocol", "server", "worker")},
+}
+
+
 def tests_for(module: str) -> list[str]:
-    """The test files that name `module` (tetrad/planner/search.py -> `tetrad.planner.search` or
-    `from tetrad.planner import search`)."""
+    """TEST_MAP's entry for `module`, else the test files that name it (tetrad/planner/search.py
+    -> `tetrad.planner.search` or `from tetrad.planner import search`), else the whole suite."""
+    if module in TEST_MAP:
+        return TEST_MAP[module]
     dotted = module.removesuffix(".py").replace("/", ".")
     package, _, stem = dotted.rpartition(".")
     needles = (dotted, f"from {package} import {stem}")
