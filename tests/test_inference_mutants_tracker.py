@@ -4,6 +4,8 @@ the full-recompute greedy ids and the tokenizer's own decode of them, log-probab
 model's own log-softmax, an abort finishes exactly the aborted request, and views and merged views
 carry exactly the deltas of the steps they stand for."""
 
+import queue
+
 import torch
 from test_engine import GREEDY, PROMPTS, engine, random_model, reference_greedy
 
@@ -104,7 +106,15 @@ def test_a_request_of_n_samples_finishes_when_its_last_sample_does():
     assert [view.finished for view in steps].count(True) == 1 and final.finished
     assert [c.finish_reason for c in final.outputs] == ["length"] * 3
     assert [len(c.token_ids) for c in final.outputs] == [4] * 3
-    assert isinstance(llm.tracker, tracker_module.RequestTracker) and not llm.tracker.requests
+    assert not llm.tracker.requests
+
+
+def test_a_drained_queue_yields_its_items_in_order_then_stops():
+    items = queue.SimpleQueue()
+    for item in (3, 1, 2):
+        items.put(item)
+    assert list(tracker_module.iter_queue(items)) == [3, 1, 2]
+    assert list(tracker_module.iter_queue(items)) == []
 
 
 def completion(index, **fields):
