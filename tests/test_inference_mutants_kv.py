@@ -39,6 +39,15 @@ def test_auto_dtype_is_the_models_and_an_unsupported_one_is_refused():
         kv_cache.resolve_dtype("auto", nn.Linear(2, 2).double())
 
 
+@pytest.mark.parametrize("dtype,element_bytes", [("fp32", 4), ("bf16", 2), ("fp16", 2)])
+def test_a_token_costs_its_layers_heads_and_element_bytes(dtype, element_bytes):
+    config = resolve_model("tiny")
+    plan = kv_cache.plan_kv_pool(config, dtype, torch.device("cpu"), 4, 2**16, 0, 64)
+    assert plan.bytes_per_token == (config.num_layers * 2 * config.num_kv_heads
+                                    * config.head_dim * element_bytes)
+    assert kv_cache.TORCH_DTYPES[dtype].itemsize == element_bytes
+
+
 def test_a_tensor_parallel_stage_pool_counts_its_own_heads_and_layers():
     config = resolve_model("tiny")  # 2 layers, 2 KV heads of 16
     layers, kv_heads, head_dim = config.num_layers, config.num_kv_heads, config.head_dim

@@ -8,7 +8,7 @@ import pytest
 
 from tetrad.errors import ConfigError
 from tetrad.inference import params
-from tetrad.inference.params import MAX_LOGPROBS, SamplingParams, apply_stop_strings
+from tetrad.inference.params import SamplingParams, apply_stop_strings
 
 EDGES = [  # (field, the last accepted values, the first refused values)
     ("temperature", [0, 0.0, 1e-9, 7], [-1e-9, -1]),
@@ -18,8 +18,9 @@ EDGES = [  # (field, the last accepted values, the first refused values)
     ("n", [1, 2], [0, -1]),
     ("max_tokens", [1, 2, None], [0, -1]),
     ("seed", [None, 0, -5, 2**70], []),
-    ("logprobs", [None, 0, 1, MAX_LOGPROBS], [-1, MAX_LOGPROBS + 1]),
-    ("prompt_logprobs", [None, 0, MAX_LOGPROBS], [-1, MAX_LOGPROBS + 1]),
+    # OpenAI's API allows up to 20 top log-probabilities per token.
+    ("logprobs", [None, 0, 1, 20], [-1, 21]),
+    ("prompt_logprobs", [None, 0, 20], [-1, 21]),
 ]
 
 
