@@ -155,6 +155,12 @@ TP_TESTS = ["tests/test_parallel_mutants_tp.py", "tests/test_tensor_parallel.py"
 PIPELINE_TESTS = ["tests/test_pipeline.py", *NOT_FOUR_RANKS]
 PS_TESTS = ["tests/test_parameter_server.py", "-k",
             "not dead and not hung and not another and not async_converges"]
+# The planner and the schedules: their in-process tests (test_report*.py spawn runs to compare).
+PLANNER_TESTS = [f"tests/test_{name}.py" for name in (
+    "planner_accuracy", "planner_comm", "planner_memory", "planner_ps", "planner_search",
+    "eager_time", "schedules", "planner_model", "planner_mutants_partition",
+    "planner_mutants_compute", "planner_mutants_rules", "planner_mutants_eager",
+    "planner_mutants_search")]
 TEST_MAP = {
     "tetrad/parallel/comm.py": ["tests/test_parallel_mutants_comm.py", "tests/test_comm.py"],
     "tetrad/parallel/tensor_parallel.py": ["tests/test_tensor_parallel.py", *NOT_FOUR_RANKS],
@@ -172,6 +178,8 @@ TEST_MAP = {
                                        "tests/test_train_composition.py", "-k", "four_ranks"],
     **{f"tetrad/parallel/ps/{name}.py": PS_TESTS
        for name in ("clock", "keys", "protocol", "server", "worker")},
+    **{str(module.relative_to(ROOT)): PLANNER_TESTS for folder in ("planner", "schedules")
+       for module in (ROOT / "tetrad" / folder).glob("*.py")},
 }
 
 
