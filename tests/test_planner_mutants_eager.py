@@ -134,7 +134,8 @@ def _cpu_bound_cluster(cores: int):
 def test_calls_among_fewer_ranks_than_cores_cost_their_whole_time():
     """Every collective of a tp 2 x pp 2 layout joins 2 ranks; with 2 cores or 3 each member
     already has a core, so a third core changes none of the calls' CPU time (a collective can
-    use at most one core per member), while one core of 2 halves each call's share."""
+    use at most one core per member), while one core for 2 ranks halves each call's share: the
+    difference is half of the rank's collectives as its ledger times them."""
     layout = TrainLayout(tp=2, pp=2, microbatches=2, schedule="1f1b")
     config = preset("tiny")
 
@@ -142,7 +143,13 @@ def test_calls_among_fewer_ranks_than_cores_cost_their_whole_time():
         return rank_time(config, _cpu_bound_cluster(cores), layout, 16, FP32, True,
                          0).communication_cpu
 
-    assert calls_cpu(3) == calls_cpu(2) > calls_cpu(1)
+    # Sends name one peer (group 1): a core each however few there are.
+    calls = pipeline_ranks(config, layout, 16, FP32)[0].comm.calls
+    assert {group for _, group, _ in calls} == {1, 2}
+    calls_s = sum(count * call_time(_cpu_bound_cluster(1), *call)
+                  for call, count in calls.items() if call[1] == 2)
+    assert calls_cpu(3) == calls_cpu(2)
+    assert calls_cpu(2) - calls_cpu(1) == pytest.approx(calls_s / 2)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
