@@ -111,6 +111,18 @@ def test_batched_draws_follow_each_rows_filtered_distribution():
     assert (freq[expected == 0] == 0).all()  # filtered tokens are never drawn
 
 
+def test_top_k_filters_a_batch_with_fewer_rows_than_k():
+    """Whether any row filters compares top_k with the vocabulary, not with the batch: a lone
+    row with top_k 2 (of 4 tokens) never draws the two least likely tokens."""
+    probs = torch.tensor([0.3, 0.3, 0.2, 0.2])
+    sampler = Sampler()
+    for rows in (1, 2):
+        seqs = [Seq(SamplingParams(top_k=2)) for _ in range(rows)]
+        picks = torch.cat([sampler(probs.log().expand(rows, 4), seqs).token_ids
+                           for _ in range(300)])
+        assert set(picks.tolist()) == {0, 1}
+
+
 def test_logprobs_are_the_models_for_the_chosen_and_top_tokens():
     torch.manual_seed(2)
     logits = torch.randn(3, 40)
