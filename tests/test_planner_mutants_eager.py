@@ -20,7 +20,7 @@ from tetrad.planner.eager import pipeline_ranks
 from tetrad.planner.eager_activations import stage_bytes
 from tetrad.planner.eager_comm import SCALAR as SCALAR_BYTES, tensor_parallel_block
 from tetrad.planner.eager_overlap import hidden_communication
-from tetrad.planner.eager_params import rank_parameters
+from tetrad.planner.eager_params import block_params, rank_parameters
 from tetrad.planner.eager_state import model_state
 from tetrad.planner.eager_time import rank_time
 from tetrad.planner.layout import TrainLayout
@@ -168,3 +168,17 @@ def test_ddp_buckets_hide_behind_a_long_backward_as_the_ledger_prices_them(dtype
                    precision.compute_dtype, precision.activation_bytes, precision.param_bytes)
     hidden = hidden_communication(config, machines, layout, seq_len, precision, 0, kernel_args)
     assert hidden == pytest.approx(reduce * (1 - 1 / len(gradients)))
+
+
+@pytest.mark.parametrize("tp, heads_held", [(1, 4 + 2 * 2), (2, 2 + 2 * 1), (4, 1 + 2 * 1)])
+def test_tensor_parallel_rank_holds_its_query_heads_and_the_kv_head_they_read(tp, heads_held):
+    """tiny: 4 query heads and 2 kv heads of 16 dims over a hidden size of 64. A tp rank holds
+    4/tp query heads and, for k and v each, its share of the kv heads, or with more ranks than
+    kv heads the one its query heads read (a copy the other ranks of its pair hold too)."""
+    config = preset("tiny")
+    qkv = next(p for p in block_params(config, TrainLayout(tp=tp), 0) if p.matmul)
+    assert qkv.elements == heads_held * 16 * 64
+    assert qkv.partial == (2 * 2 * 16 * 64 if tp > config.num_kv_heads else 0)
+    if tp == 1:
+        whole = Transformer(config).layers[0].attn.qkv.weight
+        assert qkv.elements == whole.numel()
