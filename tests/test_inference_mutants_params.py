@@ -3,6 +3,8 @@ just inside accepted and the one just outside refused, and each type rule on its
 policy at the exact token count; stop strings held back only while they can still complete."""
 
 import math
+import re
+from pathlib import Path
 
 import pytest
 
@@ -91,3 +93,9 @@ def test_a_tail_is_held_back_only_while_it_can_still_become_a_stop_string():
     assert apply_stop_strings(SamplingParams(), "abc") == ("abc", False, 0)
     # A full stop string is never held back as its own prefix: it is a hit.
     assert apply_stop_strings(SamplingParams(stop=["ab"]), "zab") == ("z", True, 0)
+
+
+def test_the_stop_string_limit_is_the_documented_default():
+    table = (Path(__file__).parent.parent / "docs" / "serving.md").read_text()
+    documented = re.search(r"^\| `--max-stop-strings` \| (\d+) \|", table, re.MULTILINE)
+    assert int(documented.group(1)) == params.DEFAULT_MAX_STOP_STRINGS
