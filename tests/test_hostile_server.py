@@ -279,7 +279,10 @@ def test_huge_prompts_are_refused_from_their_size_at_once(server):
                lambda: timed(port, COMPLETIONS, {"prompt": ["Hi", huge]}),
                lambda: timed(port, CHAT, {"messages": [{"role": "user", "content": huge}]})]
     seconds = small_requests_while(port, hostile, rounds=3)
-    assert max(seconds) < SMALL_REQUEST_S, seconds
+    # 40 MiB of bodies cross this process's own client threads and the event loop here, so the
+    # bound is looser than the second the other tests hold: 0.2 s on the dev machine, 1.007 s once
+    # on a loaded 2-core CI runner, 17 s when the prompt is tokenized before its size is checked.
+    assert max(seconds) < 3 * SMALL_REQUEST_S, seconds
     assert [status for status, _ in hostile] == [400] * 4
     assert max(took for _, took in hostile) < 5  # 17 s and 41 s when tokenized first
     status, answer = call(port, "/tokenize", {"prompt": "y" * 129})
