@@ -36,12 +36,12 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_state_dict)
 from torch.distributed.fsdp import fully_shard
 
-from tetrad.config import ParallelConfig, TrainConfig
+from tetrad.spec.model import ParallelConfig, TrainConfig
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm, CommCounter
 from tetrad.parallel.launch import spawn
 from tetrad.parallel.mesh import build_mesh
-from tetrad.presets import resolve_model
+from tetrad.spec.presets import resolve_model
 from tetrad.sharded_tensors import assemble
 from tetrad.train import checkpoint as ckpt
 from tetrad.train.optim import build_optimizer, parameter_groups

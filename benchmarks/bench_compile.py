@@ -19,14 +19,14 @@ import torch
 
 from bench_data_parallel import add_run_flags, interleaved_steps
 
-from tetrad.config import ParallelConfig, TrainConfig
+from tetrad.spec.model import ParallelConfig, TrainConfig
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm, CommCounter
 from tetrad.parallel.compile import CompileClock
 from tetrad.parallel.launch import spawn
 from tetrad.parallel.mesh import build_mesh
 from tetrad.planner.rules import resolve_layout
-from tetrad.presets import resolve_model
+from tetrad.spec.presets import resolve_model
 from tetrad.train.strategy import MeshStrategy
 
 LAYOUTS = {"DDP dp2": dict(dp=2), "TP tp2": dict(tp=2),

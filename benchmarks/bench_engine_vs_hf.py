@@ -29,11 +29,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from gpu_serving import run_engine, run_hf_continuous, run_hf_static
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from tetrad.config import ModelConfig
-from tetrad.hf_config import hf_from_model_config
-from tetrad.inference.attention import paged_block_mask
+from tetrad.spec.model import ModelConfig
+from tetrad.spec.hf import hf_from_model_config
+from tetrad.inference.worker.attention import paged_block_mask
 from tetrad.inference.engine import LLM
-from tetrad.inference.params import SamplingParams
+from tetrad.inference.core.params import SamplingParams
 from tetrad.models.hf import to_hf_state_dict
 from tetrad.models.transformer import Transformer
 from tetrad.tokenizer import ByteTokenizer

@@ -41,7 +41,7 @@ def parse_args() -> argparse.Namespace:
 def run(dtype: str, args: argparse.Namespace) -> dict:
     import torch
 
-    from tetrad.config import TrainConfig
+    from tetrad.spec.model import TrainConfig
     from tetrad.train.trainer import train
 
     torch.set_num_threads(1)

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from tetrad.config import ModelConfig, TrainConfig
+from tetrad.spec.model import ModelConfig, TrainConfig
 from tetrad.models.transformer import Transformer
 from tetrad.train.optim import parameter_groups
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from tetrad.config import ParallelConfig, TrainConfig
+from tetrad.spec.model import ParallelConfig, TrainConfig
 from tetrad.parallel.launch import spawn
 from tetrad.train.launch import train_worker
 

@@ -25,14 +25,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tetrad.config import ParallelConfig, TrainConfig
+from tetrad.spec.model import ParallelConfig, TrainConfig
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm, CommCounter
 from tetrad.parallel.launch import spawn
 from tetrad.parallel.mesh import Group, build_mesh
 from tetrad.parallel.ps import KeyLayout, ParameterServer, PSOptions
 from tetrad.planner.parameter_server import compare
-from tetrad.presets import resolve_model
+from tetrad.spec.presets import resolve_model
 from tetrad.train.optim import build_optimizer, parameter_groups, set_learning_rate
 from tetrad.train.ps_strategy import ParameterServerStrategy
 from tetrad.train.strategy import MeshStrategy

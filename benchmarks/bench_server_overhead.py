@@ -41,10 +41,10 @@ from pathlib import Path
 import torch
 
 from tetrad.inference.engine import LLM
-from tetrad.inference.params import SamplingParams
+from tetrad.inference.core.params import SamplingParams
 from tetrad.models.hf import save_hf
 from tetrad.models.transformer import Transformer
-from tetrad.presets import resolve_model
+from tetrad.spec.presets import resolve_model
 
 
 def engine_flags(args) -> dict:

@@ -22,12 +22,12 @@ import time
 
 import torch
 
-from tetrad.inference.attention import sdpa_paged_attention, tiled_paged_attention
+from tetrad.inference.worker.attention import sdpa_paged_attention, tiled_paged_attention
 from tetrad.inference.engine import LLM
-from tetrad.inference.metrics import percentile
-from tetrad.inference.params import SamplingParams
+from tetrad.inference.core.metrics import percentile
+from tetrad.inference.core.params import SamplingParams
 from tetrad.models.transformer import Transformer
-from tetrad.presets import resolve_model
+from tetrad.spec.presets import resolve_model
 from tetrad.tokenizer import ByteTokenizer
 
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tetrad.config import ModelConfig, ParallelConfig
+from tetrad.spec.model import ModelConfig, ParallelConfig
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm
 from tetrad.parallel.launch import spawn

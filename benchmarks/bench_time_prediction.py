@@ -35,8 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from tetrad.config import ParallelConfig, TrainConfig
-from tetrad.hardware_profile import save_profile
+from tetrad.spec.model import ParallelConfig, TrainConfig
+from tetrad.hardware.profile import save_profile
 
 MOE = {"model": "tiny-moe", "model_overrides": {"num_layers": 4, "hidden_size": 128,
                                                  "ffn_hidden_size": 256,
@@ -88,7 +88,7 @@ def compare(report: dict) -> tuple[float, float, dict]:
 def predicted_on(name: str, profile: Path) -> dict:
     """The run report's predicted step time of `name` on `profile`, computed as the trainer
     computes it (tetrad.train.trainer.predict) but without training."""
-    from tetrad.hardware_profile import load_profile
+    from tetrad.hardware.profile import load_profile
     from tetrad.train.launch import check_layout, with_overlap_decided
     from tetrad.train.trainer import predict
 

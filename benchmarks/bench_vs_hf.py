@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tetrad.config import ModelConfig, TrainConfig
-from tetrad.hf_config import hf_from_model_config
+from tetrad.spec.model import ModelConfig, TrainConfig
+from tetrad.spec.hf import hf_from_model_config
 from tetrad.models.hf import to_hf_state_dict
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.compile import CompileClock

@@ -29,12 +29,13 @@ import warnings
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from tetrad.config import ModelConfig
-from tetrad.hardware import cluster, gpu
-from tetrad.hf_config import hf_from_model_config
+from tetrad.spec.model import ModelConfig
+from tetrad.hardware.catalog import gpu
+from tetrad.hardware.profile import cluster
+from tetrad.spec.hf import hf_from_model_config
 from tetrad.inference.engine import LLM
-from tetrad.inference.metrics import percentile
-from tetrad.inference.params import SamplingParams
+from tetrad.inference.core.metrics import percentile
+from tetrad.inference.core.params import SamplingParams
 from tetrad.models.hf import to_hf_state_dict
 from tetrad.models.transformer import Transformer
 from tetrad.planner.memory import kv_bytes_per_token

@@ -24,7 +24,7 @@ and the planner's prediction of both for --gpu (the report's `predicted` block).
 seeded random words, short enough that no validation split is held out (no evaluation
 pass after the timed steps).
 
-MFU = model FLOPs per step / step time / the GPU's dense bf16 peak (tetrad.hardware; FP8 rows
+MFU = model FLOPs per step / step time / the GPU's dense bf16 peak (tetrad.hardware.catalog; FP8 rows
 too, so the rows compare). Model FLOPs per step: 6 N T for the N parameters that take part in
 matmuls (all but the input embedding table, a lookup; the output head counts) over T tokens,
 plus causal attention, 6 L s h T (the score and value matmuls over the lower triangle: half of
@@ -50,8 +50,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tetrad.config import DTYPES, ModelConfig, TrainConfig
-from tetrad.hardware import gpu, gpu_from_device_name
+from tetrad.spec.model import DTYPES, ModelConfig, TrainConfig
+from tetrad.hardware.catalog import gpu, gpu_from_device_name
 from tetrad.models.transformer import Transformer
 from tetrad.viz.report import device_bytes
 
@@ -182,7 +182,7 @@ def run_tetrad(args, row: str, device: torch.device) -> dict:
 def run_hf(args, device: torch.device) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tetrad.hf_config import hf_from_model_config
+    from tetrad.spec.hf import hf_from_model_config
 
     config = model_config(args)
     torch.manual_seed(0)

@@ -7,7 +7,7 @@ validation, and print (or write into docs/planner.md) the error per source.
 The rows are benchmarks/published_runs.py. Each architecture's profile (Ampere: the A100s;
 Hopper: H100 and H800) has a few fitted fractions - matmul efficiency; on Hopper also the
 vendor attention kernel's and fp8 GEMMs' efficiency - and everything else fixed from
-datasheets and papers (tetrad/hardware.py). A fit is a coordinate descent over grids of those
+datasheets and papers (tetrad/hardware/catalog.py). A fit is a coordinate descent over grids of those
 fractions that minimizes the mean over sources of each source's mean |error| (so 35 rows of one
 publisher weigh as much as 3 of another). Cross validation refits without one source and
 predicts that source's rows: the error a reader should expect on a run nobody tuned on.
@@ -25,8 +25,8 @@ from pathlib import Path
 
 from benchmarks.published_runs import Run, all_runs, known_gaps, predict
 from benchmarks.published_serving import predict_serving, serve_runs
-from tetrad.efficiency import EfficiencyProfile
-from tetrad.hardware import AMPERE, HOPPER, gpu
+from tetrad.hardware.efficiency import EfficiencyProfile
+from tetrad.hardware.catalog import AMPERE, HOPPER, gpu
 
 # Llama 3 (Dubey et al. 2024, section 3.3.4): "higher than 90% effective training time" on the
 # 16K-GPU cluster, counting restarts, failures and the other interruptions.
@@ -155,10 +155,10 @@ def report(without: tuple[str, ...] = ()) -> str:
                  f"{_pct([1 / (1 + e) - 1 for e in all_cross])} | |")
     stale = [f"{name}.{key}" for name, grid in GRIDS.items() for key in grid
              if getattr(full[name], key) != getattr(ARCHITECTURES[name], key)]
-    lines += ["", "Fitted on all rows (tetrad/hardware.py holds these): " + "; ".join(
+    lines += ["", "Fitted on all rows (tetrad/hardware/catalog.py holds these): " + "; ".join(
         f"{name} " + ", ".join(f"{key} {getattr(full[name], key):.2f}" for key in grid)
         for name, grid in GRIDS.items()) + "." + (
-            f" The catalog differs in {', '.join(stale)}: copy the fit into tetrad/hardware.py."
+            f" The catalog differs in {', '.join(stale)}: copy the fit into tetrad/hardware/catalog.py."
             if stale else ""), "",
         f"Whole-run GPU-hours, goodput {GOODPUT:.0%} (Llama 3's reported effective training "
         "time), cross-validated (the Llama 3 paper's rows held out):", "",

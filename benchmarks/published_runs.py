@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tetrad.config import ModelConfig
-from tetrad.hardware import cluster
+from tetrad.spec.model import ModelConfig
+from tetrad.hardware.profile import cluster
 from tetrad.planner.layout import TrainLayout, check_training_layout
 from tetrad.planner.search import TrainSpace, search_training
 from tetrad.planner.stacks import stack_fields
 from tetrad.planner.training import TrainWorkload, evaluate_training
-from tetrad.presets import preset
+from tetrad.spec.presets import preset
 
 
 def gpt(hidden: int, layers: int, heads: int, vocab: int = 51200, seq: int = 2048) -> ModelConfig:

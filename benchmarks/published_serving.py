@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tetrad.hardware import cluster
+from tetrad.hardware.profile import cluster
 from tetrad.planner.search import ServeSpace, search_serving
 from tetrad.planner.serving import ServeWorkload
-from tetrad.presets import preset
+from tetrad.spec.presets import preset
 
 TRTLLM = ("https://github.com/NVIDIA/TensorRT-LLM/blob/main/docs/source/performance.md "
           "(v0.6.1 peak throughput / v0.5 low latency tables)")

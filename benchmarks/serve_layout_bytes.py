@@ -20,13 +20,13 @@ import argparse
 import torch
 
 from tetrad.inference.engine import LLM
-from tetrad.inference.layout import ServingLayout
-from tetrad.inference.params import SamplingParams
-from tetrad.inference.rank_share import held_bytes
-from tetrad.inference.ranks import ServingWorker
+from tetrad.inference.ranks.layout import ServingLayout
+from tetrad.inference.core.params import SamplingParams
+from tetrad.inference.ranks.rank_share import held_bytes
+from tetrad.inference.ranks.driver import ServingWorker
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.launch import spawn
-from tetrad.presets import resolve_model
+from tetrad.spec.presets import resolve_model
 from tetrad.tokenizer import ByteTokenizer
 
 PROMPTS = [[5, 17, 99, 3, 42, 7, 8, 250], [200], list(range(30, 60)), [1, 2, 3, 4, 5]]

@@ -7,7 +7,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from tetrad.config import ParallelConfig
+from tetrad.spec.model import ParallelConfig
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm
 from tetrad.parallel.engine import DataParallelOptions

@@ -14,7 +14,7 @@ import torch
 
 from tetrad.models.hf import save_hf
 from tetrad.models.transformer import Transformer
-from tetrad.presets import resolve_model
+from tetrad.spec.presets import resolve_model
 
 
 def save_tiny_model(folder) -> None:

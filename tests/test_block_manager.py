@@ -4,9 +4,9 @@ invariants under random operation sequences (hypothesis)."""
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tetrad.inference.block_manager import BlockManager
-from tetrad.inference.params import SamplingParams
-from tetrad.inference.sequence import Sequence
+from tetrad.inference.core.block_manager import BlockManager
+from tetrad.inference.core.params import SamplingParams
+from tetrad.inference.core.sequence import Sequence
 
 
 def make_seq(seq_id, tokens, n=1):

@@ -14,11 +14,11 @@ import pytest
 
 from dist import run_ranks
 from tetrad.calibrate.collectives import KINDS
-from tetrad.config import ParallelConfig, TrainConfig
+from tetrad.spec.model import ParallelConfig, TrainConfig
 from tetrad.errors import ConfigError
-from tetrad.efficiency import EfficiencyProfile
-from tetrad.hardware import GPUS
-from tetrad.hardware_profile import (gpu_or_profile, load_profile, profile_from_dict,
+from tetrad.hardware.efficiency import EfficiencyProfile
+from tetrad.hardware.catalog import GPUS
+from tetrad.hardware.profile import (gpu_or_profile, load_profile, profile_from_dict,
                                      profile_to_dict, save_profile)
 from tetrad.train.launch import train_worker
 from tetrad.viz.report import comparison, draw_report, format_report

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from dist import run_ranks
 
-from tetrad.config import ParallelConfig
+from tetrad.spec.model import ParallelConfig
 from tetrad.parallel.comm import Comm, CommCounter, ring_volume
 from tetrad.parallel.mesh import Group, build_mesh
 

@@ -27,7 +27,7 @@ from dist import run_ranks
 from test_train_composition import (check_run, job, parameters, reference, relative_error,
                                     run_config)
 from tetrad.cli.main import main
-from tetrad.config import ModelConfig, TrainConfig
+from tetrad.spec.model import ModelConfig, TrainConfig
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.compile import CompileClock
 from tetrad.train.strategy import build_strategy

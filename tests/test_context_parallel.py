@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from dist import run_ranks
 from reference import objective, seeded_model, token_batch, train_reference
 
-from tetrad.config import ModelConfig, ParallelConfig
+from tetrad.spec.model import ModelConfig, ParallelConfig
 from tetrad.errors import ConfigError
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm, CommCounter
@@ -22,7 +22,7 @@ from tetrad.parallel.context_parallel import (TAG, RingAttention, apply_context_
                                               check_context_parallel, chunk_positions)
 from tetrad.parallel.mesh import Group, build_mesh
 from tetrad.parallel.recompute import apply_recompute
-from tetrad.presets import preset
+from tetrad.spec.presets import preset
 
 LLAMA = ModelConfig(name="cp-llama", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
                     num_kv_heads=2, ffn_hidden_size=64, max_seq_len=64)

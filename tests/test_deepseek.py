@@ -10,15 +10,15 @@ transformers = pytest.importorskip("transformers")
 from deepseek_models import CASES, VOCAB, hf_config, hf_model  # noqa: E402
 
 from tetrad import load_pretrained  # noqa: E402
-from tetrad.config import ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
+from tetrad.spec.model import ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from tetrad.errors import ConfigError  # noqa: E402
-from tetrad.hf_config import model_config_from_hf  # noqa: E402
+from tetrad.spec.hf import model_config_from_hf  # noqa: E402
 from tetrad.models.layers import causal_attention  # noqa: E402
 from tetrad.models.moe import Router  # noqa: E402
 from tetrad.models.transformer import count_parameters  # noqa: E402
 from tetrad.planner import model_stats  # noqa: E402
 from tetrad.planner.rules import check_deepseek_features, check_tensor_parallel  # noqa: E402
-from tetrad.presets import preset  # noqa: E402
+from tetrad.spec.presets import preset  # noqa: E402
 from tetrad.train.trainer import train  # noqa: E402
 
 

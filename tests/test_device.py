@@ -5,7 +5,7 @@ tests/gpu/, skipped without CUDA)."""
 import pytest
 import torch
 
-from tetrad.config import TrainConfig
+from tetrad.spec.model import TrainConfig
 from tetrad.errors import ConfigError
 from tetrad.parallel.launch import local_device
 from tetrad.train import launch as train_launch
@@ -119,7 +119,7 @@ def test_rings_of_two_post_each_send_with_its_receive_as_one_batch(monkeypatch):
 def test_overlap_unset_is_on_with_nccl_and_off_on_gloo():
     """Chunked TP/EP overlap pays on GPUs and costs on gloo, where the same cores compute and
     send; an explicit --overlap / --no-overlap is kept either way."""
-    from tetrad.config import ParallelConfig
+    from tetrad.spec.model import ParallelConfig
     from tetrad.train.launch import with_overlap_decided
 
     unset = TrainConfig(model="tiny", nproc=2, parallel=ParallelConfig(tp=2))

@@ -6,11 +6,11 @@ import torch
 import torch.nn.functional as F
 
 from tetrad.calibrate.compute import OperatorCount
-from tetrad.config import ModelConfig
+from tetrad.spec.model import ModelConfig
 from tetrad.models.transformer import Transformer
 from tetrad.planner.eager_time import block_operators, outer_operators
 from tetrad.planner.layout import TrainLayout
-from tetrad.presets import preset
+from tetrad.spec.presets import preset
 
 VARIANTS = {
     "llama": {},
@@ -53,7 +53,7 @@ def test_full_recomputation_runs_the_forward_again():
 def test_measured_step_scale_and_concurrent_slowdown_scale_compute():
     import dataclasses
 
-    from tetrad.hardware import GPUS, Cluster
+    from tetrad.hardware.catalog import GPUS, Cluster
     from tetrad.planner.eager_time import eager_step_time
     from tetrad.planner.precision import training_precision
 
@@ -82,7 +82,7 @@ def test_beyond_the_cores_a_waiting_call_costs_the_back_to_back_wait():
     bound: each waiting call pays what such calls cost back to back, not sync_wait."""
     import dataclasses
 
-    from tetrad.hardware import GPUS, Cluster
+    from tetrad.hardware.catalog import GPUS, Cluster
     from tetrad.planner.eager_comm import waiting_calls
     from tetrad.planner.eager_time import eager_step_time
     from tetrad.planner.precision import training_precision
@@ -109,7 +109,7 @@ def test_beyond_the_cores_with_call_cpu_measured_the_step_is_the_ranks_cpu_time_
     of it per call; a collective fitted over 4 ranks on 2 cores gave each rank half its time."""
     import dataclasses
 
-    from tetrad.hardware import GPUS, Cluster
+    from tetrad.hardware.catalog import GPUS, Cluster
     from tetrad.planner.eager import pipeline_ranks
     from tetrad.planner.eager_comm import overlapped_calls, queued_calls, waiting_calls
     from tetrad.planner.eager_time import eager_step_time
@@ -149,7 +149,7 @@ def test_each_waiting_call_adds_its_compute_outside_the_wait():
     the exposed communication stays what the waits are."""
     import dataclasses
 
-    from tetrad.hardware import GPUS, Cluster
+    from tetrad.hardware.catalog import GPUS, Cluster
     from tetrad.planner.eager_comm import waiting_calls
     from tetrad.planner.eager_time import eager_step_time
     from tetrad.planner.precision import training_precision
@@ -240,7 +240,7 @@ def test_split_backward_operators_match_dispatch(name):
 def test_zero_bubble_walks_the_later_stages_backward_twice():
     """A split backward costs a later stage the backward's kernels and operators again, less
     the weight-gradient matmuls B leaves to W; the first stage's backward is one walk."""
-    from tetrad.hardware import GPUS, Cluster
+    from tetrad.hardware.catalog import GPUS, Cluster
     from tetrad.planner.compute import layer_times
     from tetrad.planner.eager_time import rank_time
     from tetrad.planner.precision import training_precision
@@ -266,7 +266,7 @@ def test_sequence_parallel_all_gathers_wait_as_calls_back_to_back():
     and a residual add apart: it pays the back-to-back wait, the reduce-scatters sync_wait."""
     import dataclasses
 
-    from tetrad.hardware import GPUS, Cluster
+    from tetrad.hardware.catalog import GPUS, Cluster
     from tetrad.planner.comm import CommLedger
     from tetrad.planner.eager_comm import _activations, queued_calls, waiting_calls
     from tetrad.planner.eager_time import eager_step_time
@@ -299,7 +299,7 @@ def test_ranks_that_fill_the_cores_hide_no_communication():
     ranks as cores gloo moves them with the cores that compute, and every call counts whole."""
     import dataclasses
 
-    from tetrad.hardware import GPUS, Cluster
+    from tetrad.hardware.catalog import GPUS, Cluster
     from tetrad.planner.comm import ledger_time
     from tetrad.planner.eager_comm import rank_comm
     from tetrad.planner.eager_time import rank_time
@@ -328,7 +328,7 @@ def test_zero3_waits_only_for_the_first_gather_of_each_pass():
     gathers wait, the other per-unit calls do not, and every one of them costs call_compute."""
     import dataclasses
 
-    from tetrad.hardware import GPUS, Cluster
+    from tetrad.hardware.catalog import GPUS, Cluster
     from tetrad.planner.eager_comm import overlapped_calls, rank_comm, waiting_calls
     from tetrad.planner.eager_time import eager_step_time
     from tetrad.planner.precision import training_precision

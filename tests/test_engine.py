@@ -7,13 +7,13 @@ import torch
 from torch import nn
 
 from tetrad.errors import ConfigError
-from tetrad.inference.attention import sdpa_paged_attention, tiled_paged_attention
+from tetrad.inference.worker.attention import sdpa_paged_attention, tiled_paged_attention
 from tetrad.inference.engine import LLM
-from tetrad.inference.kv_cache import parse_bytes, plan_kv_pool
-from tetrad.inference.params import RequestRejected, SamplingParams
+from tetrad.inference.worker.kv_cache import parse_bytes, plan_kv_pool
+from tetrad.inference.core.params import RequestRejected, SamplingParams
 from tetrad.models.transformer import Transformer
 from tetrad.planner.memory import kv_bytes_per_token
-from tetrad.presets import resolve_model
+from tetrad.spec.presets import resolve_model
 from tetrad.tokenizer import ByteTokenizer
 
 PROMPTS = [[5, 17, 99, 3, 42, 7, 8, 250, 11, 12, 13, 14],  # different lengths, a shared start

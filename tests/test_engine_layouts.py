@@ -1,4 +1,4 @@
-"""Serving under pipeline, expert and data parallelism (tetrad.inference.layout) against the
+"""Serving under pipeline, expert and data parallelism (tetrad.inference.ranks.layout) against the
 one-process engine, in fp32, on the tiny random DeepSeek-V3 (MLA, 8 routed experts and a shared
 one, a dense first layer) and the tiny dense model.
 
@@ -17,15 +17,15 @@ from dist import run_ranks
 from test_engine import GREEDY, PROMPTS, random_model
 
 from tetrad.errors import ConfigError
-from tetrad.inference.block_manager import BlockManager
-from tetrad.inference.data_parallel import DataParallelScheduler
+from tetrad.inference.core.block_manager import BlockManager
+from tetrad.inference.ranks.data_parallel import DataParallelScheduler
 from tetrad.inference.engine import LLM
-from tetrad.inference.layout import ServingLayout
-from tetrad.inference.params import SamplingParams
-from tetrad.inference.rank_share import held_bytes
-from tetrad.inference.ranks import ServingWorker
-from tetrad.inference.scheduler import SchedulerConfig
-from tetrad.presets import resolve_model
+from tetrad.inference.ranks.layout import ServingLayout
+from tetrad.inference.core.params import SamplingParams
+from tetrad.inference.ranks.rank_share import held_bytes
+from tetrad.inference.ranks.driver import ServingWorker
+from tetrad.inference.core.scheduler import SchedulerConfig
+from tetrad.spec.presets import resolve_model
 from tetrad.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

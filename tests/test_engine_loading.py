@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from tetrad.errors import ConfigError
 from tetrad.inference.engine import LLM
-from tetrad.inference.params import SamplingParams
+from tetrad.inference.core.params import SamplingParams
 from tetrad.models.hf import checkpoint_dtype, load_pretrained
 
 

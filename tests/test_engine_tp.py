@@ -29,10 +29,10 @@ from test_engine import GREEDY, PROMPTS, random_model
 from tetrad.cli.main import main
 from tetrad.errors import ConfigError
 from tetrad.inference.engine import LLM
-from tetrad.inference.runner import StepPlan
-from tetrad.inference.ranks import STEP, ServingRankError, ServingWorker, device_type
+from tetrad.inference.worker.runner import StepPlan
+from tetrad.inference.ranks.driver import STEP, ServingRankError, ServingWorker, device_type
 from tetrad.models.hf import save_hf
-from tetrad.presets import resolve_model
+from tetrad.spec.presets import resolve_model
 from tetrad.tokenizer import ByteTokenizer
 
 TP = 2

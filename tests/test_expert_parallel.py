@@ -15,7 +15,7 @@ import torch
 from dist import run_ranks
 from reference import clip_grad_norm, objective, seeded_model, spread, token_batch, train_reference
 
-from tetrad.config import ParallelConfig
+from tetrad.spec.model import ParallelConfig
 from tetrad.errors import ConfigError
 from tetrad.models.moe import MoE
 from tetrad.models.transformer import Transformer
@@ -23,7 +23,7 @@ from tetrad.parallel.comm import Comm, CommCounter
 from tetrad.parallel.expert_parallel import (SPLITS_TAG, TOKENS_TAG, ExpertParallelMoE,
                                              apply_expert_parallel, check_expert_parallel)
 from tetrad.parallel.mesh import build_mesh
-from tetrad.presets import preset
+from tetrad.spec.presets import preset
 
 MOE = preset("tiny-moe")
 BATCH, SEQ, STEPS, SEED = 8, 32, 5, 0

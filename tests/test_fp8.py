@@ -10,14 +10,14 @@ import torch
 import torch.nn.functional as F
 
 from tetrad.cli.main import main
-from tetrad.config import TrainConfig
+from tetrad.spec.model import TrainConfig
 from tetrad.models.fp8 import (E4M3, E4M3_MAX, block_scales_per_row, dequantize_blocks,
                                dequantize_tiles, fp8_linear, quantize_blocks, quantize_tiles,
                                tiled_matmul)
 from tetrad.models.fp8_layers import FP8Linear, convert_to_fp8
 from tetrad.models.fp8_tensorwise import tensorwise_fp8_linear
 from tetrad.models.transformer import Transformer
-from tetrad.presets import PRESETS
+from tetrad.spec.presets import PRESETS
 from tetrad.train.trainer import train
 
 U = 2.0 ** -4  # half an ulp of a 3-bit mantissa, relative

@@ -19,7 +19,7 @@ from test_engine import GREEDY, PROMPTS  # noqa: E402
 from tetrad import load_pretrained  # noqa: E402
 from tetrad.cli.main import main  # noqa: E402
 from tetrad.inference.engine import LLM  # noqa: E402
-from tetrad.inference.rank_share import held_bytes  # noqa: E402
+from tetrad.inference.ranks.rank_share import held_bytes  # noqa: E402
 from tetrad.models.fp8 import E4M3, E4M3_MAX, dequantize_blocks, quantize_blocks  # noqa: E402
 from tetrad.models.fp8_layers import is_quantized_linear  # noqa: E402
 from tetrad.models.fp8_weights import FP8WeightLinear, weight_bytes  # noqa: E402

@@ -10,14 +10,14 @@ import torch
 import torch.nn.functional as F
 
 from tetrad.cli.main import main
-from tetrad.config import TrainConfig
+from tetrad.spec.model import TrainConfig
 from tetrad.errors import ConfigError
 from tetrad.models.fp8 import E4M3, E4M3_MAX, pad_to
 from tetrad.models.fp8_layers import FP8Linear, convert_to_fp8
 from tetrad.models.fp8_tensorwise import (E5M2, quantize_whole, scaled_product,
                                           tensorwise_fp8_linear)
 from tetrad.models.transformer import Transformer
-from tetrad.presets import PRESETS
+from tetrad.spec.presets import PRESETS
 from tetrad.train.trainer import train
 
 E5M2_MAX = 57344.0

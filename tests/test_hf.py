@@ -15,10 +15,10 @@ from transformers import (AutoModelForCausalLM, GPT2Config, LlamaConfig,  # noqa
 
 from tetrad import load_hf_weights, load_pretrained  # noqa: E402
 from tetrad.cli.main import main  # noqa: E402
-from tetrad.config import ModelConfig  # noqa: E402
+from tetrad.spec.model import ModelConfig  # noqa: E402
 from tetrad.errors import ConfigError  # noqa: E402
 from tetrad.models.transformer import Transformer  # noqa: E402
-from tetrad.presets import preset  # noqa: E402
+from tetrad.spec.presets import preset  # noqa: E402
 from tetrad.sharded_tensors import whole_pieces, write_index, write_pieces  # noqa: E402
 from tetrad.tokenizer import BPETokenizer  # noqa: E402
 
@@ -208,7 +208,7 @@ def test_bad_checkpoints_raise_config_errors(tmp_path):
 
 
 def test_sliding_window_caps_max_seq_len():
-    from tetrad.hf_config import model_config_from_hf
+    from tetrad.spec.hf import model_config_from_hf
     hf = dict(LLAMA, model_type="mistral", sliding_window=8, max_position_embeddings=64)
     assert model_config_from_hf(hf).max_seq_len == 8
     hf.update(model_type="qwen2", use_sliding_window=False)
@@ -216,7 +216,7 @@ def test_sliding_window_caps_max_seq_len():
 
 
 def test_import_tetrad_stays_torch_free():
-    code = ("import sys, tetrad, tetrad.tokenizer, tetrad.text_sources, tetrad.hf_config; "
+    code = ("import sys, tetrad, tetrad.tokenizer, tetrad.text_sources, tetrad.spec.hf; "
             "assert 'torch' not in sys.modules, 'torch imported'; "
             "assert callable(tetrad.load_pretrained); assert 'torch' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

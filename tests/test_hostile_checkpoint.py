@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tetrad.cli.main import main
-from tetrad.safetensors_subset import read_header
+from tetrad.store.safetensors_subset import read_header
 from tetrad.train import checkpoint as ckpt
 
 REPO = Path(__file__).resolve().parent.parent
@@ -253,7 +253,7 @@ def test_a_checkpoint_past_the_requested_steps_is_not_relabelled(capsys, corpus_
 
 KILLED_SAVE = textwrap.dedent("""
     import os, signal, sys, torch
-    from tetrad.presets import preset
+    from tetrad.spec.presets import preset
     from tetrad.sharded_tensors import whole_pieces
     from tetrad.train import checkpoint as ckpt
 

@@ -241,8 +241,8 @@ PROFILE_CASES = [
 
 @pytest.mark.parametrize("change, words", PROFILE_CASES)
 def test_bad_gpu_profiles(capsys, tmp_path, change, words):
-    from tetrad.hardware import gpu
-    from tetrad.hardware_profile import profile_to_dict
+    from tetrad.hardware.catalog import gpu
+    from tetrad.hardware.profile import profile_to_dict
 
     if isinstance(change, dict):
         profile = profile_to_dict(gpu("h100"))
@@ -339,7 +339,7 @@ def test_bounded_activation_walk_gives_the_full_walks_peak(monkeypatch):
     from tetrad.planner import eager_activations
     from tetrad.planner.layout import TrainLayout
     from tetrad.planner.precision import training_precision
-    from tetrad.presets import preset
+    from tetrad.spec.presets import preset
 
     config = preset("tiny").replace(num_layers=12, name="twelve")
     precision = training_precision("bf16")

@@ -14,8 +14,8 @@ from contextlib import contextmanager
 import pytest
 from serving import request, running, save_tiny_model
 
-from tetrad.inference import front_end
-from tetrad.inference.chat import ChatFormatter
+from tetrad.inference.entrypoints import front_end
+from tetrad.inference.entrypoints.chat import ChatFormatter
 from tetrad.inference.engine import LLM
 from tetrad.tokenizer import ByteTokenizer
 
@@ -37,8 +37,8 @@ def model_dir(tmp_path_factory):
 
 @contextmanager
 def serve(model_dir, chat=None, tokenizer=None, **limits):
-    from tetrad.inference.api import ServerConfig
-    from tetrad.inference.server import build_app
+    from tetrad.inference.entrypoints.api import ServerConfig
+    from tetrad.inference.entrypoints.server import build_app
 
     llm = LLM(model_dir, tokenizer, **ENGINE)
     config = ServerConfig(**{"api_key": KEY, "max_request_bytes": 11 * 2**20, **limits})
@@ -389,8 +389,8 @@ def test_tokenizing_a_long_prompt_leaves_the_event_loop_free(model_dir):
 
 def test_a_models_stop_strings_obey_the_servers_limit(model_dir):
     from tetrad.errors import ConfigError
-    from tetrad.inference.api import ServerConfig
-    from tetrad.inference.server import build_app
+    from tetrad.inference.entrypoints.api import ServerConfig
+    from tetrad.inference.entrypoints.server import build_app
 
     llm = LLM(model_dir, **ENGINE)
     with pytest.raises(ConfigError, match="3 stop strings.*--max-stop-strings 2"):
@@ -429,14 +429,14 @@ def test_no_bpe_token_stands_for_more_bytes_than_the_bound():
 ])
 def test_a_broken_template_file_is_one_error_naming_it(tmp_path, name, content, words):
     from tetrad.errors import ConfigError
-    from tetrad.inference.chat import load_chat_template
+    from tetrad.inference.entrypoints.chat import load_chat_template
     (tmp_path / name).write_bytes(content)
     with pytest.raises(ConfigError, match=words):
         load_chat_template(tmp_path)
 
 
 def test_named_templates_give_the_default_one(tmp_path):
-    from tetrad.inference.chat import load_chat_template
+    from tetrad.inference.entrypoints.chat import load_chat_template
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
         {"name": "tool_use", "template": "T"}, "junk", {"name": "default", "template": "D"}]}))
     assert load_chat_template(tmp_path) == "D"

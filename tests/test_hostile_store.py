@@ -14,9 +14,9 @@ import pytest
 
 from tetrad.cli.main import main
 from tetrad.errors import ConfigError
-from tetrad.inference.api import ServerConfig
-from tetrad.presets import resolve_model
-from tetrad.store import MANIFEST, ModelStore, resolve_model_argument
+from tetrad.inference.entrypoints.api import ServerConfig
+from tetrad.spec.presets import resolve_model
+from tetrad.store.models import MANIFEST, ModelStore, resolve_model_argument
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTEXT = 128  # the source folder's max_position_embeddings

@@ -11,39 +11,36 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "tetrad"
 
 # Modules that run without torch: the planner answers on a laptop in milliseconds.
-TORCH_FREE = ["config", "parallel_config", "errors", "efficiency", "hardware", "hardware_profile",
-              "presets", "hf_config", "tokenizer", "text_sources", "planner", "schedules",
-              "modelfile", "store", "store_files", "safetensors_subset"]
+TORCH_FREE = ["spec", "errors", "hardware", "tokenizer", "text_sources", "planner", "schedules",
+              "store"]
 
 # ARCHITECTURE.md's table: where a module lives -> the tetrad modules it may import. Every edge
-# the code has is here; an edge missing from the table fails the test.
-SHARED = ["config", "parallel_config", "errors", "presets", "hf_config"]
-BASE = ["efficiency", "errors", "hardware", "hardware_profile", "schedules", "sharded_tensors",
-        "text_sources", "tokenizer"]
+# the code has is here (imports inside functions included); an edge missing from the table fails
+# the test, and the table itself has no circle (test_the_table_has_no_circle).
+BASE = ["errors", "hardware", "schedules", "sharded_tensors", "text_sources", "tokenizer"]
 ALLOWED = {
-    "errors": [], "efficiency": [],
-    "hardware": ["efficiency", "errors", "hardware_profile"],
-    "hardware_profile": ["efficiency", "errors", "hardware"], "schedules": ["errors"],
-    "text_sources": ["errors"],
-    "sharded_tensors": ["errors"], "tokenizer": ["errors", "hf_config"],
-    "parallel_config": ["errors", "schedules"], "config": ["errors", "parallel_config"],
-    "hf_config": ["config", "errors"], "presets": ["config", "errors", "hf_config"],
-    "memory": [], "safetensors_subset": ["errors"],
-    "modelfile": ["errors", "inference"],  # inference.params (torch-free), inside a function
-    "store": ["errors", "hf_config", "presets", "modelfile", "store_files"],
-    "store_files": ["errors", "safetensors_subset"],
-    "planner": [*SHARED, "efficiency", "hardware", "schedules"],
-    "models": [*SHARED, "sharded_tensors"],
-    "parallel": [*SHARED, "memory", "models", "planner", "schedules", "sharded_tensors"],
-    "train": [*SHARED, *BASE, "memory", "models", "parallel", "planner"],
-    "inference": [*SHARED, "models", "parallel", "planner", ""],  # "": lazy `import tetrad`
+    "errors": [], "memory": [], "schedules": ["errors"], "hardware": ["errors"],
+    "text_sources": ["errors"], "sharded_tensors": ["errors"],
+    "spec": ["errors", "schedules"],  # the shared description of model and layout
+    "tokenizer": ["errors", "spec"],
+    "store": ["errors", "inference", "spec"],  # inference.core.params (torch-free), in a function
+    "planner": ["errors", "hardware", "schedules", "spec"],
+    "models": ["errors", "sharded_tensors", "spec"],
+    "parallel": ["errors", "memory", "models", "planner", "schedules", "sharded_tensors", "spec"],
+    "train": [*BASE, "memory", "models", "parallel", "planner", "spec"],
+    "inference": ["errors", "models", "parallel", "planner", "spec", ""],  # "": lazy `import tetrad`
     "viz": ["errors", "hardware", "schedules"],
     # Microbenchmarks: the activation meter every strategy runs, train.launch's spawned ranks,
     # and a calibration model's training step set against the planner's time model.
-    "calibrate": ["config", "efficiency", "errors", "hardware", "hardware_profile", "memory", "parallel",
-                  "planner", "train"],
-    "cli": [*SHARED, *BASE, "calibrate", "inference", "modelfile", "models", "planner", "store",
-            "train", "viz"],
+    "calibrate": ["errors", "hardware", "memory", "parallel", "planner", "spec", "train"],
+    "cli": [*BASE, "calibrate", "inference", "models", "planner", "spec", "store", "train", "viz"],
+}
+# The serving engine's rooms (tetrad/inference/), one way down: the entry points drive the engine
+# (engine.py), which puts together the multi-rank drivers, one rank's worker and the core
+# (requests, scheduling, outputs), which imports no other room.
+INFERENCE_ROOMS = {
+    "core": [], "worker": ["core"], "ranks": ["core", "worker"],
+    "engine": ["core", "ranks", "worker"], "entrypoints": ["core", "engine"],
 }
 # Beyond tetrad: model code runs on one device.
 FORBIDDEN_EXTERNAL = {"models": ["torch.distributed"]}
@@ -84,6 +81,31 @@ def test_layers_import_only_what_the_table_allows(layer):
     assert files, f"{layer} is in the table but not in the package"
     assert tetrad_edges(files) - {layer} <= set(ALLOWED[layer])
     assert violations(files, FORBIDDEN_EXTERNAL.get(layer, [])) == []
+
+
+def circles(table: dict[str, list[str]]) -> list[list[str]]:
+    return import_cycles({name: set(targets) - {""} for name, targets in table.items()})
+
+
+def test_the_table_has_no_circle():
+    assert circles(ALLOWED) == [] and circles(INFERENCE_ROOMS) == []
+    assert circles({"hardware": ["catalog"], "catalog": ["hardware"]}) == [["catalog", "hardware"]]
+
+
+@pytest.mark.parametrize("room", sorted(INFERENCE_ROOMS))
+def test_inference_rooms_import_only_downwards(room):
+    files = python_files(f"inference/{room}")
+    assert files, f"inference/{room} is in the table but not in the package"
+    rooms = {name.split(".")[2] for path in files for name in imported_modules(path)
+             if name.startswith("tetrad.inference.")}
+    assert rooms - {room} <= set(INFERENCE_ROOMS[room])
+
+
+def test_every_inference_room_is_in_the_table():
+    rooms = {path.stem for path in (PACKAGE / "inference").iterdir()
+             if (path.suffix == ".py" or (path / "__init__.py").is_file())
+             and path.name != "__init__.py"}
+    assert rooms == set(INFERENCE_ROOMS)
 
 
 def test_every_module_is_in_the_table():
@@ -175,7 +197,7 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_cycles_inside_tetrad():
     files = {module_name(path): path for path in PACKAGE.rglob("*.py")}
     graph = {name: module_level_imports(path, set(files)) for name, path in files.items()}
-    assert graph["tetrad.inference.engine"] >= {"tetrad.inference.runner", "tetrad.inference.ranks"}
+    assert graph["tetrad.inference.engine"] >= {"tetrad.inference.worker.runner", "tetrad.inference.ranks.driver"}
     assert import_cycles(graph) == []
 
 

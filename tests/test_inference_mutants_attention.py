@@ -1,4 +1,4 @@
-"""The paged attention backends (tetrad.inference.attention) against torch's own
+"""The paged attention backends (tetrad.inference.worker.attention) against torch's own
 scaled_dot_product_attention over each sequence's gathered contiguous K/V (causal, bottom-right
 for a chunk over a cached prefix): plain multi-head, GQA and MLA's narrower values; tiles smaller
 than a block; tables padded with one of the sequence's own blocks; and every branch of backend
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tetrad.errors import ConfigError
-from tetrad.inference import attention
+from tetrad.inference.worker import attention
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 

@@ -1,4 +1,4 @@
-"""The KV cache's sizes and layout (tetrad.inference.kv_cache) against hand-counted bytes and
+"""The KV cache's sizes and layout (tetrad.inference.worker.kv_cache) against hand-counted bytes and
 slots: every memory unit, the tokenizer-fit boundary, a tensor-parallel rank's and a pipeline
 stage's pool, and where each write, block copy and swap lands in the pool."""
 
@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from tetrad.errors import ConfigError
-from tetrad.inference import kv_cache
-from tetrad.inference.kv_cache import KVCache, KVPlan
-from tetrad.presets import resolve_model
+from tetrad.inference.worker import kv_cache
+from tetrad.inference.worker.kv_cache import KVCache, KVPlan
+from tetrad.spec.presets import resolve_model
 
 
 @pytest.mark.parametrize("text,expected", [

@@ -1,4 +1,4 @@
-"""What a request may ask for (tetrad.inference.params): every rule at its exact edge, the value
+"""What a request may ask for (tetrad.inference.core.params): every rule at its exact edge, the value
 just inside accepted and the one just outside refused, and each type rule on its own; the stop
 policy at the exact token count; stop strings held back only while they can still complete."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from tetrad.errors import ConfigError
-from tetrad.inference import params
-from tetrad.inference.params import SamplingParams, apply_stop_strings
+from tetrad.inference.core import params
+from tetrad.inference.core.params import SamplingParams, apply_stop_strings
 
 EDGES = [  # (field, the last accepted values, the first refused values)
     ("temperature", [0, 0.0, 1e-9, 7], [-1e-9, -1]),

@@ -1,4 +1,4 @@
-"""The scheduler's limits (tetrad.inference.scheduler) hit exactly: the token budget filled to the
+"""The scheduler's limits (tetrad.inference.core.scheduler) hit exactly: the token budget filled to the
 last token and split into chunks, max_num_seqs counting the samples a prompt will fork into,
 logits rows shared by forked samples, prompt log-probabilities computing every prompt position,
 and requests finished while waiting or swapped returning every block. Counts are by hand."""
@@ -7,9 +7,9 @@ import pytest
 from test_scheduler import make_scheduler
 
 from tetrad.errors import ConfigError
-from tetrad.inference.params import SamplingParams
-from tetrad.inference.scheduler import SchedulerConfig
-from tetrad.inference.sequence import SequenceStatus
+from tetrad.inference.core.params import SamplingParams
+from tetrad.inference.core.scheduler import SchedulerConfig
+from tetrad.inference.core.sequence import SequenceStatus
 
 PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
 

@@ -1,5 +1,5 @@
-"""The request bookkeeping (tetrad.inference.tracker) and what it hands back
-(tetrad.inference.output), checked against independent references: streamed deltas concatenate to
+"""The request bookkeeping (tetrad.inference.core.tracker) and what it hands back
+(tetrad.inference.core.output), checked against independent references: streamed deltas concatenate to
 the full-recompute greedy ids and the tokenizer's own decode of them, log-probabilities are the
 model's own log-softmax, an abort finishes exactly the aborted request, and views and merged views
 carry exactly the deltas of the steps they stand for."""
@@ -9,9 +9,9 @@ import queue
 import torch
 from test_engine import GREEDY, PROMPTS, engine, random_model, reference_greedy
 
-from tetrad.inference import output as output_module
-from tetrad.inference import tracker as tracker_module
-from tetrad.inference.params import SamplingParams
+from tetrad.inference.core import output as output_module
+from tetrad.inference.core import tracker as tracker_module
+from tetrad.inference.core.params import SamplingParams
 from tetrad.tokenizer import ByteTokenizer
 
 

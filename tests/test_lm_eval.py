@@ -30,8 +30,8 @@ def test_lm_eval_local_completions_scores_a_local_task(tmp_path, monkeypatch):
     lm_eval = pytest.importorskip("lm_eval")
     from lm_eval.tasks import TaskManager
 
-    from tetrad.inference.api import ServerConfig
-    from tetrad.inference.server import build_app
+    from tetrad.inference.entrypoints.api import ServerConfig
+    from tetrad.inference.entrypoints.server import build_app
 
     data = tmp_path / "questions.jsonl"
     data.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n"

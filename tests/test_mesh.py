@@ -5,7 +5,7 @@ import itertools
 import pytest
 
 from tetrad.cli.main import main
-from tetrad.config import ParallelConfig
+from tetrad.spec.model import ParallelConfig
 from tetrad.errors import ConfigError
 from tetrad.parallel.mesh import GROUP_NAMES
 

@@ -13,12 +13,12 @@ from safetensors.torch import save_file
 
 from tetrad.cli.main import main
 from tetrad.errors import ConfigError
-from tetrad.inference.chat import ChatFormatter
-from tetrad.inference.api import ChatRequest, CompletionRequest, ServerConfig
-from tetrad.modelfile import ModelfileError, parse_modelfile
+from tetrad.inference.entrypoints.chat import ChatFormatter
+from tetrad.inference.entrypoints.api import ChatRequest, CompletionRequest, ServerConfig
+from tetrad.store.modelfile import ModelfileError, parse_modelfile
 from tetrad.models.hf import load_pretrained
-from tetrad.safetensors_subset import write_subset
-from tetrad.store import MANIFEST, ModelStore, default_root, parse_name
+from tetrad.store.safetensors_subset import write_subset
+from tetrad.store.models import MANIFEST, ModelStore, default_root, parse_name
 
 TRAIN = ["train", "--model", "tiny", "--steps", "2", "--batch-size", "4", "--seq-len", "32",
          "--sample-tokens", "0"]
@@ -197,7 +197,7 @@ def test_a_trained_model_is_stored_as_its_parameters_and_runs_by_name(
     assert torch.equal(load_pretrained(tmp_path / "exported").embed.weight, kept.embed.weight)
 
     captured = {}
-    monkeypatch.setattr("tetrad.inference.server.build_app",
+    monkeypatch.setattr("tetrad.inference.entrypoints.server.build_app",
                         lambda llm, name, chat, on_fatal, defaults, config: captured.update(
                             name=name, system=chat.system, defaults=defaults))
     monkeypatch.setattr("uvicorn.Server.run", lambda server: None)

@@ -4,7 +4,7 @@ for every kind of mistake (torch-free: the parser runs on the base install)."""
 import pytest
 
 from tetrad.cli.main import main
-from tetrad.modelfile import ModelfileError, parse_modelfile, render_modelfile
+from tetrad.store.modelfile import ModelfileError, parse_modelfile, render_modelfile
 
 FULL = '''# a pirate
 from ./runs/ckpt

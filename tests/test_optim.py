@@ -4,9 +4,9 @@ whose gradients overflowed."""
 
 import torch
 
-from tetrad.config import TrainConfig
+from tetrad.spec.model import TrainConfig
 from tetrad.models.transformer import Transformer
-from tetrad.presets import preset
+from tetrad.spec.presets import preset
 from tetrad.train.local_strategy import LocalStrategy
 from tetrad.train.optim import build_optimizer, parameter_groups, set_learning_rate
 

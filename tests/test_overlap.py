@@ -17,15 +17,15 @@ import torch
 from dist import run_ranks
 from reference import clip_grad_norm, objective, seeded_model, spread, token_batch
 
-from tetrad.config import ModelConfig, ParallelConfig
-from tetrad.hardware import cluster as make_cluster
+from tetrad.spec.model import ModelConfig, ParallelConfig
+from tetrad.hardware.profile import cluster as make_cluster
 from tetrad.parallel.comm import Comm, CommCounter
 from tetrad.parallel.mesh import build_mesh
 from tetrad.planner import predict_training
 from tetrad.planner.comm import call_time
 from tetrad.planner.compute import layer_times
 from tetrad.planner.eager_overlap import exposed
-from tetrad.presets import preset
+from tetrad.spec.presets import preset
 
 DENSE = ModelConfig(name="overlap-llama", vocab_size=64, hidden_size=32, num_layers=2,
                     num_heads=4, num_kv_heads=2, ffn_hidden_size=64, max_seq_len=16)

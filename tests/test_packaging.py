@@ -112,9 +112,9 @@ def test_a_missing_module_no_extra_brings_is_a_bug_not_an_install_choice():
 
 
 def test_the_top_level_names_are_the_engine_the_trainer_and_the_loaders():
-    from tetrad.config import ModelConfig, ParallelConfig, TrainConfig
+    from tetrad.spec.model import ModelConfig, ParallelConfig, TrainConfig
     from tetrad.inference.engine import LLM
-    from tetrad.inference.params import SamplingParams
+    from tetrad.inference.core.params import SamplingParams
     from tetrad.models.hf import load_pretrained
     from tetrad.train.launch import train_model
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from reference import seeded_model, spread, token_batch
 
-from tetrad.config import ModelConfig, ParallelConfig
+from tetrad.spec.model import ModelConfig, ParallelConfig
 from tetrad.parallel.comm import Comm
 from tetrad.parallel.mesh import build_mesh
 from tetrad.parallel.parallelize import loss_scaler_state

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from dist import run_ranks
 
-from tetrad.config import ParallelConfig, TrainConfig
+from tetrad.spec.model import ParallelConfig, TrainConfig
 from tetrad.errors import ConfigError
 from tetrad.parallel.comm import Comm, CommCounter
 from tetrad.parallel.launch import HOST, WorkerFailed, init_worker

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from dist import run_ranks
 from reference import clip_grad_norm, seeded_model, spread, token_batch, train_reference
 
-from tetrad.config import ModelConfig, ParallelConfig
+from tetrad.spec.model import ModelConfig, ParallelConfig
 from tetrad.errors import ConfigError
 from tetrad.memory import ActivationMeter
 from tetrad.models.transformer import Transformer

@@ -20,7 +20,7 @@ from tetrad.cli.main import main
 from tetrad.planner.memory import kv_bytes_per_token, zero_state_bytes
 from tetrad.planner.precision import training_precision
 from tetrad.planner.serving import model_weight_bytes
-from tetrad.presets import preset
+from tetrad.spec.presets import preset
 
 
 def _errors(runs) -> list[float]:

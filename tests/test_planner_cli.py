@@ -19,7 +19,7 @@ MEMORY_FIELDS = {"params", "grads", "optimizer", "activations", "kv_cache", "tot
 
 def test_planner_never_imports_torch():
     code = ("import sys; sys.modules['torch'] = None\n"  # any torch import now fails
-            "import tetrad.planner, tetrad.hardware, tetrad.planner.report\n"
+            "import tetrad.planner, tetrad.hardware.catalog, tetrad.planner.report\n"
             "from tetrad.cli.main import main\n"
             "assert main(['plan', 'train', '--model', 'llama3-8b', '--gpu', 'h100',"
             " '--num-gpus', '8', '--json']) == 0\n"

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from tetrad.config import ParallelConfig
-from tetrad.hardware import GB, cluster
+from tetrad.spec.model import ParallelConfig
+from tetrad.hardware.catalog import GB
+from tetrad.hardware.profile import cluster
 from tetrad.planner import comm, predict_training
 from tetrad.planner.model_stats import count_parameters
 from tetrad.planner.timeline import (bubble_fraction_of_step, closed_form_in_flight,
                                      closed_form_makespan, overlapped,
                                      pipeline_bubble_ratio, pipeline_in_flight)
-from tetrad.presets import preset
+from tetrad.spec.presets import preset
 from tetrad.schedules import Durations, build_schedule, peak_in_flight, simulate
 
 

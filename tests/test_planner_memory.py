@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from tetrad.config import ModelConfig
+from tetrad.spec.model import ModelConfig
 from tetrad.planner.layout import TrainLayout
 from tetrad.planner.memory import (ActivationOptions, activation_bytes_per_layer,
                                    in_flight_microbatches, kv_bytes_per_token, kv_token_layout,
@@ -17,7 +17,7 @@ from tetrad.planner.memory import (ActivationOptions, activation_bytes_per_layer
 from tetrad.planner.model_stats import count_parameters
 from tetrad.planner.precision import training_precision, weight_bytes
 from tetrad.planner.serving import model_weight_bytes
-from tetrad.presets import preset
+from tetrad.spec.presets import preset
 
 BF16 = training_precision("bf16")
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from tetrad.config import ModelConfig
+from tetrad.spec.model import ModelConfig
 from tetrad.planner.flops import six_n_d, training_flops, training_flops_per_sequence
 from tetrad.planner.model_stats import active_parameters, count_parameters, parameter_breakdown
-from tetrad.presets import preset
+from tetrad.spec.presets import preset
 
 # Hugging Face model cards / safetensors metadata (total parameters). DeepSeek-V3's 671,026,419,200
 # includes 256 router score-correction biases in each of its 58 MoE layers (tetrad's router.bias);

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from tetrad.config import ModelConfig
-from tetrad.hardware import gpu as catalog_gpu
+from tetrad.spec.model import ModelConfig
+from tetrad.hardware.catalog import gpu as catalog_gpu
 from tetrad.planner.compute import (attention_times, bandwidth_time, gemm_time, head_times,
                                     layer_times, optimizer_time, stage_times)
 from tetrad.planner.flops import Gemm
-from tetrad.presets import preset
+from tetrad.spec.presets import preset
 
 H100 = catalog_gpu("h100-sxm")
 A100 = catalog_gpu("a100-80gb")

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tetrad.hardware import Cluster, cluster, gpu
+from tetrad.hardware.catalog import Cluster, gpu
+from tetrad.hardware.profile import cluster
 from tetrad.memory import ActivationMeter
 from tetrad.models.transformer import Transformer
 from tetrad.planner.comm import CommLedger, call_time
@@ -25,7 +26,7 @@ from tetrad.planner.eager_state import model_state
 from tetrad.planner.eager_time import rank_time
 from tetrad.planner.layout import TrainLayout
 from tetrad.planner.precision import FP8_BLOCK, training_precision
-from tetrad.presets import preset
+from tetrad.spec.presets import preset
 
 VARIANTS = {
     "llama": {},

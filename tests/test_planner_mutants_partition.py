@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from tetrad.config import ModelConfig
+from tetrad.spec.model import ModelConfig
 from tetrad.errors import ConfigError
 from tetrad.planner.partition import check_stages, partition, piece_costs
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from tetrad.config import ParallelConfig
+from tetrad.spec.model import ParallelConfig
 from tetrad.errors import ConfigError
 from tetrad.planner.rules import (check_degrees, check_layout, check_tensor_parallel, divisors,
                                   tp_fits, valid_tp_degrees)
-from tetrad.presets import preset
+from tetrad.spec.presets import preset
 
 
 @pytest.mark.parametrize("n", [1, 2, 12, 36, 97, 360, 1024, 1001])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tetrad.hardware import cluster
+from tetrad.hardware.profile import cluster
 from tetrad.planner import comm
 from tetrad.planner.comm import CommLedger
 from tetrad.planner.layout import TrainLayout
@@ -14,7 +14,7 @@ from tetrad.planner.report import training_json, training_text
 from tetrad.planner.search import TrainSpace, search_training, training_layouts
 from tetrad.planner.training import TrainWorkload, _bottleneck, _microbatch_comm, _pipeline_p2p
 from tetrad.planner.compute import stage_times
-from tetrad.presets import preset
+from tetrad.spec.presets import preset
 
 WORKLOAD = TrainWorkload(seq_len=2048)
 

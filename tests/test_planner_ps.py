@@ -3,7 +3,8 @@
 import pytest
 
 from tetrad.errors import ConfigError
-from tetrad.hardware import GB, cluster
+from tetrad.hardware.catalog import GB
+from tetrad.hardware.profile import cluster
 from tetrad.planner import parameter_server as ps
 
 PHI = 100e6  # a 25M-parameter fp32 gradient

@@ -7,7 +7,8 @@ import itertools
 import pytest
 
 from tetrad.errors import ConfigError
-from tetrad.hardware import GiB, cluster, gpu
+from tetrad.hardware.catalog import GiB, gpu
+from tetrad.hardware.profile import cluster
 from tetrad.planner import comm
 from tetrad.planner.memory import kv_bytes_per_token
 from tetrad.planner.report import training_fit_advice
@@ -16,7 +17,7 @@ from tetrad.planner.model_stats import count_parameters
 from tetrad.planner.serving import (ServeLayout, ServeWorkload, evaluate_serving,
                                     model_weight_bytes, weight_bytes_per_gpu)
 from tetrad.planner.training import TrainWorkload
-from tetrad.presets import preset, resolve_model
+from tetrad.spec.presets import preset, resolve_model
 
 WORKLOAD = TrainWorkload(seq_len=4096)
 

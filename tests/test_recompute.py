@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tetrad.config import ModelConfig
+from tetrad.spec.model import ModelConfig
 from tetrad.errors import ConfigError
 from tetrad.memory import ActivationMeter
 from tetrad.models.layers import causal_attention
@@ -18,7 +18,7 @@ from tetrad.parallel.comm import Comm
 from tetrad.parallel.context_parallel import RingAttention, apply_context_parallel
 from tetrad.parallel.mesh import Group
 from tetrad.parallel.recompute import RecomputedAttention, apply_recompute
-from tetrad.presets import preset
+from tetrad.spec.presets import preset
 
 LLAMA = ModelConfig(name="rc-llama", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
                     num_kv_heads=2, ffn_hidden_size=64, max_seq_len=64)

@@ -8,12 +8,12 @@ import json
 import pytest
 
 from tetrad.cli.main import main
-from tetrad.config import ParallelConfig, TrainConfig
+from tetrad.spec.model import ParallelConfig, TrainConfig
 from tetrad.planner import predict_training
 from tetrad.planner.layout import TrainLayout
 from tetrad.planner.memory import ActivationOptions, training_memory
 from tetrad.planner.precision import training_precision
-from tetrad.presets import preset
+from tetrad.spec.presets import preset
 from tetrad.train.launch import train_worker
 from tetrad.train.trainer import train
 from tetrad.viz.report import comparison, format_report, rank_kinds

@@ -12,7 +12,7 @@ there the ep group's total is exact. Each world size is one spawn running its ca
 import pytest
 
 from dist import run_ranks
-from tetrad.config import ParallelConfig, TrainConfig
+from tetrad.spec.model import ParallelConfig, TrainConfig
 from tetrad.train.launch import train_worker
 from tetrad.viz.report import format_report, predicted_for
 

@@ -6,9 +6,9 @@ from torch import nn
 
 from tetrad.cli.main import main
 from tetrad.inference.engine import LLM
-from tetrad.inference.params import SamplingParams
+from tetrad.inference.core.params import SamplingParams
 from tetrad.models.transformer import Transformer
-from tetrad.presets import resolve_model
+from tetrad.spec.presets import resolve_model
 from tetrad.tokenizer import ByteTokenizer
 from tetrad.train.sample import sample_text
 

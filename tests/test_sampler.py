@@ -9,8 +9,8 @@ from transformers.generation.logits_process import (RepetitionPenaltyLogitsProce
                                                     TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
 
-from tetrad.inference.params import SamplingParams, apply_stop_strings, check_stop_token
-from tetrad.inference.sampler import Sampler, apply_repetition_penalty, warp
+from tetrad.inference.core.params import SamplingParams, apply_stop_strings, check_stop_token
+from tetrad.inference.worker.sampler import Sampler, apply_repetition_penalty, warp
 
 
 class Seq:
@@ -224,7 +224,7 @@ def test_the_longest_held_back_prefix_wins_over_a_shorter_one_of_another_stop_st
 
 
 def test_a_stop_string_split_over_tokens_is_never_shown_and_stops_at_its_last_token():
-    from tetrad.inference.output import Detokenizer
+    from tetrad.inference.core.output import Detokenizer
     from tetrad.tokenizer import ByteTokenizer
 
     tokenizer = ByteTokenizer()

@@ -6,10 +6,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tetrad.errors import ConfigError
-from tetrad.inference.block_manager import BlockManager
-from tetrad.inference.params import RequestRejected, SamplingParams
-from tetrad.inference.scheduler import Scheduler, SchedulerConfig
-from tetrad.inference.sequence import SequenceStatus
+from tetrad.inference.core.block_manager import BlockManager
+from tetrad.inference.core.params import RequestRejected, SamplingParams
+from tetrad.inference.core.scheduler import Scheduler, SchedulerConfig
+from tetrad.inference.core.sequence import SequenceStatus
 
 EOS = 0
 

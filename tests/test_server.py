@@ -13,7 +13,7 @@ from serving import events, post, running, save_tiny_model
 
 from tetrad.cli.main import main
 from tetrad.inference.engine import LLM
-from tetrad.inference.params import SamplingParams
+from tetrad.inference.core.params import SamplingParams
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -29,7 +29,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    from tetrad.inference.server import build_app
+    from tetrad.inference.entrypoints.server import build_app
 
     llm = LLM(model_dir, **ENGINE)
     with running(build_app(llm, "tiny")) as port:
@@ -69,7 +69,7 @@ def test_completions_chat_and_streaming_through_the_openai_client(model_dir, cli
 
 
 def test_streamed_text_chunks_are_the_json_of_their_dicts():
-    from tetrad.inference.http import ChunkEvents
+    from tetrad.inference.entrypoints.http import ChunkEvents
 
     common = {"id": "cmpl-1", "object": "text_completion", "created": 7, "model": 'a "b"'}
     for text in ["", " plain", 'quo"te \\ back\nline\t', "é中😀\ufffd", "\x00\x1f"]:
@@ -100,10 +100,10 @@ def test_a_streamed_batch_gives_each_choice_its_own_text(server):
 def test_stream_interval_merges_the_steps_between_events(model_dir, server):
     """--stream-interval 3: the first step's output at once, then every 3 steps with the
     steps' tokens merged, and the end; through the server, the text is every step's."""
-    from tetrad.inference.api import ServerConfig
-    from tetrad.inference.async_engine import Subscriber
-    from tetrad.inference.output import CompletionOutput, RequestOutput
-    from tetrad.inference.server import build_app
+    from tetrad.inference.entrypoints.api import ServerConfig
+    from tetrad.inference.entrypoints.async_engine import Subscriber
+    from tetrad.inference.core.output import CompletionOutput, RequestOutput
+    from tetrad.inference.entrypoints.server import build_app
 
     subscriber = Subscriber(loop=None, collector=None, every_step=True)
     handed = []

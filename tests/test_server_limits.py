@@ -13,7 +13,7 @@ import pytest
 from serving import events, post, request, running, save_tiny_model
 
 from tetrad.inference.engine import LLM
-from tetrad.inference.output import CompletionOutput, RequestOutput
+from tetrad.inference.core.output import CompletionOutput, RequestOutput
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
@@ -30,8 +30,8 @@ def model_dir(tmp_path_factory):
 
 
 def serve(llm, **limits):
-    from tetrad.inference.api import ServerConfig
-    from tetrad.inference.server import build_app
+    from tetrad.inference.entrypoints.api import ServerConfig
+    from tetrad.inference.entrypoints.server import build_app
 
     return running(build_app(llm, "tiny", config=ServerConfig(**limits)))
 
@@ -179,8 +179,8 @@ def test_serve_flags_are_checked_before_the_model_loads(model_dir, capsys):
 
 
 def test_docs_only_when_asked(model_dir):
-    from tetrad.inference.api import ServerConfig
-    from tetrad.inference.server import build_app
+    from tetrad.inference.entrypoints.api import ServerConfig
+    from tetrad.inference.entrypoints.server import build_app
 
     llm = LLM(model_dir, block_size=4, num_blocks=16, log=None)
     assert build_app(llm, "tiny").docs_url is None
@@ -234,7 +234,7 @@ def test_a_failed_step_fails_only_its_requests_and_health_tells(model_dir, monke
 
 
 def test_a_request_whose_text_fails_finishes_alone(model_dir):
-    from tetrad.inference.params import RequestFailed, SamplingParams
+    from tetrad.inference.core.params import RequestFailed, SamplingParams
 
     llm = LLM(model_dir, block_size=4, num_blocks=96, log=None)
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
@@ -280,7 +280,7 @@ def test_metrics_are_read_on_the_engine_thread(guarded, monkeypatch):
 
 
 def test_outputs_cross_threads_as_views_merged_for_a_slow_reader():
-    from tetrad.inference.async_engine import OutputCollector
+    from tetrad.inference.entrypoints.async_engine import OutputCollector
 
     output = RequestOutput("r", "p", list(range(3000)), [CompletionOutput(0)])
     views = []

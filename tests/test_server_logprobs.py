@@ -8,7 +8,7 @@ import torch
 from serving import events, post, request, running, save_tiny_model
 
 from tetrad.inference.engine import LLM
-from tetrad.inference.params import SamplingParams
+from tetrad.inference.core.params import SamplingParams
 import tetrad
 
 pytest.importorskip("uvicorn")
@@ -17,7 +17,7 @@ TOL = 2e-5
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from tetrad.inference.server import build_app
+    from tetrad.inference.entrypoints.server import build_app
 
     folder = tmp_path_factory.mktemp("tiny-hf")
     save_tiny_model(folder)
@@ -98,7 +98,7 @@ def test_streamed_logprobs_match_the_whole_answer(served):
 
 def test_chat_logprobs(served):
     llm, model, port = served
-    from tetrad.inference.chat import ChatFormatter
+    from tetrad.inference.entrypoints.chat import ChatFormatter
 
     messages = [{"role": "user", "content": "Say something"}]
     body = {"messages": messages, "max_tokens": 5, "temperature": 0, "logprobs": True,

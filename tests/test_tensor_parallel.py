@@ -20,7 +20,7 @@ from dist import run_ranks
 from reference import clip_grad_norm, spread
 from torch import nn
 
-from tetrad.config import ModelConfig, ParallelConfig
+from tetrad.spec.model import ModelConfig, ParallelConfig
 from tetrad.errors import ConfigError
 from tetrad.memory import ActivationMeter
 from tetrad.models.layers import make_norm
@@ -29,7 +29,7 @@ from tetrad.parallel.comm import Comm, CommCounter
 from tetrad.parallel.mesh import Group, build_mesh
 from tetrad.parallel.tensor_parallel import (apply_tensor_parallel, check_tensor_parallel,
                                              qkv_rows, up_rows)
-from tetrad.presets import preset
+from tetrad.spec.presets import preset
 
 LLAMA = ModelConfig(name="tp-llama", vocab_size=64, hidden_size=32, num_layers=2, num_heads=8,
                     num_kv_heads=4, ffn_hidden_size=64, max_seq_len=16)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tetrad.config import TrainConfig
+from tetrad.spec.model import TrainConfig
 from tetrad.train.trainer import train
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")

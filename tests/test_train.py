@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
-from tetrad.config import ParallelConfig, TrainConfig
+from tetrad.spec.model import ParallelConfig, TrainConfig
 from tetrad.errors import TetradError
 from tetrad.models.transformer import Transformer
-from tetrad.presets import preset, resolve_model
+from tetrad.spec.presets import preset, resolve_model
 from tetrad.sharded_tensors import whole_pieces, write_pieces
 from tetrad.train import checkpoint as ckpt
 from tetrad.train.trainer import train

@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from dist import run_ranks
 from tetrad.cli.main import main
-from tetrad.config import ParallelConfig, TrainConfig
+from tetrad.spec.model import ParallelConfig, TrainConfig
 from tetrad.models.hf import load_pretrained
 from tetrad.train import checkpoint as ckpt
 from tetrad.train import launch

@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 
 from tetrad.cli.main import main
-from tetrad.config import ParallelConfig, TrainConfig
+from tetrad.spec.model import ParallelConfig, TrainConfig
 from tetrad.train import checkpoint as ckpt
 from tetrad.train import launch
 from tetrad.train.trainer import train

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tetrad.config import TrainConfig
+from tetrad.spec.model import TrainConfig
 from tetrad.tokenizer import ByteTokenizer
 from tetrad.train.data import Dataset
 from tetrad.train.trainer import train

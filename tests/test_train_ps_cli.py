@@ -71,7 +71,7 @@ def test_bad_ps_layouts_cost_one_line(capsys, corpus_file, argv, fragment):
 ])
 def test_ps_workers_are_the_processes_that_are_not_servers(argv, dp):
     from tetrad.cli.main import build_parser
-    from tetrad.config import build_train_config
+    from tetrad.spec.model import build_train_config
 
     args = vars(build_parser().parse_args(["train", *argv]))
     overrides = {k: v for k, v in args.items() if k not in ("command", "run", "config")}

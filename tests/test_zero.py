@@ -20,14 +20,14 @@ from zero_harness import (BATCH, BUCKET_BYTES, CPU, LR, SEQ, Case, check_reduced
                           distributed_strategy, first_layer_launches, launches_seen, tiny_model,
                           token_batches, train_config, train_steps, whole_parameters)
 
-from tetrad.config import ParallelConfig, TrainConfig
+from tetrad.spec.model import ParallelConfig, TrainConfig
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import OFF_STEP_TAGS, Comm, CommCounter
 from tetrad.parallel.data_parallel import LaunchInOrder, bucket_params
 from tetrad.parallel.fsdp import SHARDED
 from tetrad.parallel.mesh import Group, build_mesh
 from tetrad.parallel.zero_optimizer import FlatShard, scatter_state
-from tetrad.presets import resolve_model
+from tetrad.spec.presets import resolve_model
 from tetrad.sharded_tensors import LazyMapping
 from tetrad.train.optim import build_optimizer, parameter_groups, set_learning_rate
 from tetrad.train.strategy import LocalStrategy, MeshStrategy

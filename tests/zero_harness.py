@@ -12,11 +12,11 @@ from collections import namedtuple
 import torch
 import torch.nn.functional as F
 
-from tetrad.config import ParallelConfig, TrainConfig
+from tetrad.spec.model import ParallelConfig, TrainConfig
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm, CommCounter
 from tetrad.parallel.zero_optimizer import scatter_state
-from tetrad.presets import resolve_model
+from tetrad.spec.presets import resolve_model
 from tetrad.train.strategy import MeshStrategy
 
 STEPS, BATCH, SEQ, LR = 5, 8, 16, 3e-3

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 _LAZY = {
     "LLM": "tetrad.inference.engine",
-    "SamplingParams": "tetrad.inference.params",
-    "EngineConfig": "tetrad.inference.config",
+    "SamplingParams": "tetrad.inference.core.params",
+    "EngineConfig": "tetrad.inference.worker.config",
     "train_model": "tetrad.train.launch",
-    "TrainConfig": "tetrad.config",
-    "ParallelConfig": "tetrad.config",
-    "ModelConfig": "tetrad.config",
+    "TrainConfig": "tetrad.spec.model",
+    "ParallelConfig": "tetrad.spec.model",
+    "ModelConfig": "tetrad.spec.model",
     "load_pretrained": "tetrad.models.hf",
     "load_hf_weights": "tetrad.models.hf",
     "load_tokenizer": "tetrad.tokenizer",

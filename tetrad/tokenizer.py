@@ -20,7 +20,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from tetrad.errors import ConfigError
-from tetrad.hf_config import resolve_checkpoint
+from tetrad.spec.hf import resolve_checkpoint
 
 EOS_TOKEN = "<|endoftext|>"
 

@@ -7,7 +7,7 @@ module against it, in a copy of the tree so the working checkout is never touche
 *killed* when the tests fail (or time out), *survives* when they pass. docs/testing.md says how to
 read the result and lists the survivors that are equivalent (no behaviour changes).
 
-    python tools/mutants.py --list tetrad/inference/sampler.py          # the mutants, not run
+    python tools/mutants.py --list tetrad/inference/worker/sampler.py          # the mutants, not run
     python tools/mutants.py --sample 20 --seed 3 tetrad/planner/*.py   # 20 drawn at random
     python tools/mutants.py tetrad/parallel/zero.py --tests tests/test_zero.py
 

@@ -14,7 +14,7 @@ import torch
 
 from test_engine import GREEDY, random_model, reference_greedy
 
-from tetrad.inference.attention import flash_takes_block_tables
+from tetrad.inference.worker.attention import flash_takes_block_tables
 from tetrad.inference.engine import LLM
 from tetrad.tokenizer import ByteTokenizer
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tetrad.config import TrainConfig
+from tetrad.spec.model import TrainConfig
 from tetrad.train.launch import train_model
 from tetrad.viz.report import device_bytes
 

@@ -1,4 +1,4 @@
-"""Microbenchmarks -> a hardware profile (tetrad.hardware.GPU with a measured EfficiencyProfile).
+"""Microbenchmarks -> a hardware profile (tetrad.hardware.catalog.GPU with a measured EfficiencyProfile).
 
 On CPU the peaks are what this machine measured (one thread per rank, as tetrad's trainer runs):
 its largest GEMM's FLOP/s, its streaming bandwidth, gloo's links. On a GPU the datasheet peaks of
@@ -20,8 +20,8 @@ from tetrad.calibrate import compute
 from tetrad.calibrate.collectives import ROUNDS, measure
 from tetrad.calibrate.step import predicted_step_seconds, step_seconds, training_step
 from tetrad.errors import ConfigError
-from tetrad.efficiency import EfficiencyProfile
-from tetrad.hardware import GPU, gpu_from_device_name
+from tetrad.hardware.efficiency import EfficiencyProfile
+from tetrad.hardware.catalog import GPU, gpu_from_device_name
 
 ATTENTION_SHAPES = {"cpu": ((1, 4, 64, 16), (2, 4, 128, 32)),
                     "cuda": ((1, 16, 1024, 128), (4, 32, 4096, 128))}

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from tetrad.config import ParallelConfig, TrainConfig
+from tetrad.spec.model import ParallelConfig, TrainConfig
 
 CALIBRATION_RUN = dict(model="tiny", model_overrides={"num_layers": 2, "hidden_size": 96,
                                                       "ffn_hidden_size": 256},

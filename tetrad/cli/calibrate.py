@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from tetrad.errors import ConfigError
-    from tetrad.hardware_profile import save_profile
+    from tetrad.hardware.profile import save_profile
 
     out = Path(args.out) if args.out else None
     if out is not None and (out.is_dir() or out.suffix != ".json"):

@@ -16,8 +16,8 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tetrad.modelfile import read_modelfile
-    from tetrad.store import ModelStore, parse_name
+    from tetrad.store.modelfile import read_modelfile
+    from tetrad.store.models import ModelStore, parse_name
 
     parse_name(args.name)  # a bad name costs nothing
     modelfile = read_modelfile(args.file)

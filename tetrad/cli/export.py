@@ -25,7 +25,7 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tetrad.models.hf import load_pretrained, save_hf
-    from tetrad.store import resolve_model_argument
+    from tetrad.store.models import resolve_model_argument
     from tetrad.tokenizer import load_tokenizer
 
     folder, _ = resolve_model_argument(args.checkpoint)
@@ -46,7 +46,7 @@ def check_out_folder(out: str) -> None:
     from pathlib import Path
 
     from tetrad.errors import ConfigError
-    from tetrad.store import ModelStore
+    from tetrad.store.models import ModelStore
 
     folder, root = Path(out).resolve(), ModelStore().root.resolve()
     if folder == root or root in folder.parents:

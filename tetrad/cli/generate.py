@@ -86,7 +86,7 @@ def build_engine(args: argparse.Namespace):
     """The engine over args.path. A stored model's name becomes its folder, and `args.stored`
     the stored model, whose Modelfile settings are the defaults of the flags left out."""
     from tetrad.inference.engine import LLM, EngineConfig
-    from tetrad.store import resolve_model_argument
+    from tetrad.store.models import resolve_model_argument
 
     args.path, args.stored = resolve_model_argument(args.path)
     fields = {name for name in EngineConfig.__dataclass_fields__}
@@ -102,7 +102,7 @@ def build_engine(args: argparse.Namespace):
 
 
 def sampling_params(args: argparse.Namespace, **extra):
-    from tetrad.inference.params import SamplingParams
+    from tetrad.inference.core.params import SamplingParams
 
     values = {key: value for key, value in vars(args).items()
               if key in ("temperature", "top_p", "top_k", "repetition_penalty", "max_tokens",

@@ -16,7 +16,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from tetrad.cli.create import format_size
-    from tetrad.store import ModelStore
+    from tetrad.store.models import ModelStore
 
     models, broken = ModelStore().scan()
     rows = [("NAME", "SIZE", "CREATED", "FROM")] + [

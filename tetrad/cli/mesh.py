@@ -1,5 +1,5 @@
 """`tetrad mesh`: print the rank grid and every process group of a layout, without starting any
-process (the grid is plain arithmetic, tetrad.parallel_config.ParallelConfig)."""
+process (the grid is plain arithmetic, tetrad.spec.layout.ParallelConfig)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ MAX_RANKS = 4096
 
 
 def run(args: argparse.Namespace) -> int:
-    from tetrad.config import ParallelConfig
+    from tetrad.spec.model import ParallelConfig
     from tetrad.errors import ConfigError
     from tetrad.planner.limits import check_count
 

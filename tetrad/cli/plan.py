@@ -87,7 +87,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
     """Counts must be counts: 0 or a negative value is refused, never read as "unset"; and every
     number is bounded (tetrad.planner.limits) before any search, so none can make it run long or
     come back out as NaN."""
-    from tetrad.hardware import MAX_GPUS
+    from tetrad.hardware.catalog import MAX_GPUS
     from tetrad.planner.limits import (MAX_GLOBAL_BATCH, MAX_NIC_GBPS, MAX_SEQ_LEN, MAX_TOKENS,
                                        MIN_NIC_GBPS, check_count, check_number)
 
@@ -113,8 +113,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tetrad.hardware import cluster
-    from tetrad.presets import resolve_model
+    from tetrad.hardware.profile import cluster
+    from tetrad.spec.presets import resolve_model
 
     _check_numbers(args)
     config = resolve_model(args.model)

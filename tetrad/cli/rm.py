@@ -12,7 +12,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tetrad.store import ModelStore, parse_name
+    from tetrad.store.models import ModelStore, parse_name
 
     store = ModelStore()
     for name in args.names:  # all or nothing: check every name before removing any

@@ -29,7 +29,7 @@ def add_parser(subparsers) -> None:
 
 class Chat:
     def __init__(self, llm, params, system: str):
-        from tetrad.inference.chat import ChatFormatter, load_chat_template
+        from tetrad.inference.entrypoints.chat import ChatFormatter, load_chat_template
 
         self.llm, self.params, self.system = llm, params, system
         self.formatter = ChatFormatter(load_chat_template(llm.path))
@@ -75,7 +75,7 @@ class Chat:
 
     def answer(self, text: str) -> None:
         """Stream the model's reply to `text`; oldest turns go when the context is full."""
-        from tetrad.inference.params import RequestRejected
+        from tetrad.inference.core.params import RequestRejected
 
         self.history.append({"role": "user", "content": text})
         params = self.params.replace(stop=self.params.stop + self.formatter.stop)

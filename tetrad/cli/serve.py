@@ -51,10 +51,10 @@ SERVER_FLAGS: list[tuple[str, type, str]] = [
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from tetrad.config import from_dict
-    from tetrad.inference.api import ServerConfig
-    from tetrad.inference.chat import ChatFormatter, load_chat_template
-    from tetrad.inference.server import build_app
+    from tetrad.spec.model import from_dict
+    from tetrad.inference.entrypoints.api import ServerConfig
+    from tetrad.inference.entrypoints.chat import ChatFormatter, load_chat_template
+    from tetrad.inference.entrypoints.server import build_app
 
     options = {key: value for key, value in vars(args).items()
                if key in ServerConfig.__dataclass_fields__}

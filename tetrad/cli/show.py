@@ -17,8 +17,8 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from tetrad.cli.create import format_size
     from tetrad.planner.model_stats import count_parameters
-    from tetrad.presets import resolve_model
-    from tetrad.store import ModelStore
+    from tetrad.spec.presets import resolve_model
+    from tetrad.store.models import ModelStore
 
     model = ModelStore().require(args.name)
     if args.modelfile:

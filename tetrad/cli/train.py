@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from tetrad.config import DEVICES, DTYPES, FP8_RECIPES
+from tetrad.spec.model import DEVICES, DTYPES, FP8_RECIPES
 from tetrad.schedules import SCHEDULES
 
 TRAIN_FLAGS: list[tuple[str, type, str]] = [
@@ -124,8 +124,8 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tetrad.config import build_train_config
-    from tetrad.store import parse_name
+    from tetrad.spec.model import build_train_config
+    from tetrad.store.models import parse_name
 
     save_as = getattr(args, "save_as", None)
     if save_as is not None:
@@ -150,8 +150,8 @@ def train_and_store(config, name: str) -> int:
     import tempfile
 
     from tetrad.errors import TetradError
-    from tetrad.modelfile import Modelfile
-    from tetrad.store import ModelStore
+    from tetrad.store.modelfile import Modelfile
+    from tetrad.store.models import ModelStore
     from tetrad.train.launch import run_training, started_by_torchrun
 
     store = ModelStore()

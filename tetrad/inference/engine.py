@@ -22,24 +22,24 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tetrad.config import from_dict
+from tetrad.spec.model import from_dict
 from tetrad.errors import ConfigError
-from tetrad.inference.block_manager import BlockManager
-from tetrad.inference.config import EngineConfig
-from tetrad.inference.data_parallel import DataParallelScheduler
-from tetrad.inference.kv_cache import TORCH_DTYPES, check_tokenizer_fits, resolve_dtype
-from tetrad.inference.layout import ServingLayout
-from tetrad.inference.logprobs import (logits_layout, prompt_logprobs, sample_rows,
+from tetrad.inference.core.block_manager import BlockManager
+from tetrad.inference.worker.config import EngineConfig
+from tetrad.inference.ranks.data_parallel import DataParallelScheduler
+from tetrad.inference.worker.kv_cache import TORCH_DTYPES, check_tokenizer_fits, resolve_dtype
+from tetrad.inference.ranks.layout import ServingLayout
+from tetrad.inference.worker.logprobs import (logits_layout, prompt_logprobs, sample_rows,
                                        sampled_logprobs)
-from tetrad.inference.metrics import EngineMetrics, engine_stats, kv_utilization
-from tetrad.inference.output import RequestOutput, TokenLogprob
-from tetrad.inference.params import RequestFailed, SamplingParams
-from tetrad.inference.ranks import ServingDriver
-from tetrad.inference.runner import StepPlan, load_runner
-from tetrad.inference.sampler import Sampler
-from tetrad.inference.scheduler import Scheduler, SchedulerConfig
-from tetrad.inference.sequence import Sequence
-from tetrad.inference.tracker import RequestTracker
+from tetrad.inference.core.metrics import EngineMetrics, engine_stats, kv_utilization
+from tetrad.inference.core.output import RequestOutput, TokenLogprob
+from tetrad.inference.core.params import RequestFailed, SamplingParams
+from tetrad.inference.ranks.driver import ServingDriver
+from tetrad.inference.worker.runner import StepPlan, load_runner
+from tetrad.inference.worker.sampler import Sampler
+from tetrad.inference.core.scheduler import Scheduler, SchedulerConfig
+from tetrad.inference.core.sequence import Sequence
+from tetrad.inference.core.tracker import RequestTracker
 
 
 class LLM:
@@ -48,7 +48,7 @@ class LLM:
         """model: an HF folder, a tetrad checkpoint folder, or a tetrad Transformer (tests).
         tokenizer: anything with encode / decode / eos_id; by default the model folder's.
         With tp*pp*dp > 1 the engine starts that many processes less one (or joins a process
-        group of that many ranks: see tetrad.inference.ranks); close() stops them."""
+        group of that many ranks: see tetrad.inference.ranks.driver); close() stops them."""
         config = from_dict(EngineConfig, engine_config)
         layout = ServingLayout(config.tp, config.pp, config.ep, config.dp)
         self.eos_token_ids: tuple[int, ...] = ()

@@ -21,9 +21,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from tetrad.config import ModelConfig, from_dict
+from tetrad.spec.model import ModelConfig, from_dict
 from tetrad.errors import ConfigError, read_json_file
-from tetrad.hf_config import (hf_from_model_config, hf_model_type, model_config_from_hf,
+from tetrad.spec.hf import (hf_from_model_config, hf_model_type, model_config_from_hf,
                               read_hf_config, resolve_checkpoint, rope_scaling_parameters,
                               rope_scaling_type)
 from tetrad.models.fp8 import BLOCK
@@ -102,7 +102,7 @@ def _gpt2_rules(config: ModelConfig, prefix: str) -> list[Rule]:
 
 def check_runtime_support(hf: dict[str, Any]) -> None:
     """Reject HF configs whose numerics the tetrad layers do not reproduce (the planner may still
-    read them through tetrad.hf_config)."""
+    read them through tetrad.spec.hf)."""
     model_type = hf.get("model_type")
     if model_type not in RUNTIME_TYPES:
         raise ConfigError(f"cannot load HF model_type {model_type!r} weights "

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from tetrad.config import ModelConfig
+from tetrad.spec.model import ModelConfig
 from tetrad.errors import ConfigError
 from tetrad.models.hf_rules import Rule
 

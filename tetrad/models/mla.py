@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tetrad.config import ModelConfig
+from tetrad.spec.model import ModelConfig
 from tetrad.models.layers import RMSNorm, apply_rotary
 from tetrad.models.rope import mla_softmax_scale
 

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from tetrad.config import ModelConfig
+from tetrad.spec.model import ModelConfig
 from tetrad.models.layers import RotaryEmbedding
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tetrad.config import ModelConfig
+from tetrad.spec.model import ModelConfig
 from tetrad.errors import ConfigError
 from tetrad.models.layers import MLP, Attention, init_weights, make_norm
 from tetrad.models.mla import MultiHeadLatentAttention

@@ -1,5 +1,5 @@
 """The process groups of a layout: which global ranks form each tensor-, context-, data-,
-pipeline- and expert-parallel group (the rank grid of tetrad.parallel_config.ParallelConfig),
+pipeline- and expert-parallel group (the rank grid of tetrad.spec.layout.ParallelConfig),
 built once by `build_mesh` and then passed explicitly to whoever talks.
 
 The module's top level is plain Python; `build_mesh` imports torch.distributed when it creates
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tetrad.parallel_config import GROUP_NAMES, ParallelConfig
+from tetrad.spec.layout import GROUP_NAMES, ParallelConfig
 
 
 @dataclass

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tetrad.config import ModelConfig, ParallelConfig
+from tetrad.spec.model import ModelConfig, ParallelConfig
 from tetrad.models.moe import Router
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm

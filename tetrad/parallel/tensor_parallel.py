@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tetrad.config import ModelConfig
+from tetrad.spec.model import ModelConfig
 from tetrad.errors import ConfigError
 from tetrad.models.fp8_layers import FP8Linear
 from tetrad.models.transformer import Transformer

@@ -11,8 +11,9 @@ The small API the trainer and the CLI use:
 
 from __future__ import annotations
 
-from tetrad.config import ModelConfig, ParallelConfig
-from tetrad.hardware import GPU, Cluster, cluster as make_cluster
+from tetrad.spec.model import ModelConfig, ParallelConfig
+from tetrad.hardware.catalog import GPU, Cluster
+from tetrad.hardware.profile import cluster as make_cluster
 from tetrad.planner import eager
 from tetrad.planner.eager_time import rank_time
 from tetrad.planner.comm import CommLedger

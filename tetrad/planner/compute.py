@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from tetrad.config import ModelConfig
-from tetrad.hardware import GPU
+from tetrad.spec.model import ModelConfig
+from tetrad.hardware.catalog import GPU
 from tetrad.planner.flops import Gemm, attention_core_flops, attention_head_dims, head_gemm, \
     layer_gemms
 from tetrad.planner.layout import stage_first_layer, stage_layer_counts

@@ -67,7 +67,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from tetrad.config import ModelConfig
+from tetrad.spec.model import ModelConfig
 from tetrad.planner.comm import CommLedger
 from tetrad.planner.eager_activations import activations_peak
 from tetrad.planner.eager_comm import rank_comm

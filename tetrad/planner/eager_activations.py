@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from tetrad.config import ModelConfig
+from tetrad.spec.model import ModelConfig
 from tetrad.planner.eager_params import block_params, kv_heads_per_rank, stage_blocks
 from tetrad.planner.layout import TrainLayout
 from tetrad.planner.precision import FP8_BLOCK, TrainingPrecision

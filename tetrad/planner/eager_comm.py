@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from tetrad.config import ModelConfig
+from tetrad.spec.model import ModelConfig
 from tetrad.planner.comm import CommLedger
 from tetrad.planner.eager_activations import tokens
 from tetrad.planner.eager_params import (kv_heads_per_rank, rank_parameters, rank_stages,

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import math
 
-from tetrad.config import ModelConfig
-from tetrad.hardware import Cluster
+from tetrad.spec.model import ModelConfig
+from tetrad.hardware.catalog import Cluster
 from tetrad.planner.comm import CommLedger, call_time, ledger_time
 from tetrad.planner.compute import gemm_time, layer_times
 from tetrad.planner.eager_activations import tokens

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from tetrad.config import ModelConfig
+from tetrad.spec.model import ModelConfig
 from tetrad.planner.layout import TrainLayout, stage_layer_counts
 from tetrad.planner.model_stats import norm_params
 from tetrad.planner.precision import FP8_BLOCK

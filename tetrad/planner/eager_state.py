@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from tetrad.config import ModelConfig
+from tetrad.spec.model import ModelConfig
 from tetrad.planner.eager_params import Param, rank_parameters
 from tetrad.planner.layout import TrainLayout
 from tetrad.planner.precision import TrainingPrecision

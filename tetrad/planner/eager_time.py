@@ -56,9 +56,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from tetrad.config import ModelConfig
-from tetrad.efficiency import EfficiencyProfile
-from tetrad.hardware import Cluster
+from tetrad.spec.model import ModelConfig
+from tetrad.hardware.efficiency import EfficiencyProfile
+from tetrad.hardware.catalog import Cluster
 from tetrad.planner import comm
 from tetrad.planner.compute import head_times, layer_times, optimizer_time
 from tetrad.planner.eager import pipeline_ranks

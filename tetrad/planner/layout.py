@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
-from tetrad.config import ModelConfig, ParallelConfig
+from tetrad.spec.model import ModelConfig, ParallelConfig
 from tetrad.errors import ConfigError
 from tetrad.planner.rules import check_layout
 

@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
-from tetrad.config import ModelConfig
+from tetrad.spec.model import ModelConfig
 from tetrad.errors import ConfigError
 from tetrad.planner import eager
 from tetrad.planner.layout import TrainLayout, stage_first_layer, stage_layer_counts

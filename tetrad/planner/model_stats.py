@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from tetrad.config import ModelConfig
+from tetrad.spec.model import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tetrad.errors import ConfigError
-from tetrad.hardware import Cluster
+from tetrad.hardware.catalog import Cluster
 
 ID_BYTES = 8  # an int64 row id
 

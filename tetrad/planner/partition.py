@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from tetrad.config import ModelConfig
+from tetrad.spec.model import ModelConfig
 from tetrad.errors import ConfigError
 from tetrad.planner.flops import attention_core_flops, head_gemm, layer_gemms
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from tetrad.config import ModelConfig
+from tetrad.spec.model import ModelConfig
 from tetrad.errors import ConfigError
-from tetrad.hardware import GiB, Cluster
+from tetrad.hardware.catalog import GiB, Cluster
 from tetrad.planner.flops import six_n_d
 from tetrad.planner.layout import check_training_layout
 from tetrad.planner.memory import kv_bytes_per_token, training_memory

@@ -18,7 +18,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from tetrad.config import ModelConfig, ParallelConfig
+from tetrad.spec.model import ModelConfig, ParallelConfig
 from tetrad.errors import ConfigError
 from tetrad.planner.partition import check_stages, partition
 

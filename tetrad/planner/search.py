@@ -24,9 +24,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from tetrad.config import ModelConfig
+from tetrad.spec.model import ModelConfig
 from tetrad.errors import ConfigError
-from tetrad.hardware import Cluster
+from tetrad.hardware.catalog import Cluster
 from tetrad.planner.layout import TrainLayout, check_training_layout, microbatches_for
 from tetrad.planner.rules import check_degrees, divisors, valid_tp_degrees
 from tetrad.planner.memory import peak_bytes_by_zero_stage

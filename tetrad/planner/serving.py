@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tetrad.config import ModelConfig
+from tetrad.spec.model import ModelConfig
 from tetrad.errors import ConfigError
-from tetrad.hardware import Cluster
+from tetrad.hardware.catalog import Cluster
 from tetrad.planner import comm
 from tetrad.planner.compute import bandwidth_time, gemm_time, layer_times
 from tetrad.planner.flops import attention_head_dims, head_gemm, layer_gemms

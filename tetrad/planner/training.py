@@ -21,9 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from tetrad.config import ModelConfig
+from tetrad.spec.model import ModelConfig
 from tetrad.errors import ConfigError
-from tetrad.hardware import Cluster
+from tetrad.hardware.catalog import Cluster
 from tetrad.planner import comm, eager
 from tetrad.planner.comm import CommLedger
 from tetrad.planner.compute import KernelTimes, optimizer_time, stage_times

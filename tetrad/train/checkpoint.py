@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import torch
 
-from tetrad.config import ModelConfig, from_dict
+from tetrad.spec.model import ModelConfig, from_dict
 from tetrad.errors import ConfigError, TetradError
 from tetrad.sharded_tensors import Piece, ShardedReader, write_index, write_pieces
 

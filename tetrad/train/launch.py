@@ -13,7 +13,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from tetrad.config import TrainConfig
+from tetrad.spec.model import TrainConfig
 from tetrad.errors import ConfigError
 from tetrad.parallel.launch import (COLLECTIVE_TIMEOUT_S, WorkerFailed, init_worker, local_device,
                                     spawn, started_by_torchrun, torchrun_ranks)
@@ -179,7 +179,7 @@ def train_model(config: TrainConfig | str | None = None, **settings):
     """Python's `tetrad train`: a TrainConfig, or the path of a TOML config and/or settings
     named like its fields and the parallel degrees (`train_model(model="tiny", steps=50, dp=2,
     nproc=2)`); settings win over the TOML file's."""
-    from tetrad.config import build_train_config
+    from tetrad.spec.model import build_train_config
 
     if isinstance(config, TrainConfig):
         if settings:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tetrad.config import TrainConfig
+from tetrad.spec.model import TrainConfig
 from tetrad.models.moe import update_router_biases
 from tetrad.parallel.compile import CompiledForward
 from tetrad.parallel.engine import (load_named, named_moments, named_state,

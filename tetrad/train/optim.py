@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from tetrad.config import TrainConfig
+from tetrad.spec.model import TrainConfig
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tetrad.config import TrainConfig
+from tetrad.spec.model import TrainConfig
 from tetrad.parallel.comm import Comm
 from tetrad.parallel.compile import apply_compile
 from tetrad.parallel.mesh import Group

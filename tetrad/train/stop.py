@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from tetrad.config import TrainConfig
+from tetrad.spec.model import TrainConfig
 from tetrad.errors import ConfigError
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)

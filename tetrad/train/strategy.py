@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from tetrad.config import TrainConfig
+from tetrad.spec.model import TrainConfig
 from tetrad.parallel.comm import Comm, CommCounter
 from tetrad.parallel.compile import apply_compile
 from tetrad.parallel.mesh import Mesh

@@ -16,16 +16,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from tetrad.config import ModelConfig, TrainConfig
+from tetrad.spec.model import ModelConfig, TrainConfig
 from tetrad.errors import ConfigError, TetradError
-from tetrad.hardware import GPU, gpu_from_device_name
-from tetrad.hardware_profile import default_profile_path, gpu_or_profile, load_profile
+from tetrad.hardware.catalog import GPU, gpu_from_device_name
+from tetrad.hardware.profile import default_profile_path, gpu_or_profile, load_profile
 from tetrad.models.transformer import Transformer, count_parameters
 from tetrad.parallel.compile import CompileClock
 from tetrad.parallel.launch import local_device, rank_device
 from tetrad.planner import predict_run
 from tetrad.planner.rules import ResolvedLayout, resolve_layout
-from tetrad.presets import resolve_model
+from tetrad.spec.presets import resolve_model
 from tetrad.tokenizer import load_tokenizer
 from tetrad.train import checkpoint as ckpt
 from tetrad.train.data import AnyTokenizer, Dataset

@@ -3,7 +3,7 @@ matplotlib is imported here only, so the planner itself never needs it."""
 
 from __future__ import annotations
 
-from tetrad.hardware import GiB
+from tetrad.hardware.catalog import GiB
 from tetrad.viz.save import save_figure
 
 PARTS = ("params", "grads", "optimizer", "activations", "kv_cache")

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tetrad.config import ParallelConfig
+from tetrad.spec.model import ParallelConfig
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.mesh import Group
 from tetrad.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
