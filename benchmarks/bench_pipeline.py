@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -27,6 +26,7 @@ from tetrad.parallel.comm import Comm
 from tetrad.parallel.launch import spawn
 from tetrad.parallel.mesh import build_mesh
 from tetrad.parallel.pipeline import PipelineExecutor
+from timing import timed
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 
@@ -46,14 +46,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
     return parser.parse_args()
-
-
-def timed(fn) -> tuple[float, object]:
-    dist.barrier()
-    started = time.perf_counter()
-    value = fn()
-    dist.barrier()
-    return time.perf_counter() - started, value
 
 
 def bench_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,11 @@ from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm
 from tetrad.parallel.launch import spawn
 from tetrad.parallel.mesh import build_mesh
-from tetrad.parallel.tensor_parallel import apply_tensor_parallel, qkv_rows, up_rows
+from tetrad.parallel.tensor_parallel import apply_tensor_parallel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from peers import dtensor_tensor_parallel  # noqa: E402
+from timing import timed  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -53,44 +58,9 @@ def parse_args() -> argparse.Namespace:
 
 def dtensor_model(config: ModelConfig, tp: int, sequence_parallel: bool, device: torch.device
                   ) -> nn.Module:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
-
     torch.manual_seed(0)
-    model = Transformer(config).to(device)
-    for block in model.layers:
-        attn, mlp = block.attn, block.mlp
-        rows = torch.cat([qkv_rows(config, tp, r) for r in range(tp)]).to(device)
-        attn.qkv.weight = nn.Parameter(attn.qkv.weight.detach()[rows])
-        attn.num_heads, attn.num_kv_heads = attn.num_heads // tp, attn.num_kv_heads // tp
-        attn.q_size, attn.kv_size = attn.q_size // tp, attn.kv_size // tp
-        rows = torch.cat([up_rows(config.ffn_hidden_size, True, tp, r) for r in range(tp)])
-        mlp.up.weight = nn.Parameter(mlp.up.weight.detach()[rows.to(device)])
-    shard = Shard(1) if sequence_parallel else Replicate()
-    plan = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=shard),
-            "lm_head": ColwiseParallel(input_layouts=shard, output_layouts=Shard(-1),
-                                       use_local_output=False)}
-    for i in range(config.num_layers):
-        plan |= {f"layers.{i}.attn.qkv": ColwiseParallel(input_layouts=shard),
-                 f"layers.{i}.attn.out": RowwiseParallel(output_layouts=shard),
-                 f"layers.{i}.mlp.up": ColwiseParallel(input_layouts=shard),
-                 f"layers.{i}.mlp.down": RowwiseParallel(output_layouts=shard)}
-        if sequence_parallel:
-            plan |= {f"layers.{i}.attn_norm": SequenceParallel(),
-                     f"layers.{i}.mlp_norm": SequenceParallel()}
-    if sequence_parallel:
-        plan["norm"] = SequenceParallel()
-    return parallelize_module(model, init_device_mesh(device.type, (tp,)), plan)
-
-
-def timed(fn) -> tuple[float, float]:
-    dist.barrier()
-    started = time.perf_counter()
-    value = fn()
-    dist.barrier()
-    return time.perf_counter() - started, value
+    return dtensor_tensor_parallel(Transformer(config).to(device), config, tp, sequence_parallel,
+                                   device.type)
 
 
 def bench_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:

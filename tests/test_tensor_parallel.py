@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist import run_ranks
+from peers import dtensor_tensor_parallel
 from reference import clip_grad_norm, spread
-from torch import nn
 
 from tetrad.spec.model import ModelConfig, ParallelConfig
 from tetrad.errors import ConfigError
@@ -123,41 +123,11 @@ def train_tetrad(mesh, case: tuple) -> dict:
 
 
 def train_dtensor(world_size: int, config: ModelConfig, sequence_parallel: bool) -> list[float]:
-    """The same model under torch's DTensor TP. DTensor splits a weight's rows evenly, so the fused
-    qkv and gate/up rows are first laid out rank by rank in tetrad's order, and attention gets the
-    local head counts (as torchtitan does)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   SequenceParallel, loss_parallel,
-                                                   parallelize_module)
+    """The same model under torch's DTensor TP (tests/peers.py)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
 
-    model = build_model(config)
-    for block in model.layers:
-        attn, mlp = block.attn, block.mlp
-        rows = torch.cat([qkv_rows(config, world_size, r) for r in range(world_size)])
-        attn.qkv.weight = nn.Parameter(attn.qkv.weight.detach()[rows])
-        attn.num_heads //= world_size
-        attn.num_kv_heads //= world_size
-        attn.q_size, attn.kv_size = attn.q_size // world_size, attn.kv_size // world_size
-        rows = torch.cat([up_rows(config.ffn_hidden_size, True, world_size, r)
-                          for r in range(world_size)])
-        mlp.up.weight = nn.Parameter(mlp.up.weight.detach()[rows])
-    shard = Shard(1) if sequence_parallel else Replicate()
-    plan = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=shard),
-            "lm_head": ColwiseParallel(input_layouts=shard, output_layouts=Shard(-1),
-                                       use_local_output=False)}
-    for i in range(config.num_layers):
-        plan |= {f"layers.{i}.attn.qkv": ColwiseParallel(input_layouts=shard),
-                 f"layers.{i}.attn.out": RowwiseParallel(output_layouts=shard),
-                 f"layers.{i}.mlp.up": ColwiseParallel(input_layouts=shard),
-                 f"layers.{i}.mlp.down": RowwiseParallel(output_layouts=shard)}
-        if sequence_parallel:
-            plan |= {f"layers.{i}.attn_norm": SequenceParallel(),
-                     f"layers.{i}.mlp_norm": SequenceParallel()}
-    if sequence_parallel:
-        plan["norm"] = SequenceParallel()
-    parallelize_module(model, init_device_mesh("cpu", (world_size,)), plan)
+    model = dtensor_tensor_parallel(build_model(config), config, world_size, sequence_parallel)
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS)
     losses = []
