@@ -6,7 +6,8 @@
 #   GPU_PIECES="training serving" bash benchmarks/gpu_all.sh
 #   GPU_TRAINING_ROWS="tetrad-bf16-compiled tetrad-fp8-compiled" bash benchmarks/gpu_all.sh
 #
-# Pieces, in this order (the ones the open issues need most first): env (versions), tests
+# Pieces, in this order (the ones the open issues need most first): env (versions), kernels
+# (tests/test_triton_attention.py on CUDA), attention (benchmarks/gpu_triton_attention.py), tests
 # (tests/gpu and the varlen kernel test), fp8 (benchmarks/gpu_fp8_matmul.py), training
 # (benchmarks/gpu_training.py), calibrate (`tetrad calibrate --device cuda`), serving
 # (benchmarks/gpu_serving.py). Each runs under its own time limit, cut to what is left of the
@@ -18,7 +19,7 @@ mkdir -p "$OUT"
 LOG=$OUT/gpu_all.log
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PYTHON=${PYTHON:-python3}
-PIECES=${GPU_PIECES:-env tests fp8 training calibrate serving}
+PIECES=${GPU_PIECES:-env kernels attention tests fp8 training calibrate serving}
 deadline=$((SECONDS + ${GPU_BUDGET_S:-450}))
 
 piece() {  # piece NAME LIMIT_S COMMAND...
@@ -39,6 +40,8 @@ piece env 30 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,cl
     --format=csv && $PYTHON -c 'import torch, transformers, triton; print(\"torch\", \
     torch.__version__, \"cuda\", torch.version.cuda, \"transformers\", transformers.__version__, \
     \"triton\", triton.__version__)'"
+piece kernels 120 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_triton_attention.py
+piece attention 100 "$PYTHON" benchmarks/gpu_triton_attention.py --out "$OUT"
 piece tests 120 "$PYTHON" -m pytest -q -p no:cacheprovider tests/gpu \
     tests/test_paged_attention.py::test_varlen_reads_the_pool_in_place_like_gathered_attention
 piece fp8 60 "$PYTHON" benchmarks/gpu_fp8_matmul.py
