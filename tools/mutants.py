@@ -160,7 +160,8 @@ PLANNER_TESTS = [f"tests/test_{name}.py" for name in (
     "planner_accuracy", "planner_comm", "planner_memory", "planner_ps", "planner_search",
     "eager_time", "schedules", "planner_model", "planner_mutants_partition",
     "planner_mutants_compute", "planner_mutants_rules", "planner_mutants_eager",
-    "planner_mutants_search", "planner_mutants_layouts")]
+    "planner_mutants_search", "planner_mutants_layouts",
+    "planner_mutants_timeline")]
 TEST_MAP = {
     "tetrad/parallel/comm.py": ["tests/test_parallel_mutants_comm.py", "tests/test_comm.py"],
     "tetrad/parallel/tensor_parallel.py": ["tests/test_tensor_parallel.py", *NOT_FOUR_RANKS],
