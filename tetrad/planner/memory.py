@@ -65,12 +65,25 @@ class MemoryBreakdown:
                 "activations": self.activations, "kv_cache": self.kv_cache, "total": self.total}
 
 
-def representative_stages(num_layers: int, num_stages: int) -> tuple[int, ...]:
-    """Stages that can be the fullest or slowest: the first (embedding, most in flight), the
-    first of those with the most layers (when layers do not divide evenly, the middle stages
-    carry one more than the ends and set the pipeline's pace) and the last (LM head)."""
+def representative_stages(num_layers: int, num_stages: int,
+                          num_dense_layers: int = 0) -> tuple[int, ...]:
+    """Stages that can be the fullest or slowest: the last (LM head) and the first stage of each
+    kind, a kind being its layer count and how many of those are an MoE model's leading dense
+    layers (when layers do not divide evenly the middle stages carry one more than the ends; a
+    stage of MoE layers outweighs the dense first one); the earliest of a kind holds the most
+    microbatches in flight."""
     counts = stage_layer_counts(num_layers, num_stages)
-    return tuple(sorted({0, counts.index(max(counts)), num_stages - 1}))
+    first_of_kind: dict[tuple[int, int], int] = {}
+    for stage, count in enumerate(counts):
+        dense = min(count, max(0, num_dense_layers - stage_first_layer(counts, stage)))
+        first_of_kind.setdefault((count, dense), stage)
+    return tuple(sorted({*first_of_kind.values(), num_stages - 1}))
+
+
+def stages_to_check(config: ModelConfig, num_stages: int) -> tuple[int, ...]:
+    """representative_stages of `config`'s cut."""
+    return representative_stages(config.num_layers, num_stages,
+                                 config.num_dense_layers if config.is_moe else 0)
 
 
 @lru_cache(maxsize=4096)
@@ -248,7 +261,7 @@ def training_memory(config: ModelConfig, layout: TrainLayout, precision: Trainin
         fullest = max(range(layout.pp), key=lambda rank: ranks[rank].total)
         return eager_breakdown(ranks[fullest]), fullest
     best: tuple[MemoryBreakdown, int] | None = None
-    for stage in representative_stages(config.num_layers, layout.pp):
+    for stage in stages_to_check(config, layout.pp):
         params, grads, optimizer = model_state_bytes(config, layout, precision, stage,
                                                      options.zero3_live_params)
         activations = stage_activation_bytes(config, layout, seq_len, options,
@@ -270,7 +283,7 @@ def peak_bytes_by_zero_stage(config: ModelConfig, layout: TrainLayout,
     if options.runtime == "tetrad":
         return [training_memory(config, dataclasses.replace(layout, zero=zero), precision,
                                 seq_len, options)[0].total for zero in zeros]
-    stages = representative_stages(config.num_layers, layout.pp)
+    stages = stages_to_check(config, layout.pp)
     activations = [stage_activation_bytes(config, layout, seq_len, options,
                                           precision.activation_bytes, stage) for stage in stages]
     totals = []

@@ -30,8 +30,8 @@ from tetrad.planner.compute import KernelTimes, optimizer_time, stage_times
 from tetrad.planner.eager_time import eager_step_time
 from tetrad.planner.flops import attention_head_dims, training_flops_per_sequence
 from tetrad.planner.layout import TrainLayout, stage_layer_counts
-from tetrad.planner.memory import (ActivationOptions, MemoryBreakdown, representative_stages,
-                                   stage_params, training_memory)
+from tetrad.planner.memory import (ActivationOptions, MemoryBreakdown, stage_params,
+                                   stages_to_check, training_memory)
 from tetrad.planner.precision import TrainingPrecision, training_precision
 from tetrad.planner.timeline import StepTime, overlapped, pipeline_bubble_ratio
 
@@ -254,7 +254,7 @@ def _bottleneck(config: ModelConfig, cluster: Cluster, workload: TrainWorkload, 
     precision = workload.precision
     weight = 1.0 if precision.compute_dtype == "fp8" else precision.param_bytes
     best: tuple[int, KernelTimes, float] | None = None
-    for stage in representative_stages(config.num_layers, pp):
+    for stage in stages_to_check(config, pp):
         kernels = stage_times(config, cluster.gpu, pp, stage, micro_batch, workload.seq_len, tp,
                               cp, ep, sequence_parallel, recompute, workload.flash_attention,
                               workload.dropout, precision.compute_dtype,
