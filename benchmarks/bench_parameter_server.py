@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tetrad.calibrate.collectives import ping_pong
 from tetrad.spec.model import ParallelConfig, TrainConfig
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm, CommCounter
@@ -95,12 +96,7 @@ def link_rank(rank: int, world_size: int, size: int) -> tuple[float, float]:
         dist.barrier()
         started = time.perf_counter()
         for _ in range(count):
-            if rank == 0:
-                dist.send(tensor, 1)
-                dist.recv(tensor, 1)
-            else:
-                dist.recv(tensor, 0)
-                dist.send(tensor, 0)
+            ping_pong(rank, tensor)
         return (time.perf_counter() - started) / count / 2
 
     latency = round_trips(torch.zeros(1), 200)

@@ -275,15 +275,16 @@ def _numel(nbytes: int, n: int) -> int:
     return max(n, nbytes // 4 // n * n)
 
 
+def ping_pong(rank: int, tensor: torch.Tensor) -> None:
+    """`tensor` from rank 0 to rank 1 and back (the other ranks take no part)."""
+    if rank == 0:
+        dist.send(tensor, 1)
+        dist.recv(tensor, 1)
+    elif rank == 1:
+        dist.recv(tensor, 0)
+        dist.send(tensor, 0)
+
+
 def _p2p_time(rank: int, tensor: torch.Tensor, device: torch.device, group) -> float:
     """One message from rank 0 to rank 1: half a round trip."""
-
-    def round_trip() -> None:
-        if rank == 0:
-            dist.send(tensor, 1)
-            dist.recv(tensor, 1)
-        else:
-            dist.recv(tensor, 0)
-            dist.send(tensor, 0)
-
-    return _median_time(round_trip, device, group) / 2
+    return _median_time(lambda: ping_pong(rank, tensor), device, group) / 2
