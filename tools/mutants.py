@@ -162,6 +162,10 @@ PLANNER_TESTS = [f"tests/test_{name}.py" for name in (
     "planner_mutants_compute", "planner_mutants_rules", "planner_mutants_eager",
     "planner_mutants_search", "planner_mutants_layouts",
     "planner_mutants_timeline")]
+# The eager profile's checks against the runtime built in-process, first: a bug planted in the
+# eager modules fails within seconds there.
+EAGER_TESTS = [f"tests/test_planner_mutants_eager_{name}.py" for name in (
+    "runtime", "layout", "comm")]
 TEST_MAP = {
     "tetrad/parallel/comm.py": ["tests/test_parallel_mutants_comm.py", "tests/test_comm.py"],
     "tetrad/parallel/tensor_parallel.py": ["tests/test_tensor_parallel.py", *NOT_FOUR_RANKS],
@@ -181,6 +185,8 @@ TEST_MAP = {
        for name in ("clock", "keys", "protocol", "server", "worker")},
     **{str(module.relative_to(ROOT)): PLANNER_TESTS for folder in ("planner", "schedules")
        for module in (ROOT / "tetrad" / folder).glob("*.py")},
+    **{str(module.relative_to(ROOT)): [*EAGER_TESTS, *PLANNER_TESTS]
+       for module in (ROOT / "tetrad" / "planner").glob("eager*.py")},
 }
 
 
