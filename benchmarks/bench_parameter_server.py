@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -34,9 +36,12 @@ from tetrad.parallel.mesh import Group, build_mesh
 from tetrad.parallel.ps import KeyLayout, ParameterServer, PSOptions
 from tetrad.planner.parameter_server import compare
 from tetrad.spec.presets import resolve_model
-from tetrad.train.optim import build_optimizer, parameter_groups, set_learning_rate
+from tetrad.train.optim import build_optimizer, parameter_groups
 from tetrad.train.ps_strategy import ParameterServerStrategy
 from tetrad.train.strategy import MeshStrategy
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from reference import whole_gradient_step  # noqa: E402
 
 LR = 1e-3
 MB = 1e6
@@ -80,12 +85,7 @@ def compute_only(args: argparse.Namespace, rows: int, rank: int) -> float:
     for batch in batches(args):
         local = batch[rank * rows:(rank + 1) * rows]
         started = time.perf_counter()
-        loss = F.cross_entropy(model(local[:, :-1]).flatten(0, 1), local[:, 1:].flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        set_learning_rate(optimizer, LR)
-        optimizer.step()
-        optimizer.zero_grad()
+        whole_gradient_step(model, optimizer, local, LR)
         times.append(time.perf_counter() - started)
     return statistics.median(times[args.warmup:])
 

@@ -13,6 +13,7 @@ from tetrad.parallel.comm import Comm
 from tetrad.parallel.engine import DataParallelOptions
 from tetrad.parallel.mesh import Mesh
 from tetrad.parallel.parallelize import ParallelModel, parallelize
+from tetrad.train.optim import set_learning_rate
 
 
 def token_batch(vocab_size: int, rows: int, seq_len: int, step: int) -> torch.Tensor:
@@ -33,6 +34,20 @@ def objective(model: Transformer, logits: torch.Tensor, targets: torch.Tensor
     loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
     aux = model.aux_loss()
     return loss, aux, loss if aux is None else loss + model.config.router_aux_loss_coef * aux
+
+
+def whole_gradient_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                        window: torch.Tensor, lr: float, max_norm: float = 1.0) -> torch.Tensor:
+    """One step of a model whose gradients are whole where the optimizer reads them (one
+    process, or torch's DDP and FSDP2 peers): cross-entropy on `window` [rows, seq + 1], clipping,
+    the optimizer at `lr`. Returns the loss."""
+    loss = F.cross_entropy(model(window[:, :-1]).flatten(0, 1), window[:, 1:].flatten())
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    set_learning_rate(optimizer, lr)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
 
 
 def train_reference(model: Transformer, batch: Callable[[int], torch.Tensor], steps: int,

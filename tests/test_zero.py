@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from dist import run_ranks
+from reference import whole_gradient_step
 from zero_harness import (BATCH, BUCKET_BYTES, CPU, LR, SEQ, Case, check_reduced,
                           distributed_strategy, first_layer_launches, launches_seen, tiny_model,
                           token_batches, train_config, train_steps, whole_parameters)
@@ -29,7 +30,7 @@ from tetrad.parallel.mesh import Group, build_mesh
 from tetrad.parallel.zero_optimizer import FlatShard, scatter_state
 from tetrad.spec.presets import resolve_model
 from tetrad.sharded_tensors import LazyMapping
-from tetrad.train.optim import build_optimizer, parameter_groups, set_learning_rate
+from tetrad.train.optim import build_optimizer, parameter_groups
 from tetrad.train.strategy import LocalStrategy, MeshStrategy
 
 CASES_2 = [Case(0), Case(1), Case(2), Case(3), Case(0, grad_accum=2), Case(1, True, 2),
@@ -150,13 +151,7 @@ def torch_native(rank: int, world_size: int, kind: str) -> list[float]:
     for batch in token_batches():
         rows = BATCH // world_size
         local = batch[rank * rows:(rank + 1) * rows]
-        loss = F.cross_entropy(model(local[:, :-1]).flatten(0, 1), local[:, 1:].flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        set_learning_rate(optimizer, LR)
-        optimizer.step()
-        optimizer.zero_grad()
-        total = loss.detach().clone()
+        total = whole_gradient_step(model, optimizer, local, LR).detach().clone()
         dist.all_reduce(total)
         losses.append(total.item() / world_size)
     return losses
