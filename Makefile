@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(VENV)/bin/tetrad train --config configs/demo.toml
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 tests
 
 clean:
 	rm -rf $(VENV) runs
