@@ -1,0 +1,159 @@
+"""One training step of the planner taken apart: with every overlap switched off, the exposed
+communication is the sum of each collective's own time, counted call by call from the layout (ZeRO
+paper's schedule of reduce-scatters and gathers, Megatron's TP collectives per block and pass, one
+all-to-all pair per MoE block and pass, one send per microbatch and boundary); the compute is the
+stages' kernels times the microbatches plus the optimizer; the bubble is 1F1B's (p-1)/m; the
+throughput figures are their definitions."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tetrad.hardware.catalog import Cluster
+from tetrad.hardware.catalog import gpu as catalog_gpu
+from tetrad.planner import comm
+from tetrad.planner.compute import optimizer_time, stage_times
+from tetrad.planner.flops import training_flops_per_sequence
+from tetrad.planner.layout import TrainLayout
+from tetrad.planner.memory import stage_params
+from tetrad.planner.training import TrainWorkload, evaluate_training
+from tetrad.spec.presets import preset
+
+H100 = catalog_gpu("h100-sxm")
+NODE = Cluster(H100, 8)
+TWO_NODES = Cluster(H100, 16)
+SMALL = preset("small")
+MOE = preset("tiny-moe").replace(num_layers=4, num_dense_layers=1, num_experts=8,
+                                 num_experts_per_token=2)
+SEQ = 128
+EXPOSED = TrainWorkload(SEQ, overlap_grad_reduce=False, overlap_param_gather=False,
+                        overlap_p2p=False)
+
+
+def _kernels(config, layout, stage=0):
+    return stage_times(config, H100, layout.pp, stage, layout.micro_batch, SEQ, layout.tp,
+                       layout.cp, layout.ep, layout.sequence_parallel, layout.recompute, True,
+                       False, "bf16", 2.0, 2.0, layout.expert_tp)
+
+
+def _data_parallel_time(cluster, layout, elements, group_size, stride):
+    """The ZeRO stage's collectives over one group, none hidden: ZeRO-0 all-reduces the bf16
+    gradients once a step; ZeRO-1 reduce-scatters them and gathers the parameters once; ZeRO-2
+    reduce-scatters after each microbatch; ZeRO-3 gathers before each forward and backward and
+    reduce-scatters after each backward."""
+    if group_size == 1 or elements == 0:
+        return 0.0
+    group = comm.place_group(cluster, group_size, stride)
+    gather = comm.all_gather_time(cluster, group, 2 * elements)
+    scatter = comm.reduce_scatter_time(cluster, group, 2 * elements)
+    m = layout.num_microbatches
+    return {0: comm.all_reduce_time(cluster, group, 2 * elements), 1: scatter + gather,
+            2: m * scatter + gather, 3: m * (2 * gather + scatter)}[layout.zero]
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("cluster", [NODE, TWO_NODES], ids=["node", "two-nodes"])
+def test_exposed_data_parallel_time_is_each_zero_collective_once(zero, cluster):
+    dp = cluster.num_gpus
+    layout = TrainLayout(dp=dp, zero=zero, microbatches=3, micro_batch=2)
+    estimate = evaluate_training(SMALL, cluster, layout, EXPOSED)
+    dense, _ = stage_params(SMALL, 1, 0, 1, 1)
+    assert estimate.step.communication_exposed == pytest.approx(
+        _data_parallel_time(cluster, layout, dense, dp, 1))
+    assert estimate.step.bubble == 0
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_experts_reduce_over_the_ranks_holding_them(zero):
+    """dp 8, ep 2: dense gradients over the 8, each expert's over the 4 ranks holding it; the
+    expert all-to-alls (dispatch and combine, forward and backward, per MoE block) add theirs."""
+    layout = TrainLayout(dp=8, ep=2, zero=zero, microbatches=2, micro_batch=2)
+    estimate = evaluate_training(MOE, NODE, layout, EXPOSED)
+    dense, expert = stage_params(MOE, 1, 0, 1, 2)
+    data_parallel = (_data_parallel_time(NODE, layout, dense, 8, 1)
+                     + _data_parallel_time(NODE, layout, expert, 4, 2))
+    num_moe = MOE.num_layers - MOE.num_dense_layers
+    size = 2 * SEQ * MOE.num_experts_per_token * MOE.hidden_size * 2
+    a2a = comm.all_to_all_time(NODE, comm.place_group(NODE, 2, 1), size)
+    assert estimate.step.communication_exposed == pytest.approx(
+        data_parallel + layout.num_microbatches * 4 * num_moe * a2a)
+    assert estimate.comm.payload["all_to_all"] == pytest.approx(
+        layout.num_microbatches * 4 * num_moe * size)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_tensor_parallel_collectives_per_block_and_pass(sequence_parallel, recompute):
+    """Two all-reduces per block and pass (forward, backward, and the forward again under full
+    recomputation), two around the head; sequence parallelism makes each an all-gather plus a
+    reduce-scatter of the same bytes."""
+    tp, m = 2, 3
+    layout = TrainLayout(tp=tp, sequence_parallel=sequence_parallel, recompute=recompute,
+                         microbatches=m, micro_batch=2)
+    estimate = evaluate_training(SMALL, NODE, layout, EXPOSED)
+    passes = 3 if recompute == "full" else 2
+    calls = 2 * passes * SMALL.num_layers + 2
+    size = 2 * SEQ * SMALL.hidden_size * 2
+    group = comm.place_group(NODE, tp, 1)
+    one = (2 * comm.all_gather_time(NODE, group, size) if sequence_parallel
+           else comm.all_reduce_time(NODE, group, size))
+    assert estimate.step.communication_exposed == pytest.approx(m * calls * one)
+    kinds = ("all_gather", "reduce_scatter") if sequence_parallel else ("all_reduce",)
+    assert sum(estimate.comm.payload[kind] for kind in kinds) == pytest.approx(
+        m * calls * size * len(kinds))
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_ring_sends_kv_chunks_three_times_per_hop(cp):
+    """Forward K/V, backward K/V and dK/dV: 3(cp - 1) chunks per block and microbatch, a chunk
+    being the rank's tokens times the kv heads' key and value widths."""
+    layout = TrainLayout(cp=cp, microbatches=2, micro_batch=2)
+    estimate = evaluate_training(SMALL, NODE, layout, EXPOSED)
+    chunk = 2 * SEQ / cp * SMALL.num_kv_heads * 2 * SMALL.head_dim * 2
+    assert estimate.comm.payload["p2p"] == pytest.approx(
+        2 * 3 * (cp - 1) * SMALL.num_layers * chunk)
+
+
+@pytest.mark.parametrize("overlap_p2p", [False, True])
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8)])
+def test_pipeline_time_is_kernels_bubble_and_boundary_sends(overlap_p2p, pp, m):
+    layout = TrainLayout(pp=pp, microbatches=m, micro_batch=2)
+    workload = dataclasses.replace(EXPOSED, overlap_p2p=overlap_p2p)
+    estimate = evaluate_training(SMALL, NODE, layout, workload)
+    slowest = max((_kernels(SMALL, layout, stage) for stage in range(pp)),
+                  key=lambda k: k.forward + k.backward)
+    per_microbatch = slowest.forward + slowest.backward + slowest.recompute
+    fullest = estimate.fullest_stage
+    dense, _ = stage_params(SMALL, pp, fullest, 1, 1)
+    optimizer = optimizer_time(H100, dense, 2, 2, 12, False, H100.host_memory_bandwidth)
+    assert estimate.step.compute == pytest.approx(m * per_microbatch + optimizer)
+    # 1F1B idles (p - 1) microbatch slots of the slowest stage (Narayanan et al. 2021).
+    assert estimate.step.bubble == pytest.approx((pp - 1) * per_microbatch, rel=1e-6)
+    send = comm.p2p_time(NODE, False, 2 * SEQ * SMALL.hidden_size * 2)
+    on_critical_path = pp - 1 if overlap_p2p else m + pp - 1
+    assert estimate.step.communication_exposed == pytest.approx(2 * on_critical_path * send)
+
+
+def test_throughput_figures_are_their_definitions():
+    layout = TrainLayout(dp=2, tp=2, pp=2, microbatches=4, micro_batch=2, recompute="full")
+    estimate = evaluate_training(SMALL, NODE, layout, TrainWorkload(SEQ))
+    model, hardware = training_flops_per_sequence(SMALL, SEQ, "full")
+    sequences = 2 * 2 * 4
+    total = estimate.step.total
+    assert total == pytest.approx(estimate.step.compute + estimate.step.communication_exposed
+                                  + estimate.step.bubble)
+    assert estimate.tokens_per_step == sequences * SEQ
+    assert estimate.tokens_per_s == pytest.approx(sequences * SEQ / total)
+    assert estimate.model_flops_per_step == pytest.approx(model * sequences)
+    assert estimate.hardware_flops_per_step == pytest.approx(hardware * sequences)
+    assert estimate.tflops_per_gpu == pytest.approx(model * sequences / total / 8 / 1e12)
+    assert estimate.hardware_tflops_per_gpu == pytest.approx(
+        hardware * sequences / total / 8 / 1e12)
+    assert estimate.mfu == pytest.approx(model * sequences / total / 8 / H100.peak("bf16"))
+    assert estimate.num_gpus == 8
+    assert estimate.usable_memory == pytest.approx(0.95 * H100.memory_bytes)
+    assert estimate.fits == (estimate.memory.total <= 0.95 * H100.memory_bytes)
+    tight = dataclasses.replace(H100, memory_bytes=estimate.memory.total / 0.95 * 0.999)
+    assert not evaluate_training(SMALL, Cluster(tight, 8), layout, TrainWorkload(SEQ)).fits
