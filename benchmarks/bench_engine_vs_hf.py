@@ -110,8 +110,8 @@ def decode_step_counts(model, hf, args) -> dict:
 
     def recording(plan):
         prepared = prepare(plan)
-        prepared[2].rows_read = rows_read  # the CPU kernel counts the K and V rows it reads
-        contexts.append(prepared[2])
+        prepared[2].attention.rows_read = rows_read  # the CPU kernel counts the rows it reads
+        contexts.append(prepared[2].attention.step)
         return prepared
 
     llm.runner.prepare = recording

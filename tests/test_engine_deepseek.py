@@ -11,9 +11,9 @@ transformers = pytest.importorskip("transformers")
 from deepseek_models import hf_model  # noqa: E402
 from test_engine import GREEDY, PROMPTS, hf_greedy  # noqa: E402
 
-from tetrad.inference.worker.attention import sdpa_paged_attention, tiled_paged_attention  # noqa: E402
+from tetrad.inference.worker.attention import (resolve_backend, sdpa_paged_attention,  # noqa: E402
+                                               tiled_paged_attention)
 from tetrad.inference.engine import LLM  # noqa: E402
-from tetrad.inference.worker.runner import resolve_backend  # noqa: E402
 from tetrad.errors import ConfigError  # noqa: E402
 from tetrad.planner.memory import kv_bytes_per_token  # noqa: E402
 

@@ -14,13 +14,13 @@ from test_engine import GREEDY, PROMPTS, engine, naive_paged_attention, random_m
     reference_greedy
 
 from tetrad.errors import ConfigError
-from tetrad.inference.worker import attention as attention_module
 from tetrad.inference.worker import cpu_kernels
 from tetrad.inference.worker.attention import (flex_paged_attention, kernel_paged_decode,
-                                        paged_block_mask, sdpa_paged_attention,
-                                        varlen_paged_attention)
+                                               paged_block_mask, resolve_backend,
+                                               sdpa_paged_attention, varlen_paged_attention)
+from tetrad.inference.worker.attention import varlen as attention_module
 from tetrad.inference.worker.cuda_graphs import DecodeGraphs, bucket_for, graph_buckets
-from tetrad.inference.worker.runner import StepPlan, resolve_backend
+from tetrad.inference.worker.runner import StepPlan
 
 # Eager FlexAttention (the dense reference form) warns that it is not compiled.
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

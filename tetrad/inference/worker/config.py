@@ -15,7 +15,7 @@ from tetrad.spec.model import check_choice, check_positive
 from tetrad.errors import ConfigError
 from tetrad.inference.worker.kv_cache import DTYPE_BYTES, KVPlan
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "tiled", "cpu", "flex", "varlen")
+from tetrad.inference.worker.attention import BACKENDS as ATTENTION_BACKENDS  # live: names
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,9 @@ padded to the bucket. A replay is one launch for the whole forward instead of on
 The graphs read their inputs from static device buffers (token ids, positions, slots, block
 tables as wide as the longest context); a step copies its own into them (one upload) and replays.
 Padding rows write and read the KV pool's pad block, which no sequence owns. Attention inside a
-graph must read the pool in place with shapes fixed at capture: the varlen and flex backends.
+graph must read the pool in place with shapes fixed at capture (a backend's `capturable`); its
+step data is made from the static buffers by the backend's `graph_step`, on the device, so a
+replay remakes it from the refilled buffers.
 
 Without CUDA (the tests on CPU) `capture` records the same forward on the same buffers and `run`
 calls it, so bucket choice, padding and the static-buffer forward are checked everywhere.
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from tetrad.inference.worker.attention import paged_block_mask
+from tetrad.inference.worker.attention import DeviceStep, StepContext
 
 SMALL_BUCKETS = (1, 2, 4, 8)
 BUCKET_STEP = 16  # above 8 sequences, a bucket every 16 (nano-vllm's choice)
@@ -42,7 +44,6 @@ class DecodeGraphs:
         self.buckets = graph_buckets(max_num_seqs)
         size = runner.block_size
         self.width = -(-max_model_len // size)  # table entries of the longest context
-        self.max_len = self.width * size
         largest, device = self.buckets[-1], runner.device
         pad = runner.kv_cache.pad_block
         self.token_ids = torch.zeros(largest, dtype=torch.long, device=device)
@@ -59,23 +60,9 @@ class DecodeGraphs:
                 and all(plan.samples) and max(map(len, plan.tables)) <= self.width)
 
     def _context(self, bucket: int):
-        runner = self.runner
-        context = runner.new_context()
-        context.all_decodes = True
-        context.slots = self.slots[:bucket]
-        context.logits_indices = self.rows[:bucket]
-        context.tables = self.tables[:bucket]
-        context.query_positions = self.positions[:bucket, None]
-        lens = self.positions[:bucket] + 1
-        if runner.backend == "flex":
-            context.block_mask = paged_block_mask(
-                context.tables, torch.div(lens - 1, runner.block_size, rounding_mode="floor") + 1,
-                context.query_positions, runner.kv_cache.pool.shape[2], runner.block_size)
-        if runner.backend == "varlen":
-            cu_seq_k = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
-            context.varlen = (context.tables.int(), self.rows[:bucket + 1].int(),
-                              cu_seq_k.int(), lens.int(), 1, self.max_len)
-        return context
+        step = DeviceStep(self.slots[:bucket], self.tables[:bucket],
+                          self.positions[:bucket, None], all_decodes=True)
+        return StepContext(self.runner.attention.graph_step(step), self.rows[:bucket])
 
     def _forward(self, bucket: int) -> torch.Tensor:
         context = self._context(bucket)

@@ -1,0 +1,64 @@
+"""The attention backends by name. `--attention auto` asks the backends that may be picked
+(`automatic`), in the order listed here, whether they run on the device with this block size and
+cache, and takes the first that does; where none does it gathers (`auto`: SDPA, or the tiled
+kernel when the copy would be large), with a warning that says why.
+
+FlexAttention is never picked: its GPU kernels refused the engine's pages and prefill chunks on an
+H100 with torch 2.11 (16-token pages: no kernel config for decode; Q blocks of a chunk's length,
+such as 300, not a multiple of its tiles); `--attention flex` stays for those who try it.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from tetrad.errors import ConfigError
+from tetrad.inference.worker.attention.base import AttentionBackend
+from tetrad.inference.worker.attention.cpu import CpuKernelBackend
+from tetrad.inference.worker.attention.flex import FlexBackend
+from tetrad.inference.worker.attention.sdpa import SdpaBackend
+from tetrad.inference.worker.attention.tiled import SizedGatheringBackend, TiledBackend
+from tetrad.inference.worker.attention.varlen import VarlenBackend
+
+FALLBACK = SizedGatheringBackend  # named "auto": what auto gathers with
+# Name -> backend, in auto's order of preference (in place and fastest first).
+BACKENDS: dict[str, type[AttentionBackend]] = {backend.name: backend for backend in (
+    FALLBACK,
+    VarlenBackend,
+    CpuKernelBackend,
+    FlexBackend,
+    SdpaBackend,
+    TiledBackend,
+)}
+
+
+def register(backend: type[AttentionBackend]) -> type[AttentionBackend]:
+    """Lists a backend under its name, after those listed above (usable as a decorator)."""
+    BACKENDS[backend.name] = backend
+    return backend
+
+
+def resolve_backend(attention: str, device: torch.device, block_size: int, latent: bool = False,
+                    dtype: torch.dtype | None = None) -> str:
+    """The name of the backend that runs: `attention` itself when it can run here (else one
+    ConfigError saying why), or for "auto" the first automatic backend that can. `latent`: MLA's
+    cache, whose values are narrower than its keys; dtype None: not known yet."""
+    if attention not in BACKENDS:
+        raise ConfigError(f"attention must be one of {', '.join(BACKENDS)}, got {attention!r}")
+    if attention != FALLBACK.name:
+        reason = BACKENDS[attention].refusal(device, block_size, latent, dtype)
+        if reason:
+            raise ConfigError(reason)
+        return attention
+    candidates = [backend for backend in BACKENDS.values()
+                  if backend.automatic and device.type in backend.devices]
+    reasons = [backend.refusal(device, block_size, latent, dtype) for backend in candidates]
+    for backend, reason in zip(candidates, reasons):
+        if reason is None:
+            return backend.name
+    where = "CPU" if device.type == "cpu" else "GPU"
+    warnings.warn(f"gathering attention on the {where}: {'; '.join(filter(None, reasons))}",
+                  stacklevel=2)
+    return FALLBACK.name
