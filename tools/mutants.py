@@ -168,6 +168,9 @@ PLANNER_TESTS = [f"tests/test_{name}.py" for name in (
 # eager modules fails within seconds there.
 EAGER_TESTS = [f"tests/test_planner_mutants_eager_{name}.py" for name in (
     "runtime", "layout", "comm")]
+# The attention backends, which tests reach through the package's names.
+ATTENTION_TESTS = ["tests/test_inference_mutants_attention.py", "tests/test_paged_attention.py",
+                   "tests/test_attention_backends.py"]
 TEST_MAP = {
     "tetrad/parallel/comm.py": ["tests/test_parallel_mutants_comm.py", "tests/test_comm.py"],
     "tetrad/parallel/tensor_parallel.py": ["tests/test_tensor_parallel.py", *NOT_FOUR_RANKS],
@@ -189,6 +192,8 @@ TEST_MAP = {
        for module in (ROOT / "tetrad" / folder).glob("*.py")},
     **{str(module.relative_to(ROOT)): [*EAGER_TESTS, *PLANNER_TESTS]
        for module in (ROOT / "tetrad" / "planner").glob("eager*.py")},
+    **{str(module.relative_to(ROOT)): ATTENTION_TESTS
+       for module in (ROOT / "tetrad" / "inference" / "worker" / "attention").glob("*.py")},
 }
 
 
