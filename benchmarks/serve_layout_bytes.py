@@ -8,7 +8,7 @@ shapes on N local CPU ranks: `--dp N --ep N`, `--pp N`, `--tp 2 --pp N/2` and `-
 (MLA split by heads, each tp rank keeping the whole latent cache). For
 each layout it checks that greedy output equals one process, then prints every rank's weight
 bytes and KV-cache bytes per token, counted on its parameters and its pool, beside the planner's
-prediction for that rank (ServingLayout.planned_bytes). Counting, not timing.
+prediction for that rank (ranks.layout.planned_bytes). Counting, not timing.
 
     PYTHONPATH=. python benchmarks/serve_layout_bytes.py [--ranks 4] [--model TOML]
 """
@@ -20,7 +20,8 @@ import argparse
 import torch
 
 from tetrad.inference.engine import LLM
-from tetrad.inference.ranks.layout import ServingLayout
+from tetrad.inference.ranks.layout import planned_bytes
+from tetrad.spec.serving import ServeLayout
 from tetrad.inference.core.params import SamplingParams
 from tetrad.inference.ranks.rank_share import held_bytes
 from tetrad.inference.ranks.driver import ServingWorker
@@ -43,11 +44,11 @@ def random_model(config) -> Transformer:
     return model.eval()
 
 
-def degrees(layout: ServingLayout) -> dict:
+def degrees(layout: ServeLayout) -> dict:
     return dict(tp=layout.tp, pp=layout.pp, ep=layout.ep, dp=layout.dp)
 
 
-def rank_main(rank: int, world_size: int, config, layout: ServingLayout) -> dict:
+def rank_main(rank: int, world_size: int, config, layout: ServeLayout) -> dict:
     """Rank 0 serves the prompts; every rank reports what it holds and where it sits."""
     if rank == 0:
         with LLM(random_model(config), ByteTokenizer(), **ENGINE, **degrees(layout)) as llm:
@@ -66,12 +67,12 @@ def main() -> None:
     args = parser.parse_args()
     config = resolve_model(args.model)
     n = args.ranks
-    layouts = {"throughput": ServingLayout(ep=n, dp=n), "latency": ServingLayout(pp=n),
-               "latency, tp": ServingLayout(tp=2, pp=n // 2),
-               "latency, tp with experts": ServingLayout(tp=n, ep=n)}
+    layouts = {"throughput": ServeLayout(ep=n, dp=n), "latency": ServeLayout(pp=n),
+               "latency, tp": ServeLayout(tp=2, pp=n // 2),
+               "latency, tp with experts": ServeLayout(tp=n, ep=n)}
     single = LLM(random_model(config), ByteTokenizer(), **ENGINE)
     reference = [o.token_ids for o in single.generate(PROMPTS, GREEDY)]
-    whole, planned = held_bytes(single.runner), ServingLayout().planned_bytes(config, "fp32", 0)
+    whole, planned = held_bytes(single.runner), planned_bytes(ServeLayout(), config, "fp32", 0)
     print(f"{config.name}: {args.ranks} local CPU ranks, fp32 weights and KV cache, "
           f"{len(PROMPTS)} prompts x {GREEDY.max_tokens} greedy tokens")
     print()
@@ -87,7 +88,7 @@ def main() -> None:
         same = ranks[0]["outputs"] == reference
         for rank, held in enumerate(ranks):
             stage = held["coords"]["pp"]
-            planned = layout.planned_bytes(config, "fp32", stage)
+            planned = planned_bytes(layout, config, "fp32", stage)
             label = f"{purpose}: {layout.describe()}"
             print(f"| {label if rank == 0 else ''} | {rank} | {stage}, {held['coords']['dp']} "
                   f"| {held['weights']:,} | {planned['weights']:,.0f} "

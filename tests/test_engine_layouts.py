@@ -8,7 +8,7 @@ on each rank), then ep4·dp4, ep2·dp4 and tp2·pp2, each with
 chunked prefill (7 tokens a step) and a pool of 12 blocks, which forces preemptions by recompute.
 For each: greedy outputs equal one process token for token; each rank holds exactly the weight
 bytes and KV bytes per token the planner predicts for its place in the layout
-(ServingLayout.planned_bytes, the planner's formulas; rank_share.held_bytes counts the parameters
+(ranks.layout.planned_bytes, the planner's formulas; rank_share.held_bytes counts the parameters
 and the pool); under data parallelism every rank's pool was written (the requests were spread),
 and with experts over dp ranks every rank sent tokens to the others' experts."""
 
@@ -20,12 +20,13 @@ from tetrad.errors import ConfigError
 from tetrad.inference.core.block_manager import BlockManager
 from tetrad.inference.ranks.data_parallel import DataParallelScheduler
 from tetrad.inference.engine import LLM
-from tetrad.inference.ranks.layout import ServingLayout
+from tetrad.inference.ranks.layout import planned_bytes
 from tetrad.inference.core.params import SamplingParams
 from tetrad.inference.ranks.rank_share import held_bytes
 from tetrad.inference.ranks.driver import ServingWorker
 from tetrad.inference.core.scheduler import SchedulerConfig
 from tetrad.spec.presets import resolve_model
+from tetrad.spec.serving import ServeLayout
 from tetrad.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -35,18 +36,18 @@ from deepseek_models import hf_model  # noqa: E402
 # A MoE model with plain attention.
 MOE = dict(num_experts=4, num_experts_per_token=2, num_shared_experts=1, moe_ffn_hidden_size=64)
 LAYOUTS = {  # name -> (model, layout); grouped by world size into one job each
-    2: {"ep2-dp2": ("deepseek", ServingLayout(ep=2, dp=2)),
-        "pp2": ("deepseek", ServingLayout(pp=2)),
-        "tp2-ep2": ("moe", ServingLayout(tp=2, ep=2)),
+    2: {"ep2-dp2": ("deepseek", ServeLayout(ep=2, dp=2)),
+        "pp2": ("deepseek", ServeLayout(pp=2)),
+        "tp2-ep2": ("moe", ServeLayout(tp=2, ep=2)),
         # MLA split by heads, each rank's pool the whole latent; routed experts whole per rank
-        "tp2": ("deepseek", ServingLayout(tp=2))},
-    4: {"ep4-dp4": ("deepseek", ServingLayout(ep=4, dp=4)),
-        "ep2-dp4": ("deepseek", ServingLayout(ep=2, dp=4)),  # two expert groups of two ranks
-        "tp2-pp2": ("dense", ServingLayout(tp=2, pp=2))},
+        "tp2": ("deepseek", ServeLayout(tp=2))},
+    4: {"ep4-dp4": ("deepseek", ServeLayout(ep=4, dp=4)),
+        "ep2-dp4": ("deepseek", ServeLayout(ep=2, dp=4)),  # two expert groups of two ranks
+        "tp2-pp2": ("dense", ServeLayout(tp=2, pp=2))},
 }
 
 
-def engine_config(layout: ServingLayout = ServingLayout()) -> dict:
+def engine_config(layout: ServeLayout = ServeLayout()) -> dict:
     return dict(block_size=4, num_blocks=12, max_num_batched_tokens=7, device="cpu",
                 dtype="fp32", log=None, tp=layout.tp, pp=layout.pp, ep=layout.ep, dp=layout.dp)
 
@@ -109,7 +110,7 @@ def test_layouts_equal_one_process_and_hold_the_planned_bytes(world_size, deepse
         if layout.dp < 4:  # spread over four pools, the prompts fit
             assert on[0]["preemptions"] > 0, where
         for rank, result in enumerate(on):
-            planned = layout.planned_bytes(config, "fp32", result["coords"]["pp"])
+            planned = planned_bytes(layout, config, "fp32", result["coords"]["pp"])
             assert result["weights"] == planned["weights"], (where, rank)
             assert result["kv_per_token"] == planned["kv_per_token"], (where, rank)
             if layout.dp > 1:

@@ -30,7 +30,8 @@ from tetrad.cli.main import main
 from tetrad.errors import ConfigError
 from tetrad.inference.engine import LLM
 from tetrad.inference.worker.runner import StepPlan
-from tetrad.inference.ranks.driver import STEP, ServingRankError, ServingWorker, device_type
+from tetrad.inference.ranks.driver import STEP, ServingRankError, ServingWorker
+from tetrad.inference.worker.config import serving_device
 from tetrad.models.hf import save_hf
 from tetrad.spec.presets import resolve_model
 from tetrad.tokenizer import ByteTokenizer
@@ -238,9 +239,9 @@ def test_tensor_parallel_configuration_errors_name_the_fix():
         LLM(model, ByteTokenizer(), log=None, tp=3)
     assert not multiprocessing.active_children()  # checked before any rank started
     with pytest.raises(ConfigError, match="use --device cuda"):
-        device_type("cuda:1", 2)
+        serving_device("cuda:1", 2)
     tp = torch.cuda.device_count() + 2
     with pytest.raises(ConfigError, match=f"needs {tp} GPUs.*lower --tp, --pp or --dp or use "
                                           f"--device cpu"):
-        device_type("cuda", tp)
-    assert device_type("cpu", 2) == "cpu"
+        serving_device("cuda", tp)
+    assert serving_device("cpu", 2).type == "cpu"

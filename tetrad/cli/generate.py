@@ -4,34 +4,41 @@ Also the engine and sampling flags that `tetrad run` and `tetrad serve` share.""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
 
+from tetrad.spec.serving import DEFAULT_CPU_KV_MEMORY, PREEMPTION_MODES, ServeConfig
+
+# Help texts name a default as {field}: ServeConfig's, the one place each is declared.
 ENGINE_FLAGS: list[tuple[str, type, str]] = [
-    ("--dtype", str, "auto (default: the checkpoint's), fp32, bf16 or fp16"),
-    ("--device", str, "auto (default: cuda when available), cpu, cuda, cuda:N"),
-    ("--block-size", int, "tokens per KV block (default 16)"),
-    ("--kv-memory", str, "KV cache budget, e.g. 2GiB (default: 512MiB on CPU, the free memory "
-                         "on a GPU)"),
-    ("--swap-memory", str, "CPU pool for --preemption swap (default 256MiB)"),
+    ("--dtype", str, "{dtype} (default: the checkpoint's), fp32, bf16 or fp16"),
+    ("--device", str, "{device} (default: cuda when available), cpu, cuda, cuda:N"),
+    ("--block-size", int, "tokens per KV block (default {block_size})"),
+    ("--kv-memory", str, f"KV cache budget, e.g. 2GiB (default: "
+                         f"{DEFAULT_CPU_KV_MEMORY // 2**20}MiB on CPU, the free memory on a GPU)"),
+    ("--swap-memory", str, "CPU pool for --preemption swap (default {swap_memory})"),
     ("--num-blocks", int, "exact number of KV blocks (overrides --kv-memory)"),
-    ("--max-num-seqs", int, "sequences running at once (default 64)"),
-    ("--max-num-batched-tokens", int, "tokens computed per step (default 2048)"),
+    ("--max-num-seqs", int, "sequences running at once (default {max_num_seqs})"),
+    ("--max-num-batched-tokens", int, "tokens computed per step (default "
+                                      "{max_num_batched_tokens})"),
     ("--max-model-len", int, "context length (default: the model's)"),
-    ("--preemption", str, "recompute (default) or swap, when KV blocks run out"),
-    ("--attention", str, "auto (default: varlen on a GPU where it can, else gathering; on a CPU "
-                         "the C++ decode kernel, sdpa or tiled without a compiler), cpu, sdpa, "
-                         "tiled, flex or varlen"),
-    ("--seed", int, "engine seed: the sampling seed of requests that bring none"),
+    ("--preemption", str, "when KV blocks run out: " + " or ".join(PREEMPTION_MODES)
+     + " (default {preemption})"),
+    ("--attention", str, "{attention} (default: varlen on a GPU where it can, else gathering; on "
+                         "a CPU the C++ decode kernel, sdpa or tiled without a compiler), cpu, "
+                         "sdpa, tiled, flex or varlen"),
+    ("--seed", int, "engine seed: the sampling seed of requests that bring none (default "
+                    "{seed})"),
     ("--tp", int, "tensor-parallel ranks: the weights and KV cache split over this many "
-                  "processes, one GPU each (default 1)"),
+                  "processes, one GPU each (default {tp})"),
     ("--pp", int, "pipeline stages, each of --tp ranks: consecutive layers and their KV cache "
-                  "per stage, decode steps in microbatches (default 1)"),
+                  "per stage, decode steps in microbatches (default {pp})"),
     ("--dp", int, "attention data-parallel ranks, each with its own requests and KV cache "
-                  "(default 1; with tp 1 and pp 1)"),
-    ("--ep", int, "ranks the routed experts are spread over (default 1): dividing --dp, tokens "
-                  "sent to them by all-to-all; or equal to --tp"),
+                  "(default {dp}; with tp 1 and pp 1)"),
+    ("--ep", int, "ranks the routed experts are spread over (default {ep}): dividing --dp, "
+                  "tokens sent to them by all-to-all; or equal to --tp"),
 ]
 SAMPLING_FLAGS: list[tuple[str, type, str]] = [
     ("--temperature", float, "0 is greedy (default 1.0)"),
@@ -62,9 +69,11 @@ def _add_group(parser: argparse.ArgumentParser, title: str, values: list[tuple[s
                switches: list[tuple[str, dict]]) -> None:
     """Flags left out of the command line stay out of the namespace (SUPPRESS), so a stored
     model's defaults and then the engine's fill them."""
+    defaults = {field.name: field.default for field in dataclasses.fields(ServeConfig)}
     group = parser.add_argument_group(title)
     for flag, kind, help_text in values:
-        group.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text)
+        group.add_argument(flag, type=kind, default=argparse.SUPPRESS,
+                           help=help_text.format_map(defaults))
     for flag, options in switches:
         group.add_argument(flag, default=argparse.SUPPRESS, **options)
 
@@ -85,12 +94,12 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 def build_engine(args: argparse.Namespace):
     """The engine over args.path. A stored model's name becomes its folder, and `args.stored`
     the stored model, whose Modelfile settings are the defaults of the flags left out."""
-    from tetrad.inference.engine import LLM, EngineConfig
+    from tetrad.inference.engine import LLM
     from tetrad.store.models import resolve_model_argument
 
     args.path, args.stored = resolve_model_argument(args.path)
-    fields = {name for name in EngineConfig.__dataclass_fields__}
-    config = {key: value for key, value in vars(args).items() if key in fields}
+    config = {key: value for key, value in vars(args).items()
+              if key in ServeConfig.__dataclass_fields__}
     if args.stored and "max_model_len" in args.stored.parameters:
         config.setdefault("max_model_len", args.stored.parameters["max_model_len"])
     tokenizer = None

@@ -25,10 +25,10 @@ from torch import nn
 from tetrad.spec.model import from_dict
 from tetrad.errors import ConfigError
 from tetrad.inference.core.block_manager import BlockManager
-from tetrad.inference.worker.config import EngineConfig
+from tetrad.inference.worker.config import EngineConfig, serving_device
 from tetrad.inference.ranks.data_parallel import DataParallelScheduler
 from tetrad.inference.worker.kv_cache import TORCH_DTYPES, check_tokenizer_fits, resolve_dtype
-from tetrad.inference.ranks.layout import ServingLayout
+from tetrad.inference.ranks.layout import check_servable
 from tetrad.inference.worker.logprobs import (logits_layout, prompt_logprobs, sample_rows,
                                        sampled_logprobs)
 from tetrad.inference.core.metrics import EngineMetrics, engine_stats, kv_utilization
@@ -40,6 +40,7 @@ from tetrad.inference.worker.sampler import Sampler
 from tetrad.inference.core.scheduler import Scheduler, SchedulerConfig
 from tetrad.inference.core.sequence import Sequence
 from tetrad.inference.core.tracker import RequestTracker
+from tetrad.models.hf import load_pretrained, pretrained_config
 
 
 class LLM:
@@ -48,52 +49,69 @@ class LLM:
         """model: an HF folder, a tetrad checkpoint folder, or a tetrad Transformer (tests).
         tokenizer: anything with encode / decode / eos_id; by default the model folder's.
         With tp*pp*dp > 1 the engine starts that many processes less one (or joins a process
-        group of that many ranks: see tetrad.inference.ranks.driver); close() stops them."""
+        group of that many ranks: see tetrad.inference.ranks.driver); close() stops them.
+        Whatever needs no weights (the settings, the layout against the model, the device, the
+        tokenizer's fit) is checked before any weight is read or any rank starts."""
         config = from_dict(EngineConfig, engine_config)
-        layout = ServingLayout(config.tp, config.pp, config.ep, config.dp)
-        self.eos_token_ids: tuple[int, ...] = ()
+        device = serving_device(config.device, config.world_size)
         self.path = None if isinstance(model, nn.Module) else Path(model)
-        device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available()
-                              else "cpu" if config.device == "auto" else config.device)
-        if isinstance(model, nn.Module):
-            if tokenizer is None:
-                raise ConfigError("pass a tokenizer along with a model object")
-            config = replace(config, dtype=resolve_dtype(config.dtype, model))
-        else:
-            import tetrad
-
-            path = Path(model)
-            folder_tokenizer = tokenizer is None
-            tokenizer = tokenizer or tetrad.load_tokenizer(path)
-            self.eos_token_ids = _config_eos_ids(path)
-            config = replace(config, dtype=resolve_dtype(config.dtype, path))
+        model_config = model.config if self.path is None else pretrained_config(self.path)
+        check_servable(config, model_config)
+        self.max_model_len = min(config.max_model_len or model_config.max_seq_len,
+                                 model_config.max_seq_len)
+        scheduling = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                     self.max_model_len, config.preemption)
+        self.eos_token_ids: tuple[int, ...] = ()
+        self.tokenizer = self._tokenizer(tokenizer, model_config)
+        if self.path is not None:
+            self.eos_token_ids = _config_eos_ids(self.path)
+        if getattr(self.tokenizer, "eos_id", None) is not None:
+            self.eos_token_ids = tuple(sorted({*self.eos_token_ids, self.tokenizer.eos_id}))
+        config = replace(config, dtype=resolve_dtype(config.dtype, self.path or model))
+        self.config = config
+        if self.path is not None:
             # Multi-rank layouts split the model on the host, then move each rank's share. One
             # rank keeps an FP8 checkpoint's projections in FP8; the tensor/expert-parallel
             # splits shard nn.Linear parameters, so several ranks dequantise them at load.
-            single = layout.world_size == 1
-            model = tetrad.load_pretrained(path, device if single else "cpu",
-                                           TORCH_DTYPES[config.dtype], keep_fp8=single)
-            if folder_tokenizer:
-                check_tokenizer_fits(tokenizer, model.config.vocab_size)
-        self.config = config
-        self.tokenizer = tokenizer
-        if getattr(tokenizer, "eos_id", None) is not None:
-            self.eos_token_ids = tuple(sorted({*self.eos_token_ids, tokenizer.eos_id}))
+            single = config.world_size == 1
+            model = load_pretrained(self.path, device if single else "cpu",
+                                    TORCH_DTYPES[config.dtype], keep_fp8=single)
         self.model_config = model.config
         # A vocabulary rounded up past the tokenizer's: sample only ids the tokenizer decodes.
         self.num_sampleable = min(model.config.vocab_size,
-                                  getattr(tokenizer, "vocab_size", model.config.vocab_size))
-        self.max_model_len = min(config.max_model_len or model.config.max_seq_len,
-                                 model.config.max_seq_len)
-        layout.check(model.config)  # before any rank starts
-        self.layout = layout
+                                  getattr(self.tokenizer, "vocab_size", model.config.vocab_size))
         self.driver: ServingDriver | None = None
-        if layout.world_size > 1:
+        if config.world_size > 1:
             # The driver splits the model in place: the caller's model object stays whole. The
-            # other ranks load the folder themselves, or get the model object pickled.
+            # other ranks load the folder themselves, or get the model object pickled. Its own
+            # failures stop the ranks it started; the rest of the set-up's close them here.
             source = model if self.path is None else str(self.path)
             self.driver = ServingDriver(copy.deepcopy(model) if self.path is None else model,
-                                        source, config, layout, self.max_model_len)
+                                        source, config, self.max_model_len, device)
+        try:
+            self._start(model, device, scheduling, log)
+        except BaseException:
+            self.close()
+            raise
+
+    def _tokenizer(self, tokenizer, model_config):
+        """The tokenizer passed in, or the model folder's (which must fit the model)."""
+        if tokenizer is not None:
+            return tokenizer
+        if self.path is None:
+            raise ConfigError("pass a tokenizer along with a model object")
+        import tetrad
+
+        tokenizer = tetrad.load_tokenizer(self.path)
+        check_tokenizer_fits(tokenizer, model_config.vocab_size)
+        return tokenizer
+
+    def _start(self, model: nn.Module, device: torch.device, scheduling: SchedulerConfig,
+               log) -> None:
+        """The runner (this rank's, or the driver's over every rank), its KV pool, and the
+        scheduler(s) over the pool's blocks."""
+        config = self.config
+        if self.driver is not None:
             self.runner, plan = self.driver.runner, self.driver.kv_plan
             self._execute = self.driver.execute
         else:
@@ -102,24 +120,23 @@ class LLM:
         self.model = self.runner.model
         self.kv_plan = plan
         if log:
-            stages = ("" if layout.world_size == layout.tp else
-                      f"; one such pool on each of the {layout.world_size} ranks "
-                      f"({layout.describe()})")
+            stages = ("" if config.world_size == config.tp else
+                      f"; one such pool on each of the {config.world_size} ranks "
+                      f"({config.describe()})")
             log(plan.describe() + stages)
+
         def blocks() -> BlockManager:
             return BlockManager(plan.num_blocks, plan.block_size, plan.num_cpu_blocks,
                                 config.enable_prefix_caching, config.watermark)
 
-        scheduling = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                     self.max_model_len, config.preemption)
-        if layout.dp > 1:  # each dp rank's pool, block ids and sequences are its own
-            self.scheduler = DataParallelScheduler(scheduling, blocks, layout.dp)
+        if config.dp > 1:  # each dp rank's pool, block ids and sequences are its own
+            self.scheduler = DataParallelScheduler(scheduling, blocks, config.dp)
         else:
             self.scheduler = Scheduler(scheduling, blocks())
         self.block_manager = self.scheduler.block_manager
         self.sampler = Sampler(config.seed)
         self.metrics = EngineMetrics()
-        self.tracker = RequestTracker(tokenizer, self.metrics)
+        self.tracker = RequestTracker(self.tokenizer, self.metrics)
         self._ids = itertools.count()
         self.peak_blocks_used = 0
 
@@ -198,7 +215,7 @@ class LLM:
         if self.driver is None:
             logits = self._execute(plan)
         else:  # one plan per dp rank: a DataParallelBatch's parts, or the one batch
-            logits = self._execute(batch.plans(self.kv_plan.block_size) if self.layout.dp > 1
+            logits = self._execute(batch.plans(self.kv_plan.block_size) if self.config.dp > 1
                                    else [plan])
         layout = logits_layout(plan)
         for seq, position, scores in prompt_logprobs(logits, plan, layout, batch.seqs):

@@ -355,6 +355,22 @@ def checkpoint_dtype(path: str | Path) -> torch.dtype:
     return HFWeights(folder).first().dtype
 
 
+def pretrained_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of the model load_pretrained(path) loads, read without its weights."""
+    folder = resolve_checkpoint(path)
+    if not folder.is_dir():
+        raise ConfigError(f"{path} is not a folder: pass an HF model folder or a tetrad "
+                          f"checkpoint folder")
+    if (folder / "model.json").is_file():
+        values = read_json_file(folder / "model.json", "tetrad model description",
+                                "tetrad train --checkpoint-dir")
+        return from_dict(ModelConfig, values)
+    if (folder / "config.json").is_file():
+        return model_config_from_hf(read_hf_config(folder), name=folder.resolve().name)
+    raise ConfigError(f"{folder} has neither config.json (an HF model) nor model.json "
+                      f"(a tetrad checkpoint)")
+
+
 def load_pretrained(path: str | Path, device: torch.device | str = "cpu",
                     dtype: torch.dtype | None = None, keep_fp8: bool = False) -> Transformer:
     """A tetrad Transformer in eval mode from an HF folder (config.json + safetensors), a tetrad
@@ -364,25 +380,16 @@ def load_pretrained(path: str | Path, device: torch.device | str = "cpu",
     FP8 checkpoint's projections stay in FP8 (FP8WeightLinear, for inference: no parameters to
     train, export or shard) instead of being dequantised at load."""
     folder = resolve_checkpoint(path)
-    if not folder.is_dir():
-        raise ConfigError(f"{path} is not a folder: pass an HF model folder or a tetrad "
-                          f"checkpoint folder")
+    config = pretrained_config(folder)
     device = torch.device(device)
     if (folder / "model.json").is_file():
-        values = read_json_file(folder / "model.json", "tetrad model description",
-                                "tetrad train --checkpoint-dir")
-        config = from_dict(ModelConfig, values)
         tensors = _checkpoint_tensors(_parameter_names(config), folder)
-    elif (folder / "config.json").is_file():
+    else:
         hf = read_hf_config(folder)
-        config = model_config_from_hf(hf, name=folder.resolve().name)
         if dtype is None and hf.get("quantization_config"):
             dtype = checkpoint_dtype(folder)  # FP8 weights come dequantised: in the model's dtype
         # safetensors reads straight into device memory.
         tensors = _hf_tensors(config, folder, device, keep_fp8)
-    else:
-        raise ConfigError(f"{folder} has neither config.json (an HF model) nor model.json "
-                          f"(a tetrad checkpoint)")
     with torch.device("meta"):
         model = Transformer(config)
     _materialize(model, tensors, device, dtype)

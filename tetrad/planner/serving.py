@@ -27,21 +27,11 @@ from tetrad.planner.model_stats import (embedding_params, head_params, layer_par
                                         norm_params, position_params, unquantized_layer_params)
 from tetrad.planner.precision import COMPUTE_DTYPE, element_bytes, unquantized_bytes, weight_bytes
 from tetrad.planner.rules import check_degrees
+from tetrad.spec.serving import ServeLayout  # the engine's layout too (its ServeConfig extends it)
 
 USABLE_MEMORY_FRACTION = 0.9  # vLLM's default gpu_memory_utilization
 MAX_BATCH = 256  # vLLM's default max_num_seqs
 PREFILL_CHUNK = 8192  # tokens per prefill step (vLLM's chunked-prefill budget on large GPUs)
-
-
-@dataclass(frozen=True, slots=True)
-class ServeLayout:
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    ep: int = 1
-
-    def to_dict(self) -> dict:
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "ep": self.ep}
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from tetrad.spec.model import check_choice, check_positive
+from tetrad.errors import check_choice, check_positive
+from tetrad.spec.serving import PREEMPTION_MODES, ServeConfig
 from tetrad.inference.core.block_manager import BlockManager
 from tetrad.inference.core.params import RequestRejected, SamplingParams, check_stop_token
 from tetrad.inference.core.sequence import Sequence, SequenceStatus
@@ -28,15 +29,17 @@ from tetrad.inference.core.sequence import Sequence, SequenceStatus
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64  # running sequences at once
-    max_num_batched_tokens: int = 2048  # tokens computed per step (the token budget)
+    """The engine's limits (their meaning and defaults: ServeConfig) and the context length."""
+
+    max_num_seqs: int = ServeConfig.max_num_seqs
+    max_num_batched_tokens: int = ServeConfig.max_num_batched_tokens
     max_model_len: int = 2048  # the model's context length
-    preemption: str = "recompute"  # recompute | swap
+    preemption: str = ServeConfig.preemption
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             check_positive(name, getattr(self, name))
-        check_choice("preemption", self.preemption, ("recompute", "swap"))
+        check_choice("preemption", self.preemption, PREEMPTION_MODES)
 
 
 @dataclass

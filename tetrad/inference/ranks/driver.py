@@ -51,7 +51,6 @@ from torch import nn
 
 from tetrad.errors import ConfigError, TetradError
 from tetrad.inference.worker.kv_cache import TORCH_DTYPES
-from tetrad.inference.ranks.layout import ServingLayout
 from tetrad.inference.ranks.rank_share import ServingRanks
 from tetrad.inference.worker.runner import PROMPT_LOGITS, StepPlan, load_runner
 from tetrad.models.hf import load_pretrained
@@ -59,6 +58,7 @@ from tetrad.parallel.launch import COLLECTIVE_TIMEOUT_S, WorkerProcesses, init_w
 
 if TYPE_CHECKING:
     from tetrad.inference.worker.config import EngineConfig
+    from tetrad.spec.serving import ServeLayout
 
 REPORT_WAIT_S = 2.0  # after a failed collective, how long rank 0 waits for a worker's traceback
 STOP_GRACE_S = 10.0  # how long closed workers get to exit before they are terminated
@@ -72,22 +72,6 @@ STEP_TAG, LOGITS_TAG = "step", "logits"
 
 class ServingRankError(TetradError):
     """A serving rank failed: the message names it and carries its error."""
-
-
-def device_type(device: str, world_size: int) -> str:
-    """Where the ranks compute: "cuda" (rank r on cuda:r) when the machine has a GPU per rank,
-    "cpu" when it has none or --device cpu says so."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if device.startswith("cuda:"):
-        raise ConfigError(f"--device {device} names one GPU, but with {world_size} ranks rank r "
-                          f"runs on cuda:r: use --device cuda")
-    if device == "cpu" or (device == "auto" and gpus == 0):
-        return "cpu"
-    if gpus < world_size:
-        raise ConfigError(f"{world_size} ranks (tp*pp*dp) needs {world_size} GPUs (one per "
-                          f"rank), torch sees {gpus}: lower --tp, --pp or --dp or use --device "
-                          f"cpu")
-    return "cuda"
 
 
 def logits_rows(plan: StepPlan) -> int:
@@ -126,9 +110,11 @@ class ServingDriver:
     _spawned_world: ClassVar[ServingDriver | None] = None
 
     def __init__(self, model: nn.Module, source: nn.Module | str, config: EngineConfig,
-                 layout: ServingLayout, max_model_len: int):
+                 max_model_len: int, device: torch.device):
         """`model`: the whole model, split in place; `source`: what spawned workers load (a
-        folder) or receive pickled (a model object). `layout` is checked against the model."""
+        folder) or receive pickled (a model object). The layout is the config's, checked
+        against the model already (layout.check_servable); `device` is rank 0's when this
+        driver starts the ranks (joining a process group, its backend decides)."""
         self.workers: list[multiprocessing.Process] = []
         self._started: WorkerProcesses | None = None
         self._owns_world = False
@@ -136,24 +122,23 @@ class ServingDriver:
         self.failure: BaseException | None = None
         self.closed = False
         self.vocab_size, self.dtype = model.config.vocab_size, TORCH_DTYPES[config.dtype]
-        world = layout.world_size
+        world = config.world_size
         if dist.is_initialized():
-            self._check_joinable(layout)
+            self._check_joinable(config)
             device = None
         else:
-            device = torch.device(device_type(config.device, world), 0)
             self._spawn(world, source, device)
         try:
             self.ranks = ServingRanks(device)
-            self.ranks.share((config, layout, max_model_len))
-            self.ranks.build(layout)
+            self.ranks.share((config, max_model_len))
+            self.ranks.build(config)
             self.runner, self.kv_plan = load_runner(model, config, max_model_len,
                                                     self.ranks.device, self.ranks)
             self.rank_step = self.ranks.step_of(self.runner)
         except BaseException as error:
             self._fail(error)
 
-    def _check_joinable(self, layout: ServingLayout) -> None:
+    def _check_joinable(self, layout: ServeLayout) -> None:
         if ServingDriver._spawned_world is not None:
             raise ConfigError("this process already runs a multi-rank LLM that started its own "
                               "ranks: close() it (or use it in a with block) before starting "
@@ -297,8 +282,8 @@ class ServingWorker:
 
     def __init__(self, model: nn.Module | str | Path):
         self.ranks = ServingRanks()
-        config, layout, max_model_len = self.ranks.share(None)
-        self.ranks.build(layout)
+        config, max_model_len = self.ranks.share(None)
+        self.ranks.build(config)
         if not isinstance(model, nn.Module):
             model = load_pretrained(model, dtype=TORCH_DTYPES[config.dtype])
         self.runner, self.kv_plan = load_runner(model, config, max_model_len, self.ranks.device,

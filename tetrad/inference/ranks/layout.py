@@ -1,5 +1,5 @@
-"""How a served model is split over processes: tensor (tp), pipeline (pp), expert (ep) and data
-(dp) parallelism, and the one place that says which combinations the engine runs.
+"""Which serving layouts (tetrad.spec.serving.ServeLayout: tensor (tp), pipeline (pp), expert (ep)
+and data (dp) parallelism) the engine runs: the one place that says so.
 
 The layouts are the planner's (tetrad.planner.serving, `tetrad plan serve`):
   tp x pp        ranks = tp * pp; stages own consecutive layers (the planner's stage_layer_counts),
@@ -18,60 +18,42 @@ Plain Python: the planner's rules need no torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from tetrad.spec.model import ModelConfig
 from tetrad.errors import ConfigError
 from tetrad.planner.layout import stage_layer_counts
 from tetrad.planner.memory import kv_bytes_per_token
 from tetrad.planner.precision import element_bytes
 from tetrad.planner.rules import check_degrees
-from tetrad.planner.serving import ServeLayout, weight_bytes_per_gpu
+from tetrad.planner.serving import weight_bytes_per_gpu
+from tetrad.spec.model import ModelConfig
+from tetrad.spec.serving import ServeLayout
 
 
-@dataclass(frozen=True)
-class ServingLayout:
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    dp: int = 1
+def check_servable(layout: ServeLayout, config: ModelConfig) -> None:
+    """Raise ConfigError (one line: what is wrong and what to run instead) when the engine
+    cannot serve `config` under `layout`. The engine calls it before any weight is read or any
+    rank starts (the degrees are positive: ServeLayout)."""
+    tp, pp, ep, dp, world = layout.tp, layout.pp, layout.ep, layout.dp, layout.world_size
+    if dp > 1 and (tp > 1 or pp > 1):
+        raise ConfigError(f"--dp {dp} with --tp {tp} --pp {pp}: data-parallel serving runs with "
+                          f"tp 1 and pp 1 (--dp {world} --ep {world} for experts over all "
+                          f"ranks)")
+    if tp > 1 and ep not in (1, tp):
+        raise ConfigError(f"--ep {ep} with --tp {tp}: experts spread inside a tensor-parallel "
+                          f"group need --ep {tp} (whole experts on each tp rank) or --ep 1")
+    if tp == 1 and dp % ep:
+        raise ConfigError(f"--ep {ep} needs --dp {ep} (or a multiple): experts are spread over "
+                          f"groups of ep attention data-parallel ranks (tp 1, pp 1), the "
+                          f"planner's throughput layout; or --tp {ep}")
+    # The engine splits with training's tensor-parallel layers (MLA by heads, each rank's KV pool
+    # holding the whole latent): training's rules, kv heads replicated past their count.
+    check_degrees(config, tp, pp, ep, training=True, kv_replicas=True, runtime=True)
 
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
 
-    def planner_layout(self) -> ServeLayout:
-        return ServeLayout(tp=self.tp, pp=self.pp, dp=self.dp, ep=self.ep)
-
-    def describe(self) -> str:
-        return " ".join(f"{name}{getattr(self, name)}" for name in ("tp", "pp", "ep", "dp")
-                        if getattr(self, name) > 1) or "one process"
-
-    def check(self, config: ModelConfig) -> None:
-        """Raise ConfigError (one line: what is wrong and what to run instead) when the engine
-        cannot serve `config` under this layout (the degrees are positive: EngineConfig)."""
-        if self.dp > 1 and (self.tp > 1 or self.pp > 1):
-            raise ConfigError(f"--dp {self.dp} with --tp {self.tp} --pp {self.pp}: data-parallel "
-                              f"serving runs with tp 1 and pp 1 (--dp {self.world_size} "
-                              f"--ep {self.world_size} for experts over all ranks)")
-        if self.tp > 1 and self.ep not in (1, self.tp):
-            raise ConfigError(f"--ep {self.ep} with --tp {self.tp}: experts spread inside a "
-                              f"tensor-parallel group need --ep {self.tp} (whole experts on each "
-                              f"tp rank) or --ep 1")
-        if self.tp == 1 and self.dp % self.ep:
-            raise ConfigError(f"--ep {self.ep} needs --dp {self.ep} (or a multiple): experts are "
-                              f"spread over groups of ep attention data-parallel ranks (tp 1, "
-                              f"pp 1), the planner's throughput layout; or --tp {self.ep}")
-        # The engine splits with training's tensor-parallel layers (MLA by heads, each rank's
-        # KV pool holding the whole latent): training's rules, kv heads replicated past their
-        # count.
-        check_degrees(config, self.tp, self.pp, self.ep, training=True, kv_replicas=True,
-                      runtime=True)
-
-    def planned_bytes(self, config: ModelConfig, dtype: str, stage: int) -> dict[str, float]:
-        """What the planner predicts one rank of pipeline stage `stage` holds, with weights and
-        KV cache in `dtype`: its weight bytes and KV-cache bytes per token (rank_share.held_bytes
-        counts the same on a running engine)."""
-        layers = stage_layer_counts(config.num_layers, self.pp)[stage]
-        return {"weights": weight_bytes_per_gpu(config, self.planner_layout(), dtype, stage),
-                "kv_per_token": kv_bytes_per_token(config, element_bytes(dtype), self.tp, layers)}
+def planned_bytes(layout: ServeLayout, config: ModelConfig, dtype: str,
+                  stage: int) -> dict[str, float]:
+    """What the planner predicts one rank of pipeline stage `stage` holds, with weights and KV
+    cache in `dtype`: its weight bytes and KV-cache bytes per token (rank_share.held_bytes counts
+    the same on a running engine)."""
+    layers = stage_layer_counts(config.num_layers, layout.pp)[stage]
+    return {"weights": weight_bytes_per_gpu(config, layout, dtype, stage),
+            "kv_per_token": kv_bytes_per_token(config, element_bytes(dtype), layout.tp, layers)}

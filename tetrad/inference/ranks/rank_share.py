@@ -18,7 +18,7 @@ from torch import nn
 from tetrad.spec.model import ParallelConfig
 from tetrad.inference.ranks.data_parallel import DataParallelStep
 from tetrad.inference.worker.kv_cache import KVPlan
-from tetrad.inference.ranks.layout import ServingLayout
+from tetrad.spec.serving import ServeLayout
 from tetrad.inference.ranks.pipeline import PipelineStep, serving_stage
 from tetrad.inference.worker.runner import ModelRunner, StepPlan
 from tetrad.inference.worker.tensor_experts import spread_experts
@@ -62,11 +62,11 @@ class ServingRanks:
         self.comm = Comm(CommCounter())
         # In a process group someone else started its backend decides.
         self.device = device or rank_device()
-        self.layout = ServingLayout()
+        self.layout = ServeLayout()
         self.dims = ParallelConfig()
         self.mesh = None
 
-    def build(self, layout: ServingLayout) -> None:
+    def build(self, layout: ServeLayout) -> None:
         self.layout = layout
         # Experts inside the tp group use mesh["tp"]; the mesh's ep axis is over the dp ranks.
         self.dims = ParallelConfig(tp=layout.tp, pp=layout.pp, dp=layout.dp,

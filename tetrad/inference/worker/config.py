@@ -1,61 +1,57 @@
-"""What the serving engine's modules share, below all of them: the engine's settings and what the
-runner needs of a serving rank. engine.py uses runner.py and ranks.py, and ranks.py uses
+"""What the serving engine's modules share, below all of them: the engine's settings (ServeConfig's,
+tetrad/spec/serving.py, with the checks that need torch), the device they resolve to, and what
+the runner needs of a serving rank. engine.py uses runner.py and ranks.py, and ranks.py uses
 runner.py; they meet here, so that none of them imports another that imports it back."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import nn
 
-from tetrad.spec.model import check_choice, check_positive
-from tetrad.errors import ConfigError
-from tetrad.inference.worker.kv_cache import DTYPE_BYTES, KVPlan
+from tetrad.errors import ConfigError, check_choice
+from tetrad.inference.worker.kv_cache import DTYPE_BYTES, KVPlan, parse_bytes
+from tetrad.spec.serving import ServeConfig
 
 from tetrad.inference.worker.attention import BACKENDS as ATTENTION_BACKENDS  # live: names
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """Field names are the `tetrad serve / run / generate` flags with '-' for '_'."""
-
-    dtype: str = "auto"  # auto: the checkpoint's dtype (a model object's parameters')
-    device: str = "auto"  # auto (cuda when available) | cpu | cuda | cuda:N
-    block_size: int = 16
-    kv_memory: str | int | None = None  # KV pool budget; None: 512 MiB on CPU, free memory on GPU
-    swap_memory: str | int = "256MiB"  # CPU pool for --preemption swap
-    num_blocks: int = 0  # > 0 overrides kv_memory (tests force preemption with a tiny pool)
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 0  # 0 means the model's max_seq_len
-    enable_prefix_caching: bool = True
-    preemption: str = "recompute"
-    attention: str = "auto"
-    watermark: float = 0.01
-    seed: int = 0
-    tp: int = 1  # tensor-parallel ranks (processes; GPUs with --device cuda)
-    pp: int = 1  # pipeline stages (each of tp ranks)
-    ep: int = 1  # ranks the routed experts are spread over (divides dp, or = tp: layout.py)
-    dp: int = 1  # attention data-parallel ranks, each with its own requests and KV pool
-    enforce_eager: bool = False  # no CUDA graphs for decode steps
-    compile: bool = False  # torch.compile the forward (and FlexAttention)
+class EngineConfig(ServeConfig):
+    """ServeConfig's fields and defaults, with the checks that need the torch side: the dtype
+    and attention backend names and the memory sizes. Like ServeConfig, all on construction,
+    before any weight is read."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_choice("dtype", self.dtype, ("auto", *DTYPE_BYTES))
         check_choice("attention", self.attention, ATTENTION_BACKENDS)
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tp", "pp", "ep",
-                     "dp"):
-            check_positive(name, getattr(self, name))
-        for name in ("num_blocks", "max_model_len", "watermark"):
-            check_positive(name, getattr(self, name), allow_zero=True)
-        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
-            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ConfigError(f"device {self.device!r} asked for, but torch sees no GPU: use "
-                              f"--device cpu")
+        for size in (self.kv_memory, self.swap_memory):
+            if size is not None:
+                parse_bytes(size)
+
+
+def serving_device(device: str, world_size: int) -> torch.device:
+    """Where rank 0 of an engine of `world_size` ranks computes: the one place --device is
+    resolved. "auto" is the GPU when torch sees one per rank and the CPU when it sees none; rank r
+    of a multi-rank engine runs on cuda:r, so there --device names no single GPU."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.startswith("cuda:") and world_size > 1:
+        raise ConfigError(f"--device {device} names one GPU, but with {world_size} ranks rank r "
+                          f"runs on cuda:r: use --device cuda")
+    if device == "cpu" or (device == "auto" and gpus == 0):
+        return torch.device("cpu")
+    if gpus == 0 and world_size == 1:
+        raise ConfigError(f"device {device!r} asked for, but torch sees no GPU: use --device cpu")
+    if gpus < world_size:
+        raise ConfigError(f"{world_size} ranks (tp*pp*dp) needs {world_size} GPUs (one per "
+                          f"rank), torch sees {gpus}: lower --tp, --pp or --dp or use --device "
+                          f"cpu")
+    if world_size == 1:
+        return torch.device("cuda" if device == "auto" else device)
+    return torch.device("cuda", 0)
 
 
 class RankShare(Protocol):

@@ -20,6 +20,7 @@ import torch
 from tetrad.spec.model import ModelConfig
 from tetrad.errors import ConfigError
 from tetrad.planner.memory import kv_bytes_per_token, kv_token_layout
+from tetrad.spec.serving import DEFAULT_CPU_KV_MEMORY
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -28,7 +29,6 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb
 # On a GPU the pool takes at most this share of the memory the weights leave free: activations
 # of a step and allocator fragmentation need the rest.
 DEVICE_MEMORY_FRACTION = 0.9
-DEFAULT_CPU_KV_MEMORY = 512 * 2**20
 
 
 def resolve_dtype(dtype: str, model: "str | Path | torch.nn.Module") -> str:

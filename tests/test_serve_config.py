@@ -1,0 +1,103 @@
+"""The serving settings (tetrad/spec/serving.py): whatever needs no weights is refused before any
+weight is read or any rank starts; a failure after the ranks started leaves no process behind;
+every default is declared once, and the command line's help shows it."""
+
+import argparse
+import dataclasses
+import multiprocessing
+
+import pytest
+from test_engine import random_model
+
+from tetrad.cli.main import build_parser, main
+from tetrad.errors import ConfigError
+from tetrad.inference.core.scheduler import SchedulerConfig
+from tetrad.inference.engine import LLM
+from tetrad.models.hf import save_hf
+from tetrad.spec.serving import ServeConfig
+
+ENGINE_COMMANDS = ("generate", "run", "serve")
+
+
+@pytest.fixture(scope="module")
+def unreadable_weights(tmp_path_factory):
+    """A model folder whose config.json is sound and whose weights file is not safetensors."""
+    folder = tmp_path_factory.mktemp("unreadable")
+    save_hf(random_model(), folder)
+    (folder / "model.safetensors").write_bytes(b"\xff" * 64)
+    return folder
+
+
+@pytest.fixture
+def no_rank_starts(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a serving rank was started")
+
+    monkeypatch.setattr("tetrad.inference.ranks.driver.WorkerProcesses", refuse)
+
+
+def test_what_needs_no_weights_is_refused_before_any_is_read(unreadable_weights, no_rank_starts):
+    # The control: with sound settings the weights are read (--dtype auto reads the first
+    # tensor's), and cannot be.
+    with pytest.raises(Exception, match="deserializing header"):
+        LLM(unreadable_weights, log=None, device="cpu")
+    for settings, message in [
+            (dict(preemption="sideways"), "preemption must be one of recompute, swap"),
+            (dict(tp=2, preemption="sideways"), "preemption must be one of"),
+            (dict(tp=2, dp=2), "data-parallel serving runs with tp 1 and pp 1"),
+            (dict(tp=3), "tp 3 does not divide num_heads 4"),  # against the model's config.json
+            (dict(pp=3), "pp 3 is more than the model's 2 layers"),
+            (dict(ep=2, dp=2), "needs a mixture-of-experts model"),
+            (dict(tp=0), "tp must be > 0"),
+            (dict(attention="paged"), "attention must be one of"),
+            (dict(dtype="fp8"), "dtype must be one of"),
+            (dict(kv_memory="lots"), "cannot read 'lots' as a memory size"),
+            (dict(swap_memory="some"), "cannot read 'some' as a memory size"),
+            (dict(device="gpu"), "device must be auto, cpu, cuda or cuda:N"),
+            (dict(tp=2, device="cuda:1"), "names one GPU"),
+            (dict(max_num_seqs=0), "max_num_seqs must be > 0")]:
+        with pytest.raises(ConfigError, match=message):
+            LLM(unreadable_weights, log=None, device=settings.pop("device", "cpu"), **settings)
+    assert not multiprocessing.active_children()
+
+
+def test_the_command_line_refuses_them_in_one_line_before_loading(unreadable_weights, capsys):
+    for flags, message in [(["--preemption", "sideways"], "preemption must be one of"),
+                           (["--tp", "2", "--dp", "2"], "data-parallel serving runs with tp 1")]:
+        assert main(["generate", str(unreadable_weights), "--prompt", "x", "--device", "cpu",
+                     *flags]) == 2
+        error = capsys.readouterr().err
+        assert message in error and len(error.strip().splitlines()) == 1, error
+    assert not multiprocessing.active_children()
+
+
+def test_a_failure_after_the_ranks_started_stops_them(tmp_path):
+    save_hf(random_model(), tmp_path)
+
+    def failing_log(line):
+        raise RuntimeError(f"the log is full: {line}")
+
+    # Rank 0 fails once the driver is up (its runner and pool built, the ranks serving).
+    with pytest.raises(RuntimeError, match="the log is full: KV cache"):
+        LLM(tmp_path, tp=2, device="cpu", block_size=4, log=failing_log)
+    assert not multiprocessing.active_children()
+
+
+def test_every_default_is_the_dataclass_one(monkeypatch):
+    limits = ("max_num_seqs", "max_num_batched_tokens", "preemption")
+    served, scheduled = ServeConfig(), SchedulerConfig()
+    assert all(getattr(served, name) == getattr(scheduled, name) for name in limits)
+
+    # The help is made from the dataclass: a changed default shows in every command's help.
+    fields = {field.name: field for field in dataclasses.fields(ServeConfig)}
+    shown = ("block_size", "swap_memory", "max_num_seqs", "max_num_batched_tokens", "preemption",
+             "seed", "tp", "pp", "dp", "ep", "dtype", "device", "attention")
+    changed = {name: f"<{name} default>" for name in shown}
+    for name, value in changed.items():
+        monkeypatch.setattr(fields[name], "default", value)
+    subparsers = next(action for action in build_parser()._actions
+                      if isinstance(action, argparse._SubParsersAction))
+    for command in ENGINE_COMMANDS:
+        helps = {action.dest: action.help for action in subparsers.choices[command]._actions}
+        for name, value in changed.items():
+            assert value in helps[name], (command, name, helps[name])
