@@ -36,9 +36,11 @@ import math
 import torch
 import torch.nn.functional as F
 
+# The planner counts the same blocks and tiles (scales it holds, FP8 bytes of backward).
+from tetrad.spec.runtime_rules import FP8_BLOCK as BLOCK
+
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
-BLOCK = 128
 # Rounding to E4M3 (3 mantissa bits) moves a normal value by at most half a unit in the last
 # place, 2^-4 of it; a subnormal (below 2^-6) by at most half the subnormal spacing 2^-9.
 E4M3_RELATIVE_ERROR = 2.0 ** -4

@@ -1,6 +1,7 @@
 """Every collective the runtime issues goes through `Comm`, which counts the bytes this rank sends.
 
-Counting uses the ring-algorithm volumes for a full tensor of S bytes over a group of N ranks:
+Counting uses the ring-algorithm volumes (tetrad.spec.runtime_rules.ring_share, which the
+planner prices too) for a full tensor of S bytes over a group of N ranks:
 all-reduce 2(N-1)/N*S, reduce-scatter and all-gather (N-1)/N*S, all-to-all (N-1)/N*S (the share a
 rank keeps for itself is not sent), broadcast (N-1)/N*S (a pipelined chain: every rank but the
 last forwards S; averaged over the ranks), point-to-point S. Group-of-one calls send nothing.
@@ -39,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from tetrad.parallel.mesh import Group
+from tetrad.spec.runtime_rules import COLLECTIVE_KINDS, ring_share
 
 # torch 2.13 (requirements.txt) renamed all_gather_into_tensor / reduce_scatter_tensor; older
 # releases, such as the 2.11 of the GPU machines the benchmarks run on, have only the old names.
@@ -46,7 +48,7 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
                           or dist.reduce_scatter_tensor)
 
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "p2p")
+KINDS = COLLECTIVE_KINDS
 OFF_STEP_TAGS = ("setup", "checkpoint", "report")
 ALGORITHMS = ("backend", "ring")
 
@@ -54,15 +56,7 @@ ALGORITHMS = ("backend", "ring")
 def ring_volume(kind: str, nbytes: int, size: int) -> Fraction:
     """Bytes one rank sends for a collective over `size` ranks on a tensor of `nbytes` (the full
     tensor: the input of reduce-scatter, the output of all-gather)."""
-    if size == 1:
-        return Fraction(0)
-    if kind == "all_reduce":
-        return Fraction(2 * (size - 1) * nbytes, size)
-    if kind in ("reduce_scatter", "all_gather", "all_to_all", "broadcast"):
-        return Fraction((size - 1) * nbytes, size)
-    if kind == "p2p":
-        return Fraction(nbytes)
-    raise ValueError(f"unknown collective kind {kind!r}")
+    return ring_share(kind, size) * nbytes
 
 
 class CommCounter:

@@ -22,27 +22,22 @@ from torch import nn
 from torch.autograd import Variable
 
 from tetrad.parallel.comm import Comm, Handle
-from tetrad.parallel.engine import (FIRST_BUCKET_BYTES, Counted,
-                                    DataParallelOptions, LossScaler, ParameterView, Placement,
-                                    WholeAdamW)
+from tetrad.parallel.engine import (Counted, DataParallelOptions, LossScaler, ParameterView,
+                                    Placement, WholeAdamW)
 from tetrad.parallel.mesh import Group
 from tetrad.sharded_tensors import Piece
+from tetrad.spec.runtime_rules import ddp_buckets, fill_buckets
 
 
 def bucket_params(params: list[nn.Parameter], bucket_bytes: int,
                   first_bucket_bytes: int | None = None) -> list[list[nn.Parameter]]:
-    """Greedy buckets of about `bucket_bytes`, in reverse registration order (about the order
-    backward produces gradients); the first of about `first_bucket_bytes` when given. A
-    parameter never straddles two buckets."""
-    buckets: list[list[nn.Parameter]] = [[]]
-    size, limit = 0, first_bucket_bytes or bucket_bytes
-    for param in reversed(params):
-        if size >= limit:
-            buckets.append([])
-            size, limit = 0, bucket_bytes
-        buckets[-1].append(param)
-        size += param.numel() * param.element_size()
-    return buckets
+    """The parameters' gradient buckets by the runtime rule the planner prices
+    (tetrad.spec.runtime_rules.fill_buckets), sized by the parameters' own bytes."""
+    return fill_buckets(params, param_bytes, bucket_bytes, first_bucket_bytes)
+
+
+def param_bytes(param: nn.Parameter) -> int:
+    return param.numel() * param.element_size()
 
 
 class LaunchInOrder:
@@ -93,11 +88,7 @@ class DataParallel:
         self.adamw = WholeAdamW(named, options, group)
         self.scaler = LossScaler() if options.compute_dtype == torch.float16 else None
         params = [p for p in named.values() if p.requires_grad]
-        # A small first bucket (torch DDP's) starts communicating while backward has most of the
-        # model left: a model under bucket_bytes would otherwise be one bucket, reduced after
-        # backward with nothing left to hide it behind.
-        self.buckets = bucket_params(params, options.bucket_bytes,
-                                     min(FIRST_BUCKET_BYTES, options.bucket_bytes))
+        self.buckets = ddp_buckets(params, param_bytes, options.bucket_bytes)
         self.grads: list[torch.Tensor] = []
         self.handles: list[Handle] = []
         self.order = LaunchInOrder([len(b) for b in self.buckets], self._launch)

@@ -20,9 +20,8 @@ from torch import nn
 
 from tetrad.parallel.mesh import Group
 from tetrad.sharded_tensors import Piece
-
-DEFAULT_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
-FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket, torch's too (dist._DEFAULT_FIRST_BUCKET_BYTES)
+# DDP's bucket caps, the planner's too; the engines and their callers read them from here.
+from tetrad.spec.runtime_rules import BUCKET_BYTES as DEFAULT_BUCKET_BYTES, FIRST_BUCKET_BYTES
 
 # (name, parameter, tensor shaped like it) -> the part of it this rank counts in a sum over the
 # whole model within its tp group and pipeline (None: nothing).

@@ -62,6 +62,7 @@ from tetrad.parallel.tensor_parallel import TensorParallelSplit, apply_tensor_pa
 from tetrad.parallel.zero import NORM_TAG, Pipelined, ZeroDataParallel
 from tetrad.schedules.generate import SPLIT_BACKWARD
 from tetrad.sharded_tensors import CHECKPOINT_KINDS, LazyMapping, Piece, assemble
+from tetrad.spec.runtime_rules import rank_stages, reduces_per_stage
 
 
 
@@ -81,7 +82,7 @@ def parallelize(model: Transformer, mesh: Mesh, comm: Comm, parallel: ParallelCo
     cut = None
     if parallel.pp > 1:  # the blocks of this rank's stages (stage s lives on rank s % pp)
         cut = partition(config, parallel.pp * parallel.vpp, seq_len, parallel.stage_layers or None)
-        runs = [layer for stage in range(mesh.coords["pp"], cut.num_stages, parallel.pp)
+        runs = [layer for stage in rank_stages(mesh.coords["pp"], cut.num_stages, parallel.pp)
                 for layer in cut.layers(stage)]
     overlap = bool(parallel.overlap)  # None (not decided by a launcher) counts as off
     experts = (apply_expert_parallel(model, mesh, comm, layers=runs, overlap=overlap)
@@ -150,7 +151,7 @@ def _data_parallel(model: Transformer, replicated: dict[str, nn.Parameter], mesh
     # ZeRO-2/3 reduce every microbatch: under a pipeline, stage by stage, after each backward of
     # a stage the executor runs (ZeRO-1 just reduces after the step's last backward).
     pipelined = None
-    if pipeline is not None and parallel.zero > 1:
+    if reduces_per_stage(parallel.zero, parallel.pp):
         pipelined = Pipelined(pipeline.stages, pipeline.schedule.split_backward,
                               pipeline.tied_weight, pipeline.embedding_group)
     if parallel.zero < 3:

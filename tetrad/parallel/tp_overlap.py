@@ -37,9 +37,8 @@ import torch
 
 from tetrad.parallel.comm import Handle
 from tetrad.parallel.tp_operators import ACTIVATION_TAG, TensorParallel
-# More chunks hide more of each collective, fewer keep the matmuls large. The planner's overlap
-# model (tetrad.planner.eager_overlap) prices the same number.
-from tetrad.planner.eager_overlap import TP_OVERLAP_CHUNKS as CHUNKS
+# The planner's overlap model (tetrad.planner.eager_overlap) prices the same number.
+from tetrad.spec.runtime_rules import TP_OVERLAP_CHUNKS as CHUNKS
 
 
 def row_chunks(rows: int) -> list[tuple[int, int]]:

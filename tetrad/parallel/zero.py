@@ -40,12 +40,14 @@ import torch
 from torch import nn
 
 from tetrad.parallel.comm import Comm, Handle
-from tetrad.parallel.data_parallel import LaunchInOrder, bucket_params, broadcast_parameters
+from tetrad.parallel.data_parallel import (LaunchInOrder, bucket_params, broadcast_parameters,
+                                           param_bytes)
 from tetrad.parallel.engine import DEFAULT_BUCKET_BYTES, Counted, LossScaler, Placement
 from tetrad.parallel.mesh import Group
 from tetrad.parallel.zero_optimizer import (FlatShard, ShardedAdamW, counted_segments, nbytes,
                                             scatter_state, shard_pieces)
 from tetrad.sharded_tensors import Piece
+from tetrad.spec.runtime_rules import stage_buckets
 
 NORM_TAG = "grad_norm"
 
@@ -232,14 +234,10 @@ def named_decays(model: nn.Module, param_groups: list[dict]) -> dict[int, tuple[
 
 def stage_buckets_of(pipelined: Pipelined, params: list[nn.Parameter], bucket_bytes: int
                      ) -> dict[int, list[list[nn.Parameter]]]:
-    """Per pipeline stage, the buckets of its parameters among `params`; a tied embedding in a
-    bucket of its own, last, so that its two copies are laid out alike."""
-    buckets = {}
-    for index, held in pipelined.stage_params(params).items():
-        tied = [p for p in held if p is pipelined.tied]
-        buckets[index] = bucket_params([p for p in held if p is not pipelined.tied],
-                                       bucket_bytes) + ([tied] if tied else [])
-    return buckets
+    """Per pipeline stage, the buckets of its parameters among `params`, a tied embedding in a
+    bucket of its own, last (tetrad.spec.runtime_rules.stage_buckets, which the planner prices)."""
+    return stage_buckets(pipelined.stage_params(params), lambda param: param is pipelined.tied,
+                         param_bytes, bucket_bytes)
 
 
 class ZeroDataParallel(ShardedEngine):

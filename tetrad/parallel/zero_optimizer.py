@@ -20,6 +20,7 @@ from torch import nn
 from tetrad.parallel.engine import Counted, Placement
 from tetrad.parallel.mesh import Group
 from tetrad.sharded_tensors import Piece
+from tetrad.spec.runtime_rules import padded
 
 
 def host_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -60,7 +61,7 @@ class FlatShard:
         for _, _, param in named_params:
             offsets.append(total)
             total += param.numel()
-        numel = -(-total // group.size) * group.size
+        numel = padded(total, group.size)
         flat = cls([n for n, _, _ in named_params], [p for _, _, p in named_params],
                    [wd for _, wd, _ in named_params], offsets, numel, group.index, group.size)
         lo, hi = flat.shard_range

@@ -8,12 +8,13 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from tetrad.spec.runtime_rules import COLLECTIVE_KINDS
+
 REPORT_SCHEMA = 1
-COMM_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "p2p")
 
 
 def zero_per_comm_kind() -> dict[str, int]:
-    return {kind: 0 for kind in COMM_KINDS}
+    return {kind: 0 for kind in COLLECTIVE_KINDS}
 
 
 def rank_entry(rank: int, coords: dict[str, int], bytes_held: dict[str, int],

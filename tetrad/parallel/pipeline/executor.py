@@ -43,6 +43,7 @@ from tetrad.parallel.mesh import Group, Mesh
 from tetrad.planner.partition import Partition, partition
 from tetrad.parallel.pipeline.stage import PipelineStage, build_stages, embedding_group
 from tetrad.schedules import Action, Schedule, build_schedule
+from tetrad.spec.runtime_rules import rank_stages
 
 ACTIVATION_TAG = "activations"
 
@@ -103,7 +104,7 @@ class PipelineExecutor:
         if pp_group.size != schedule.pp:
             raise ConfigError(f"the schedule is for pp={schedule.pp} but the pipeline group has "
                               f"{pp_group.size} ranks: build the schedule with pp={pp_group.size}")
-        owned = set(range(pp_group.index, schedule.num_stages, schedule.pp))
+        owned = set(rank_stages(pp_group.index, schedule.num_stages, schedule.pp))
         assert set(stages) == owned, (sorted(stages), sorted(owned))
         self.stages, self.schedule, self.group, self.comm = stages, schedule, pp_group, comm
         self.embedding_group, self.partition, self.autocast = embedding_group, partition, autocast

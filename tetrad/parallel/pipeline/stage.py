@@ -31,6 +31,7 @@ from tetrad.models.transformer import Transformer
 from tetrad.parallel.mesh import Group
 from tetrad.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from tetrad.planner.partition import Partition
+from tetrad.spec.runtime_rules import rank_stages
 
 
 class PipelineStage(nn.Module):
@@ -101,7 +102,7 @@ def build_stages(model: Transformer, partition: Partition, pp: int,
     """The stages pipeline rank `pp_index` holds: s = pp_index, pp_index + pp, ... (Megatron's
     interleaved placement, as tetrad.schedules assumes), keyed by stage index."""
     return {stage: PipelineStage(model, stage, partition.num_stages, partition.layers(stage))
-            for stage in range(pp_index, partition.num_stages, pp)}
+            for stage in rank_stages(pp_index, partition.num_stages, pp)}
 
 
 def embedding_group(dims: ParallelConfig, rank: int) -> Group | None:
