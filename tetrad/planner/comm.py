@@ -7,9 +7,10 @@ each crossing nodes on its own NIC (rail-optimized fabric), so the ring's bus ba
 min(NVLink, members_per_node * NIC). Latency: a ring step per rank inside the node, a tree
 (2 log2 of the node count steps) across nodes, as NCCL switches to at scale.
 
-Bytes *sent* per rank (for the run report's comm_bytes) follow the ring algorithms:
-all-reduce 2(n-1)/n * S, reduce-scatter and all-gather (n-1)/n * S of the full tensor, all-to-all
-(n-1)/n of what the rank holds, point-to-point the whole message.
+Bytes *sent* per rank (for the run report's comm_bytes) follow the ring algorithms, by the share
+the runtime's byte counter counts (tetrad.spec.runtime_rules.ring_share): all-reduce 2(n-1)/n * S,
+reduce-scatter and all-gather (n-1)/n * S of the full tensor, all-to-all (n-1)/n of what the rank
+holds, point-to-point the whole message.
 """
 
 from __future__ import annotations
@@ -18,8 +19,7 @@ import math
 from dataclasses import dataclass
 
 from tetrad.hardware.catalog import Cluster
-
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "p2p")
+from tetrad.spec.runtime_rules import COLLECTIVE_KINDS as COLLECTIVES, ring_share
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,13 +103,11 @@ def p2p_time(cluster: Cluster, crosses_nodes: bool, size_bytes: float) -> float:
 
 
 def sent_bytes(kind: str, group_size: int, size_bytes: float) -> float:
-    """Bytes one rank sends in a ring collective over `size_bytes` (see the module doc)."""
+    """Bytes one rank sends in a ring collective over `size_bytes` (see the module doc). A p2p
+    call's group size is its one peer here: it sends the whole message."""
     if kind == "p2p":
         return size_bytes
-    if group_size <= 1:
-        return 0.0
-    fraction = (group_size - 1) / group_size
-    return 2 * fraction * size_bytes if kind == "all_reduce" else fraction * size_bytes
+    return float(ring_share(kind, group_size)) * size_bytes
 
 
 class CommLedger:

@@ -50,10 +50,11 @@ from tetrad.planner.comm import CommLedger
 from tetrad.planner.eager_activations import tokens
 from tetrad.planner.eager_params import (kv_heads_per_rank, rank_parameters, rank_stages,
                                          stage_blocks)
-from tetrad.planner.eager_state import padded, reduced_together, zero3_units, zero_buckets
+from tetrad.planner.eager_state import reduced_together, zero3_units, zero_buckets
 from tetrad.planner.layout import TrainLayout
 from tetrad.planner.precision import TrainingPrecision
 from tetrad.schedules.generate import SPLIT_BACKWARD
+from tetrad.spec.runtime_rules import padded
 
 FP32 = 4
 INDEX = 8

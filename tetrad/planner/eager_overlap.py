@@ -40,13 +40,13 @@ from tetrad.planner.compute import gemm_time, layer_times
 from tetrad.planner.eager_activations import tokens
 from tetrad.planner.eager_comm import tensor_parallel_block
 from tetrad.planner.eager_params import rank_parameters, rank_stages, stage_blocks
-from tetrad.planner.eager_state import FIRST_BUCKET_BYTES, buckets_of, zero3_units
+from tetrad.planner.eager_state import ddp_bucket_params, zero3_units
 from tetrad.planner.flops import Gemm
 from tetrad.planner.layout import TrainLayout
 from tetrad.planner.precision import TrainingPrecision
 from tetrad.schedules.generate import SPLIT_BACKWARD
-
-TP_OVERLAP_CHUNKS = 4  # tetrad.parallel.tp_overlap cuts each TP collective in this many
+# tetrad.parallel.tp_overlap cuts each TP collective in this many.
+from tetrad.spec.runtime_rules import TP_OVERLAP_CHUNKS
 
 
 def exposed(collective_s: float, compute_s: float, chunks: float) -> float:
@@ -108,7 +108,7 @@ def hidden_communication(config: ModelConfig, cluster: Cluster, layout: TrainLay
     group = layout.zero_group
     # The gradients' and ZeRO-3's calls as eager_comm's ledger prices them, call by call.
     if layout.zero == 0 and layout.pp == 1:
-        buckets = buckets_of(params, FIRST_BUCKET_BYTES)
+        buckets = ddp_bucket_params(params)
         reduce = sum(call_time(cluster, "all_reduce", group,
                                sum(p.elements for p in bucket) * precision.grad_bytes)
                      for bucket in buckets if group > 1)

@@ -5,7 +5,8 @@ Without ZeRO, torch.optim.AdamW steps every tensor the rank holds and keeps a 4-
 count per tensor. tetrad's ZeRO engines take the rank's replicated tensors (all but its experts):
 ZeRO-1/2 in flat buckets of about 25 MiB (of fp32 parameters, in reverse registration order),
 each padded to a multiple of the group, ZeRO-2 under a pipeline each stage's apart (a tied
-embedding's copy alone); ZeRO-3 in units (eager_params), each padded, gathered one while
+embedding's copy alone): the runtime's own rules (tetrad.spec.runtime_rules), sized here by the
+planner's tensors; ZeRO-3 in units (eager_params), each padded, gathered one while
 prefetching the next of its stage, a root unit gathered around its stage's forward besides. The
 engine keeps the fp32 gradient of its shard beside a 16-bit one; offload keeps fp32 master,
 moments and gradient shard on the host. Experts (ep > 1) stay out of ZeRO: fp32 parameters with
@@ -21,10 +22,11 @@ from tetrad.spec.model import ModelConfig
 from tetrad.planner.eager_params import Param, rank_parameters
 from tetrad.planner.layout import TrainLayout
 from tetrad.planner.precision import TrainingPrecision
+# The tests read FIRST_BUCKET_BYTES through this module, as the planner's.
+from tetrad.spec.runtime_rules import (BUCKET_BYTES, FIRST_BUCKET_BYTES, ddp_buckets,
+                                       fill_buckets, padded, reduces_per_stage, stage_buckets)
 
 FP32 = 4
-BUCKET_BYTES = 25 * 2**20  # tetrad.parallel.engine.DEFAULT_BUCKET_BYTES (torch DDP's)
-FIRST_BUCKET_BYTES = 2**20  # tetrad.parallel.engine.FIRST_BUCKET_BYTES: DDP's first bucket
 
 
 @dataclass(frozen=True)
@@ -40,36 +42,32 @@ class ModelState:
     host_grads: float = 0.0
 
 
-def padded(elements: int, group: int) -> int:
-    return -(-elements // group) * group
+def fp32_bytes(param: Param) -> int:
+    """What a parameter weighs in the buckets: the runtime buckets its fp32 parameters."""
+    return param.elements * FP32
 
 
 def buckets_of(params: list[Param], first_bytes: int | None = None) -> list[list[Param]]:
-    """The flat buckets of `params` as data_parallel.bucket_params fills them (reverse
-    registration order; the first of about `first_bytes` when given, as DDP's)."""
-    buckets: list[list[Param]] = [[]]
-    size, limit = 0, first_bytes or BUCKET_BYTES
-    for param in reversed(params):
-        if size >= limit:
-            buckets.append([])
-            size, limit = 0, BUCKET_BYTES
-        buckets[-1].append(param)
-        size += param.elements * FP32
-    return buckets
+    """The flat buckets of `params` as the runtime fills them (reverse registration order; the
+    first of about `first_bytes` when given)."""
+    return fill_buckets(params, fp32_bytes, BUCKET_BYTES, first_bytes)
+
+
+def ddp_bucket_params(params: list[Param]) -> list[list[Param]]:
+    """DDP's gradient buckets of `params` (the first small, as torch's)."""
+    return ddp_buckets(params, fp32_bytes)
 
 
 def zero_bucket_params(params: list[Param], layout: TrainLayout) -> list[list[Param]]:
     """The flat buckets ZeRO-1/2 builds of the replicated `params`: one run of buckets over them
-    all, or under a pipeline with ZeRO-2 (zero.stage_buckets_of) one per stage, a tied
+    all, or where ZeRO reduces stage by stage (ZeRO-2 under a pipeline) one run per stage, a tied
     embedding's copy alone in a bucket after its stage's."""
-    if layout.pp == 1 or layout.zero == 1:
+    if not reduces_per_stage(layout.zero, layout.pp):
         return buckets_of(params)
-    buckets = []
-    for stage in sorted({p.stage for p in params}):
-        held = [p for p in params if p.stage == stage]
-        buckets += buckets_of([p for p in held if not p.tied])
-        buckets += [[p] for p in held if p.tied]
-    return buckets
+    stages = {stage: [p for p in params if p.stage == stage]
+              for stage in sorted({p.stage for p in params})}
+    return [bucket for per_stage in stage_buckets(stages, lambda p: p.tied, fp32_bytes).values()
+            for bucket in per_stage]
 
 
 def zero_buckets(params: list[Param], layout: TrainLayout) -> list[int]:
@@ -83,7 +81,7 @@ def reduced_together(params: list[Param], layout: TrainLayout) -> list[list[Para
     each: DDP's buckets (the first small), ZeRO-1/2's buckets, ZeRO-3's units. Tensor
     parallelism sums the partial gradients among them just before (one call per group)."""
     if layout.zero == 0:
-        return buckets_of(params, FIRST_BUCKET_BYTES)
+        return ddp_bucket_params(params)
     if layout.zero in (1, 2):
         return zero_bucket_params(params, layout)
     units: dict[tuple[int, int | None], list[Param]] = {}

@@ -11,14 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tetrad.errors import ConfigError
+from tetrad.spec.runtime_rules import FP8_BLOCK
 
 ELEMENT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "fp8-e4m3": 1.0,
                  "fp8-e5m2": 1.0, "int8": 1.0, "int4": 0.5}
 # Scale overhead per element of a quantized weight matrix (int8 uses one scale per output
 # channel, a few bytes per row: negligible).
-BLOCK_SCALE_BYTES = {"fp8": 4 / (128 * 128), "fp8-e4m3": 4 / (128 * 128),
-                     "fp8-e5m2": 4 / (128 * 128), "int4": 2 * 2 / 128}
-FP8_BLOCK = 128  # DeepSeek-V3's groups: 128x128 weight blocks, 1x128 activation tiles
+BLOCK_SCALE_BYTES = {"fp8": 4 / FP8_BLOCK**2, "fp8-e4m3": 4 / FP8_BLOCK**2,
+                     "fp8-e5m2": 4 / FP8_BLOCK**2, "int4": 2 * 2 / 128}
 # The tensor-core format a matmul runs in for each storage format.
 COMPUTE_DTYPE = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp8": "fp8", "fp8-e4m3": "fp8",
                  "fp8-e5m2": "fp8", "int8": "int8", "int4": "bf16"}
