@@ -136,3 +136,23 @@ def test_router_loads_summed_over_data_ranks_for_aux_loss_free_balancing():
     loads = ("all_reduce", 4, LAYERS * TINY_MOE.num_experts * 4)
     assert _calls(balanced, layout)[loads] == 1
     assert _calls(balanced.replace(router_bias_update_rate=0.0), layout)[loads] == 0
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_partial_gradients_summed_over_tp_once_per_reduction(zero):
+    """Under SP every norm's gradient is partial on a tp rank (it saw a shard of the tokens):
+    tp sums them just before the gradient reduction that carries them, one call per DDP or
+    ZeRO-1/2 bucket (tiny: one), per microbatch under ZeRO-2, per ZeRO-3 unit (each block's two
+    norms; the final norm in the head's unit) every microbatch."""
+    m, t = 3, SEQ
+    layout = TrainLayout(tp=2, sequence_parallel=True, dp=3, zero=zero, grad_accum=m)
+    calls = Counter({key: count for key, count in _calls(TINY, layout, kinds=("all_reduce",),
+                                                          group=2).items()
+                     if key[2] > 2 * t * 4})
+    norms = H * 4
+    if zero == 3:
+        expected = Counter({("all_reduce", 2, 2 * norms): LAYERS * m,
+                            ("all_reduce", 2, norms): m})
+    else:
+        expected = Counter({("all_reduce", 2, (2 * LAYERS + 1) * norms): m if zero == 2 else 1})
+    assert calls == expected

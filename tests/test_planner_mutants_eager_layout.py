@@ -231,9 +231,32 @@ def test_data_parallel_buckets_are_the_runtimes(zero, offload):
     state = model_state(config, layout, precision, 0)
     flat, shard = sum(flats), sum(flats) // group
     grads = 2 * (flat if zero == 1 else shard)
-    assert state.params == 2 * flat
+    assert (state.params, state.params_gathered) == (2 * flat, 0)
     if offload:
         assert (state.grads, state.optimizer, state.host_grads, state.host_optimizer) == (
             grads, 0, 4 * shard, (4 + 8) * shard)
     else:
         assert (state.grads, state.optimizer) == (grads + 4 * shard, (4 + 8) * shard)
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_experts_keep_their_own_fp32_adamw_beside_zero(zero):
+    """Under expert parallelism a rank's experts (E / ep of them) stay out of ZeRO: fp32
+    parameters and gradients and torch AdamW's two moments and step count per tensor, added to
+    what ZeRO shards of the rest."""
+    config, ep = preset("tiny-moe"), 2
+    model = Transformer(config)
+    experts = [p for name, p in model.named_parameters() if ".experts." in name]
+    elements, tensors = sum(p.numel() for p in experts) // ep, len(experts) // ep
+    with_experts = model_state(config, TrainLayout(dp=2, ep=ep, zero=zero), BF16, 0)
+    without = model_state(config, TrainLayout(dp=2, zero=zero), BF16, 0)
+    replicated = [p for p in model.parameters() if not any(p is e for e in experts)]
+    shard_elements = sum(p.numel() for p in replicated) / 2
+    assert with_experts.optimizer == pytest.approx(
+        (4 + 8) * shard_elements + 8 * elements + 4 * tensors, rel=1e-3)
+    # Without ep the experts' bf16 gradients are whole (ZeRO-1) or a shard (ZeRO-3), beside
+    # an fp32 shard; with it their fp32 gradients of the rank's experts.
+    every = sum(p.numel() for p in experts)
+    sharded = (2 * every if zero == 1 else 2 * every / 2) + 4 * every / 2
+    assert with_experts.grads - without.grads == pytest.approx(4 * elements - sharded,
+                                                               rel=1e-3)
