@@ -20,6 +20,7 @@ from tetrad.parallel.mesh import Group
 from tetrad.parallel.pipeline.stage import PipelineStage
 from tetrad.parallel.tensor_parallel import TensorParallelSplit
 from tetrad.parallel.tp_operators import TensorParallel
+from tetrad.planner.eager import pipeline_ranks
 from tetrad.planner.eager_activations import activations_peak, stage_bytes
 from tetrad.planner.eager_comm import rank_comm
 from tetrad.planner.eager_params import rank_parameters
@@ -260,3 +261,14 @@ def test_experts_keep_their_own_fp32_adamw_beside_zero(zero):
     sharded = (2 * every if zero == 1 else 2 * every / 2) + 4 * every / 2
     assert with_experts.grads - without.grads == pytest.approx(4 * elements - sharded,
                                                                rel=1e-3)
+
+
+def test_a_ranks_total_is_its_state_and_activations():
+    """What a rank holds at its peak: parameters, gradients, optimizer state and activations."""
+    config = FOUR_LAYERS["gpt2"]
+    layout = TrainLayout(pp=2, dp=2, zero=1, stage_layers=(1, 3), microbatches=3)
+    for pp_rank, rank in enumerate(pipeline_ranks(config, layout, 16, BF16)):
+        state = model_state(config, layout, BF16, pp_rank)
+        assert rank.total == (state.params + state.grads + state.optimizer
+                              + activations_peak(config, layout, 16, BF16, pp_rank))
+        assert rank.comm.calls == rank_comm(config, layout, 16, BF16, pp_rank).calls

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from tetrad.calibrate.compute import OperatorCount
 from tetrad.hardware.catalog import GPUS, Cluster
 from tetrad.models.transformer import Transformer
-from tetrad.planner.compute import gemm_time, head_times, layer_times
+from tetrad.planner.compute import gemm_time, head_times, layer_times, optimizer_time
 from tetrad.planner.eager_overlap import shared_experts_forward
 from tetrad.planner.eager_time import block_operators, eager_step_time, outer_operators, rank_time
 from tetrad.planner.flops import Gemm
@@ -93,17 +93,24 @@ def test_each_dispatched_operator_and_stepped_tensor_costs_the_profile():
     assert gpu.backward == pytest.approx(time().backward)
 
 
-@pytest.mark.parametrize("recompute", ["none", "full"])
-def test_compute_is_the_sum_of_the_kernels(recompute):
+@pytest.mark.parametrize("dtype, recompute", [("fp32", "none"), ("fp32", "full"),
+                                             ("fp8", "none")])
+def test_compute_is_the_sum_of_the_kernels(dtype, recompute):
     """Without operator costs a rank's forward is its blocks' kernels and the head's; its
-    backward theirs (and the recomputed forwards)."""
+    backward theirs (and the recomputed forwards). Under fp8 the block linears read 1-byte
+    weights and quantize inputs and weights in every forward; the head stays bf16."""
     config, gpu = MOE["dense-first"], H100
+    precision = training_precision(dtype)
+    act = precision.activation_bytes
     layout = TrainLayout(micro_batch=2, recompute=recompute)
-    time = rank_time(config, Cluster(gpu, 1, 1), layout, 16, FP32, True, 0)
+    time = rank_time(config, Cluster(gpu, 1, 1), layout, 16, precision, True, 0)
+    fp8 = dtype == "fp8"
     kernels = [layer_times(config, gpu, layer, 2, 16, 1, 1, 1, False, recompute, True, False,
-                           "fp32", 4, 4, portable_attention=True)
+                           dtype, act, 1 if fp8 else precision.param_bytes,
+                           portable_attention=True, fp8_casts="inputs+weights" if fp8 else "")
                for layer in range(config.num_layers)]
-    head = head_times(config, gpu, 2, 16, 1, 1, "fp32", 4, 4)
+    head = head_times(config, gpu, 2, 16, 1, 1, "bf16" if fp8 else dtype, act,
+                      precision.param_bytes)
     assert time.forward == pytest.approx(sum(k.forward for k in kernels) + head.forward)
     assert time.backward == pytest.approx(sum(k.backward + k.recompute for k in kernels)
                                           + head.backward)
@@ -183,3 +190,29 @@ def test_shared_experts_matmuls_are_their_up_and_down_projections(mlp, up_width)
                    for gemm in (Gemm(64, up_width * width, config.hidden_size),
                                 Gemm(64, config.hidden_size, width)))
     assert shared_experts_forward(config, Cluster(H100, 1, 1), 64, precision) == expected
+
+
+@pytest.mark.parametrize("zero, offload", [(0, False), (1, False), (3, True)])
+def test_optimizer_steps_the_ranks_shard(zero, offload):
+    """The optimizer streams the rank's shard of the parameters torch holds (all of them
+    without ZeRO, 1/N under it; from the host with offload)."""
+    config, gpu = preset("tiny"), H100
+    precision = training_precision("bf16")
+    layout = TrainLayout(dp=4, zero=zero, offload=offload)
+    elements = sum(p.numel() for p in Transformer(config).parameters()) / (4 if zero else 1)
+    expected = optimizer_time(gpu, elements, precision.grad_bytes, precision.param_bytes,
+                              precision.optimizer_state_bytes, offload,
+                              gpu.host_memory_bandwidth)
+    time = rank_time(config, Cluster(gpu, 4, 4), layout, 16, precision, True, 0)
+    assert time.optimizer == pytest.approx(expected)
+
+
+def test_the_slowest_pipeline_rank_sets_the_compute():
+    """An uneven cut: the rank with three blocks of four is busiest and sets the step's
+    compute."""
+    config = preset("tiny").replace(num_layers=4)
+    layout = TrainLayout(pp=2, stage_layers=(1, 3), microbatches=4, micro_batch=2)
+    cluster = Cluster(H100, 2, 2)
+    busy = [_busy(config, cluster, layout, r)[0] for r in range(2)]
+    assert busy[1] > busy[0]
+    assert eager_step_time(config, cluster, layout, 16, FP32).compute == pytest.approx(busy[1])
