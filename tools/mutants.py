@@ -165,10 +165,10 @@ PLANNER_TESTS = [f"tests/test_{name}.py" for name in (
     "planner_mutants_kernels", "planner_mutants_memory", "planner_mutants_collectives",
     "planner_mutants_training", "planner_mutants_serving",
     "planner_mutants_checks", "planner_mutants_schedules")]
-# The eager profile's checks against the runtime built in-process, first: a bug planted in the
-# eager modules fails within seconds there.
+# The eager profile's checks against hand counts and the runtime built in-process, first (the
+# fastest first): a bug planted in the eager modules fails within seconds there.
 EAGER_TESTS = [f"tests/test_planner_mutants_eager_{name}.py" for name in (
-    "runtime", "layout", "comm")]
+    "comm", "layout", "time", "runtime")]
 # The attention backends, which tests reach through the package's names.
 ATTENTION_TESTS = ["tests/test_inference_mutants_attention.py", "tests/test_paged_attention.py",
                    "tests/test_attention_backends.py"]
