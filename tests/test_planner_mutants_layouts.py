@@ -86,6 +86,8 @@ SHAPE_CASES = [
     ("llama3-8b", {}, 16, 4, 64, 4096, TrainSpace(tp=8, pp=2, vpp=2, sequence_parallel=False)),
     ("mixtral-8x7b", {}, 16, 8, 16, 8192, TrainSpace(ep=2, cp=2, micro_batch=2)),
     ("llama3-8b", {}, 8, 8, 8, 4096, TrainSpace(dp=2, offload=True)),
+    # 34 sequences on 2 GPUs: micro batches 1, 17 and 34 divide 34, only 1 is at most 16
+    ("llama3-8b", {"num_layers": 4}, 2, 2, 34, 4096, TrainSpace()),
     ("llama3-8b", {}, 8, 8, 16, 4096, TrainSpace(pp=2, schedule="interleaved", vpp=2,
                                                  micro_batch=2)),
 ]
@@ -187,6 +189,7 @@ def reference_serving_layouts(config, n: int, space=ServeSpace()) -> list[ServeL
     ("mixtral-8x7b", {}, 8, ServeSpace()),
     ("mixtral-8x7b", {}, 16, ServeSpace(tp=2)),
     ("llama3-8b", {}, 6, ServeSpace(pp=3)),
+    ("llama3-8b", {}, 16, ServeSpace()),  # serving replicates the 8 kv heads over tp 16
 ])
 def test_serving_candidates_are_exactly_those_the_rules_allow(name, changes, n, space):
     config = preset(name).replace(**changes)
@@ -222,8 +225,15 @@ def test_serving_search_ranks_as_brute_force(name, gpu, n, batch, top):
     (TrainSpace(zero=2, tp=4, pp=2), 4096, 8, "leaves one"),
     (TrainSpace(pp=1, schedule="zb"), 4096, 8, "need pipeline parallelism"),
     (TrainSpace(pp=1, vpp=2), 4096, 8, "need pipeline parallelism"),
-    (TrainSpace(pp=3), 4096, 8, "does not divide the 8 GPUs"),
-    (TrainSpace(tp=2, dp=3), 4096, 6, "must multiply to the GPU count"),
+    (TrainSpace(pp=3), 4096, 8, r"tp\*pp\*cp = 3 does not divide the 8 GPUs"),
+    (TrainSpace(pp=3, cp=2), 4096, 8, r"tp\*pp\*cp = 6 does not divide the 8 GPUs"),
+    (TrainSpace(tp=2, dp=3), 4096, 6, r"tp\*pp\*dp\*cp = 6, but there are 8 GPUs"),
+    # nothing matched: the first constraint broken, in the order the degrees are checked
+    (TrainSpace(cp=4, dp=2), 4116, 3, r"cp 4 needs seq_len divisible by 2\*cp = 8"),
+    (TrainSpace(cp=4, dp=2), 4096, 3, r"not divisible by dp\*micro_batch = 2\*1"),
+    (TrainSpace(cp=1, dp=8), 4097, 4, r"not divisible by dp\*micro_batch = 8\*1"),
+    (TrainSpace(pp=2, micro_batch=3), 4096, 8, r"not divisible by dp\*micro_batch = 4\*3"),
+    (TrainSpace(tp=4, pp=2, schedule="interleaved", vpp=2), 4096, 3, "no valid layout of 8"),
     (TrainSpace(pp=2, schedule="interleaved", vpp=2, micro_batch=1), 4096, 6, "multiple of"),
 ])
 def test_contradicting_choices_are_refused_with_the_reason(space, seq_len, batch, message):
@@ -234,6 +244,7 @@ def test_contradicting_choices_are_refused_with_the_reason(space, seq_len, batch
 
 @pytest.mark.parametrize("space,batch", [
     (TrainSpace(zero=1, dp=1, cp=2), 4),  # cp ranks shard too
+    (TrainSpace(zero=1, dp=2, cp=2), 4),
     (TrainSpace(zero=3, tp=4), 2),  # tp*pp leaves 2 ranks to shard over
     (TrainSpace(vpp=1, schedule="1f1b"), 1),
     (TrainSpace(pp=1), 1),
@@ -249,6 +260,17 @@ def test_consistent_choices_at_the_limits_are_searched(space, batch):
                    dataclasses.asdict(space).items() if value is not None and key != "offload")
 
 
+def test_experts_spread_over_tensor_ranks_only_outside_tetrads_runtime():
+    """ep 8 over tp 4 x dp 4: Megatron-Core runs it (expert tensor parallel 1); tetrad's runtime
+    folds experts over dp*cp = 4 only, so its search refuses it."""
+    config, world = preset("mixtral-8x7b"), cluster("h100-sxm", 16)
+    space = TrainSpace(ep=8, tp=4, pp=1)
+    result = search_training(config, world, TrainWorkload(seq_len=4096), 16, space, top=1)
+    assert result.ranked[0].layout.ep == 8
+    with pytest.raises(ConfigError, match="ep 8"):
+        search_training(config, world, TrainWorkload(seq_len=4096, runtime="tetrad"), 16, space)
+
+
 def test_a_gpu_without_the_training_dtype_is_refused():
     world = cluster("rtx-3090", 8)  # no fp8 tensor cores
     with pytest.raises(ConfigError, match="has no fp8 tensor cores: train in bf16, fp16"):
@@ -256,8 +278,9 @@ def test_a_gpu_without_the_training_dtype_is_refused():
                         8)
 
 
-def test_serving_with_degrees_that_cannot_spread_is_refused():
-    with pytest.raises(ConfigError, match="does not divide the 8 GPUs"):
-        search_serving(preset("llama3-8b"), cluster("h100-sxm", 8),
-                       ServeWorkload(context_len=2048, prompt_len=1024, output_len=1024),
-                       ServeSpace(tp=2, pp=3))
+@pytest.mark.parametrize("n,space", [(8, ServeSpace(tp=2, pp=3)), (8, ServeSpace(pp=3)),
+                                     (16, ServeSpace(tp=16, pp=3))])  # tp past the kv heads
+def test_serving_with_degrees_that_cannot_spread_is_refused(n, space):
+    with pytest.raises(ConfigError, match=f"does not divide the {n} GPUs"):
+        search_serving(preset("llama3-8b"), cluster("h100-sxm", n),
+                       ServeWorkload(context_len=2048, prompt_len=1024, output_len=1024), space)
