@@ -164,7 +164,7 @@ PLANNER_TESTS = [f"tests/test_{name}.py" for name in (
     "planner_mutants_timeline", "planner_mutants_report", "planner_mutants_stats",
     "planner_mutants_kernels", "planner_mutants_memory", "planner_mutants_collectives",
     "planner_mutants_training", "planner_mutants_serving",
-    "planner_mutants_checks", "planner_mutants_schedules")]
+    "planner_mutants_checks", "planner_mutants_schedules", "planner_mutants_ps")]
 # The eager profile's checks against hand counts and the runtime built in-process, first (the
 # fastest first): a bug planted in the eager modules fails within seconds there.
 EAGER_TESTS = [f"tests/test_planner_mutants_eager_{name}.py" for name in (
