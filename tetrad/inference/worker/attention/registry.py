@@ -20,6 +20,7 @@ from tetrad.inference.worker.attention.cpu import CpuKernelBackend
 from tetrad.inference.worker.attention.flex import FlexBackend
 from tetrad.inference.worker.attention.sdpa import SdpaBackend
 from tetrad.inference.worker.attention.tiled import SizedGatheringBackend, TiledBackend
+from tetrad.inference.worker.attention.triton import TritonBackend
 from tetrad.inference.worker.attention.varlen import VarlenBackend
 
 FALLBACK = SizedGatheringBackend  # named "auto": what auto gathers with
@@ -28,6 +29,7 @@ BACKENDS: dict[str, type[AttentionBackend]] = {backend.name: backend for backend
     FALLBACK,
     VarlenBackend,
     CpuKernelBackend,
+    TritonBackend,
     FlexBackend,
     SdpaBackend,
     TiledBackend,
