@@ -189,3 +189,27 @@ def test_experts_on_other_replicas_add_a_dispatch_and_combine_per_moe_layer():
                   + moe_traffic(prompt) for layer in range(MOE.num_layers))
     assert spread.ttft_s == pytest.approx(
         prefill + gemm_time(H100, head_gemm(MOE, 1, 2), "bf16", 2.0, 2.0))
+
+
+def test_a_serving_workload_and_layout_at_their_limits():
+    from tetrad.errors import ConfigError
+    from tetrad.planner.serving import check_serve_layout
+
+    ServeWorkload(context_len=1, prompt_len=1, output_len=0)
+    ServeWorkload(context_len=30, prompt_len=10, output_len=20, batch=0)
+    for context, prompt, output, batch, words in (
+            (10, 0, 0, 0, "--prompt-len must be at least 1"),
+            (10, 1, -1, 0, "--output-len at least 0"),
+            (29, 10, 20, 0, "cannot hold the prompt and the output"),
+            (30, 10, 20, -1, "--batch must be")):
+        with pytest.raises(ConfigError, match=words):
+            ServeWorkload(context_len=context, prompt_len=prompt, output_len=output,
+                          batch=batch)
+    check_serve_layout(MOE, 8, ServeLayout(tp=2, dp=4, ep=8))
+    check_serve_layout(MOE, 8, ServeLayout(tp=4, dp=2, ep=2))
+    check_serve_layout(MOE, 8, ServeLayout(tp=2, pp=2, dp=2))
+    for gpus, layout, words in ((8, ServeLayout(tp=2, dp=2), "but there are 8 GPUs"),
+                                (8, ServeLayout(tp=2, dp=2, pp=2, ep=8), "must divide tp\\*dp"),
+                                (8, ServeLayout(tp=1, pp=8), "more than the model")):
+        with pytest.raises(ConfigError, match=words):
+            check_serve_layout(MOE, gpus, layout)

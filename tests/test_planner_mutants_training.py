@@ -157,3 +157,78 @@ def test_throughput_figures_are_their_definitions():
     assert estimate.fits == (estimate.memory.total <= 0.95 * H100.memory_bytes)
     tight = dataclasses.replace(H100, memory_bytes=estimate.memory.total / 0.95 * 0.999)
     assert not evaluate_training(SMALL, Cluster(tight, 8), layout, TrainWorkload(SEQ)).fits
+
+
+def test_chunked_tp_collectives_hide_behind_the_matmuls_but_their_first_chunk():
+    """overlap_tp_comm: at best all but one of tp chunks hide, never more than three forward
+    matmuls' worth, and the SMs the collective takes slow the compute by `interference`."""
+    tp, m = 4, 2
+    layout = TrainLayout(tp=tp, microbatches=m, micro_batch=2)
+    workload = dataclasses.replace(EXPOSED, overlap_tp_comm=True)
+    estimate = evaluate_training(SMALL, NODE, layout, workload)
+    calls = 2 * 2 * SMALL.num_layers + 2
+    whole = calls * comm.all_reduce_time(NODE, comm.place_group(NODE, tp, 1),
+                                         2 * SEQ * SMALL.hidden_size * 2)
+    matmuls = _kernels(SMALL, layout).matmul_forward
+    hidden = max(whole / tp, whole - 3 * matmuls, H100.efficiency.comm_interference * whole)
+    assert estimate.step.communication_exposed == pytest.approx(m * hidden)
+
+
+@pytest.mark.parametrize("cluster,tp", [(NODE, 1), (TWO_NODES, 8)], ids=["nvlink", "nic"])
+def test_context_parallel_ring_hides_behind_three_and_a_half_attention_forwards(cluster, tp):
+    """The K/V ring runs behind the attention it feeds (forward, and the backward's 2.5); its
+    hops cross nodes when cp ranks, tp apart, do not fit in one."""
+    cp, m = 2, 2
+    layout = TrainLayout(cp=cp, tp=tp, dp=cluster.num_gpus // (cp * tp), microbatches=m,
+                         micro_batch=2)
+    config = SMALL.replace(num_heads=8, num_kv_heads=8)
+    estimate = evaluate_training(config, cluster, layout, EXPOSED)
+    chunk = 2 * SEQ / cp * (config.num_kv_heads // tp) * 2 * config.head_dim * 2
+    crosses = cp * tp > cluster.node_size
+    ring = 3 * (cp - 1) * config.num_layers * comm.p2p_time(cluster, crosses, chunk)
+    attention = _kernels(config, layout).attention_forward
+    exposed_ring = max(0.0, ring - 3.5 * attention, H100.efficiency.comm_interference * ring)
+    tensor = 0.0
+    if tp > 1:
+        tensor = (2 * 2 * config.num_layers + 2) * comm.all_reduce_time(
+            cluster, comm.place_group(cluster, tp, 1), 2 * SEQ / cp * config.hidden_size * 2)
+    dense, _ = stage_params(config, 1, 0, tp, 1)
+    data = comm.all_reduce_time(cluster, comm.place_group(cluster, layout.dp * cp, tp),
+                                2 * dense)
+    assert estimate.step.communication_exposed == pytest.approx(
+        m * (exposed_ring + tensor) + data)
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_deepspeeds_per_parameter_zero3_gathers_cross_nodes_on_one_nic(recompute):
+    """zero3_per_parameter: each parameter's gather is too small to spread over a node's rails,
+    so the group is placed as one rank per node; recomputation re-runs the gather hooks."""
+    layout = TrainLayout(dp=16, zero=3, microbatches=2, micro_batch=2, recompute=recompute)
+    workload = dataclasses.replace(EXPOSED, zero3_per_parameter=True)
+    estimate = evaluate_training(SMALL, TWO_NODES, layout, workload)
+    dense, _ = stage_params(SMALL, 1, 0, 1, 1)
+    group = comm.place_group(TWO_NODES, 16, TWO_NODES.node_size)
+    gather = comm.all_gather_time(TWO_NODES, group, 2 * dense)
+    scatter = comm.reduce_scatter_time(TWO_NODES, group, 2 * dense)
+    backward_gathers = 2 if recompute == "full" else 1
+    assert estimate.step.communication_exposed == pytest.approx(
+        2 * ((1 + backward_gathers) * gather + scatter))
+    assert estimate.comm.calls_by_kind()["all_gather"] == 2 * (1 + backward_gathers)
+
+
+def test_a_workloads_recipe_and_options():
+    from tetrad.errors import ConfigError
+    from tetrad.planner.precision import training_precision
+
+    with pytest.raises(ConfigError, match="seq_len must be at least 1"):
+        TrainWorkload(0)
+    assert TrainWorkload(1).precision == training_precision("bf16")
+    assert TrainWorkload(8, dtype="fp32", fp32_grads=True).precision == \
+        training_precision("fp32", True)
+    assert TrainWorkload(8, fp32_grads=True).precision.grad_bytes == 4
+    custom = training_precision("fp16")
+    assert TrainWorkload(8, dtype="fp32", recipe=custom).precision is custom
+    options = TrainWorkload(8, flash_attention=False, dropout=True,
+                            zero3_live_params=5.0).activation_options
+    assert (options.flash_attention, options.dropout, options.runtime,
+            options.zero3_live_params) == (False, True, "megatron", 5.0)
