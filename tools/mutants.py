@@ -155,16 +155,18 @@ TP_TESTS = ["tests/test_parallel_mutants_tp.py", "tests/test_tensor_parallel.py"
 PIPELINE_TESTS = ["tests/test_pipeline.py", *NOT_FOUR_RANKS]
 PS_TESTS = ["tests/test_parameter_server.py", "-k",
             "not dead and not hung and not another and not async_converges"]
-# The planner and the schedules: their in-process tests (test_report*.py spawn runs to compare).
+# The planner and the schedules: their in-process tests (test_report*.py spawn runs to compare),
+# the hand counts of each estimate's parts first (seconds each: most planted bugs fail there).
 PLANNER_TESTS = [f"tests/test_{name}.py" for name in (
+    "planner_mutants_checks", "planner_mutants_collectives", "planner_mutants_kernels",
+    "planner_mutants_memory", "planner_mutants_training", "planner_mutants_serving",
+    "planner_mutants_stats",
     "planner_accuracy", "planner_comm", "planner_memory", "planner_ps", "planner_search",
     "eager_time", "schedules", "planner_model", "planner_mutants_partition",
     "planner_mutants_compute", "planner_mutants_rules", "planner_mutants_eager",
     "planner_mutants_search", "planner_mutants_layouts",
-    "planner_mutants_timeline", "planner_mutants_report", "planner_mutants_stats",
-    "planner_mutants_kernels", "planner_mutants_memory", "planner_mutants_collectives",
-    "planner_mutants_training", "planner_mutants_serving",
-    "planner_mutants_checks", "planner_mutants_schedules", "planner_mutants_ps")]
+    "planner_mutants_timeline", "planner_mutants_report",
+    "planner_mutants_schedules", "planner_mutants_ps")]
 # The eager profile's checks against hand counts and the runtime built in-process, first (the
 # fastest first): a bug planted in the eager modules fails within seconds there.
 EAGER_TESTS = [f"tests/test_planner_mutants_eager_{name}.py" for name in (
