@@ -170,7 +170,7 @@ PLANNER_TESTS = [f"tests/test_{name}.py" for name in (
 # The eager profile's checks against hand counts and the runtime built in-process, first (the
 # fastest first): a bug planted in the eager modules fails within seconds there.
 EAGER_TESTS = [f"tests/test_planner_mutants_eager_{name}.py" for name in (
-    "comm", "layout", "time", "runtime")]
+    "comm", "layout", "overlap", "time", "runtime")]
 # The attention backends, which tests reach through the package's names.
 ATTENTION_TESTS = ["tests/test_inference_mutants_attention.py", "tests/test_paged_attention.py",
                    "tests/test_attention_backends.py"]
