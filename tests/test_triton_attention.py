@@ -117,8 +117,8 @@ def reference(q, k_clean, v_clean, tables, contexts, query_lens):
             continue
         positions = torch.arange(context - num_queries, context, device=q.device)
         blocks = -(-context // k_clean.shape[1])
-        rows.append(sdpa_paged_attention(queries[None], k32, v32, tables[row:row + 1, :blocks].long(),
-                                         positions[None])[0])
+        table = tables[row:row + 1, :blocks].long()
+        rows.append(sdpa_paged_attention(queries[None], k32, v32, table, positions[None])[0])
     return torch.cat(rows)
 
 

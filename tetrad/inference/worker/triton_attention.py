@@ -23,8 +23,8 @@ K/V pools are [num_blocks, block_size, kv_heads, head_dim] with any strides but 
 dimension, so MLA's value pool (the latent: a view of the first columns of its cache entries) is
 read in place: the kernels take keys and values of separate widths. Any block size works; head
 dimensions need not be powers of two. On a CPU the kernels run under Triton's interpreter, when
-TRITON_INTERPRET=1 was set before this module was imported (the tests do): they then compute in
-fp32, because the interpreter's bf16 arithmetic is wrong.
+TRITON_INTERPRET=1 was set before triton and this module were imported (the tests do): they then
+compute in fp32, because the interpreter's bf16 arithmetic is wrong.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from tetrad.errors import ConfigError
 try:
     import triton
     import triton.language as tl
-    from triton import knobs
     HAS_TRITON = True
 except ImportError:  # the engine runs without triton; these kernels are then never launched
     HAS_TRITON = False
@@ -54,8 +53,6 @@ except ImportError:  # the engine runs without triton; these kernels are then ne
     triton = tl = _NoTriton()
 
 LOG2E = 1.4426950408889634  # the kernels use exp2: scores are scaled into base 2 once
-# Defined for the interpreter: the decorators below read TRITON_INTERPRET when they run.
-INTERPRETED = HAS_TRITON and knobs.runtime.interpret
 
 
 def triton_available(device: torch.device) -> bool:
@@ -66,7 +63,8 @@ def triton_available(device: torch.device) -> bool:
     if device.type == "cpu":
         return INTERPRETED
     try:
-        return device.type == "cuda" and not INTERPRETED and triton.runtime.driver.active is not None
+        return (device.type == "cuda" and not INTERPRETED
+                and triton.runtime.driver.active is not None)
     except RuntimeError:  # no driver for this machine
         return False
 
@@ -227,6 +225,12 @@ def _merge_splits_kernel(out, partial, lse, stride_os, stride_oh, stride_ps, str
     result = tl.sum(weights[:, None] * parts, 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(out + seq * stride_os + head * stride_oh + dim_v, result.to(out.dtype.element_ty),
              mask=dim_v < HEAD_V)
+
+
+# Whether the kernels above and triton's own functions were defined for the interpreter (the
+# decorators read TRITON_INTERPRET when they run): both must be, for CPU tensors.
+INTERPRETED = all(type(function).__name__ == "InterpretedFunction"
+                  for function in (_paged_attention_kernel, getattr(tl, "zeros", None)))
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
