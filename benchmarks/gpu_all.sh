@@ -7,10 +7,10 @@
 #   GPU_TRAINING_ROWS="tetrad-bf16-compiled tetrad-fp8-compiled" bash benchmarks/gpu_all.sh
 #
 # Pieces, in this order (the ones the open issues need most first): env (versions), kernels
-# (tests/test_triton_attention.py on CUDA), attention (benchmarks/gpu_triton_attention.py), tests
-# (tests/gpu and the varlen kernel test), fp8 (benchmarks/gpu_fp8_matmul.py), training
-# (benchmarks/gpu_training.py), calibrate (`tetrad calibrate --device cuda`), serving
-# (benchmarks/gpu_serving.py). Each runs under its own time limit, cut to what is left of the
+# (tests/test_triton_attention.py and test_triton_engine.py on CUDA), attention
+# (benchmarks/gpu_triton_attention.py), tests (tests/gpu and the varlen kernel test), fp8
+# (benchmarks/gpu_fp8_matmul.py), training (benchmarks/gpu_training.py), calibrate (`tetrad
+# calibrate --device cuda`), serving (benchmarks/gpu_serving.py). Each runs under its own time limit, cut to what is left of the
 # budget, and a piece that fails or runs out of time does not stop the next. Everything printed
 # goes to $OUT/gpu_all.log; the JSON files land beside it.
 set -u
@@ -40,7 +40,8 @@ piece env 30 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,cl
     --format=csv && $PYTHON -c 'import torch, transformers, triton; print(\"torch\", \
     torch.__version__, \"cuda\", torch.version.cuda, \"transformers\", transformers.__version__, \
     \"triton\", triton.__version__)'"
-piece kernels 120 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_triton_attention.py
+piece kernels 150 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_triton_attention.py \
+    tests/test_triton_engine.py
 piece attention 100 "$PYTHON" benchmarks/gpu_triton_attention.py --out "$OUT"
 piece tests 120 "$PYTHON" -m pytest -q -p no:cacheprovider tests/gpu \
     tests/test_paged_attention.py::test_varlen_reads_the_pool_in_place_like_gathered_attention

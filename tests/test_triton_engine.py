@@ -30,7 +30,9 @@ from test_engine import GREEDY, PROMPTS, engine, random_model
 from tetrad.inference.worker.cuda_graphs import DecodeGraphs
 
 model = random_model()
-chunked = engine(model, attention="triton", max_num_batched_tokens=7, num_blocks=32)
+# Few sequences: on a GPU few graph buckets to capture, so few kernel variants to compile.
+chunked = engine(model, attention="triton", max_num_batched_tokens=7, num_blocks=32,
+                 max_num_seqs=5)
 outputs = chunked.generate(PROMPTS[:3], GREEDY.replace(max_tokens=6))
 bucketed = engine(model, attention="triton", max_num_seqs=5, num_blocks=32)
 runner = bucketed.runner
