@@ -10,9 +10,9 @@
 # (tests/test_triton_attention.py and test_triton_engine.py on CUDA), attention
 # (benchmarks/gpu_triton_attention.py), tests (tests/gpu and the varlen kernel test), fp8
 # (benchmarks/gpu_fp8_matmul.py), training (benchmarks/gpu_training.py), calibrate (`tetrad
-# calibrate --device cuda`), serving (benchmarks/gpu_serving.py). Each runs under its own time limit, cut to what is left of the
-# budget, and a piece that fails or runs out of time does not stop the next. Everything printed
-# goes to $OUT/gpu_all.log; the JSON files land beside it.
+# calibrate --device cuda`), serving (benchmarks/gpu_serving.py). Each runs under its own time
+# limit, cut to what is left of the budget, and a piece that fails or runs out of time does not
+# stop the next. Everything printed goes to $OUT/gpu_all.log; the JSON files land beside it.
 set -u
 OUT=${OUT:-runs/gpu}
 mkdir -p "$OUT"
