@@ -10,10 +10,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
-import torch.nn.functional as F
+from test_eager_time import dispatched
 
-from tetrad.calibrate.compute import OperatorCount
 from tetrad.hardware.catalog import GPUS, Cluster
 from tetrad.models.transformer import Transformer
 from tetrad.planner.compute import gemm_time, head_times, layer_times, optimizer_time
@@ -31,19 +29,6 @@ MOE = {
     "dense-first": preset("tiny-moe").replace(num_dense_layers=1, num_layers=3),
 }
 H100 = GPUS["h100-sxm"]
-
-
-def _dispatched(config) -> tuple[int, int, int]:
-    """(forward operators, backward operators, parameter tensors) of one step on one process."""
-    torch.manual_seed(0)
-    model = Transformer(config)
-    tokens = torch.randint(0, config.vocab_size, (2, 17))
-    with OperatorCount() as forward:
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-    with OperatorCount() as backward:
-        loss.backward()
-    return forward.count, backward.count, len(list(model.parameters()))
 
 
 def _cluster(gpus: int = 1, **profile) -> Cluster:
@@ -66,8 +51,8 @@ def test_moe_operators_grow_as_pytorch_dispatches():
     base = MOE["shared"]
     for changed in (base.replace(num_experts=8), MOE["no-shared"]):
         planned = [a - b for a, b in zip(counted(changed), counted(base))]
-        dispatched = [a - b for a, b in zip(_dispatched(changed)[:2], _dispatched(base)[:2])]
-        assert planned == dispatched != [0, 0]
+        by_torch = [a - b for a, b in zip(dispatched(changed), dispatched(base))]
+        assert planned == by_torch != [0, 0]
 
 
 def test_each_dispatched_operator_and_stepped_tensor_costs_the_profile():
@@ -76,7 +61,8 @@ def test_each_dispatched_operator_and_stepped_tensor_costs_the_profile():
     operators per tensor torch steps. On a GPU the host's operators overlap the kernels: the
     slower of the two sets the pace."""
     config = preset("tiny")
-    forward_ops, backward_ops, tensors = _dispatched(config)
+    forward_ops, backward_ops = dispatched(config)
+    tensors = len(list(Transformer(config).parameters()))
     layout = TrainLayout(micro_batch=2)
 
     def time(**profile):
