@@ -11,9 +11,11 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
+from test_eager_time import _NothingArrives
 
 from tetrad.memory import ActivationMeter
 from tetrad.models.transformer import Transformer
+from tetrad.parallel.context_parallel import apply_context_parallel
 from tetrad.parallel.data_parallel import bucket_params
 from tetrad.parallel.fsdp import stage_units, transformer_units
 from tetrad.parallel.mesh import Group
@@ -272,3 +274,28 @@ def test_a_ranks_total_is_its_state_and_activations():
         assert rank.total == (state.params + state.grads + state.optimizer
                               + activations_peak(config, layout, 16, BF16, pp_rank))
         assert rank.comm.calls == rank_comm(config, layout, 16, BF16, pp_rank).calls
+
+
+class _NoPeers(_NothingArrives):
+    """The ring's exchange and the routers' mean over cp without peers (values unchanged)."""
+
+    def all_reduce(self, tensor, group, tag=None):
+        return self
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "moe"])
+def test_context_parallel_rank_keeps_what_the_meter_counts(name, cp):
+    """A cp rank's share of the sequence through ring attention (its log-sum-exp and the
+    output's copy in token order), its positions and rotary tables, its copy of the ids, the
+    routers over its tokens: the meter's count on the last cp rank's forward."""
+    config = {**FOUR_LAYERS, "moe": preset("tiny-moe")}[name]
+    model = Transformer(config)
+    context = apply_context_parallel(model, Group("cp", tuple(range(cp)), cp - 1), _NoPeers())
+    inputs, targets, positions = context.shard(torch.randint(0, config.vocab_size, (2, 33)))
+    meter = ActivationMeter(model)
+    with meter.measure():
+        logits = model(inputs, positions=positions)
+        F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    assert stage_bytes(config, TrainLayout(cp=cp, micro_batch=2), 0, 32, FP32) == (
+        meter.finish_microbatch())
