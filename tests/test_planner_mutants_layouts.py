@@ -77,6 +77,8 @@ def reference_shapes(config, world, batch: int, seq_len: int, space=TrainSpace()
 SHAPE_CASES = [
     # dense, a node of 4: tp stops at the node; cp 1, 2, 4 leave >= 2048 tokens of 8192
     ("llama3-8b", {}, 8, 4, 12, 8192, TrainSpace()),
+    # a given micro batch leaves 3 microbatches on 4 stages: no interleaving there
+    ("llama3-8b", {}, 8, 8, 12, 4096, TrainSpace(micro_batch=2)),
     # 4 layers: pp and pp*vpp stop at the layer count; batch 16 gives every micro batch to 16
     ("llama3-8b", {"num_layers": 4}, 16, 8, 32, 4096, TrainSpace()),
     # experts: ep over dp*cp, dividing the 8 experts
@@ -278,9 +280,13 @@ def test_a_gpu_without_the_training_dtype_is_refused():
                         8)
 
 
-@pytest.mark.parametrize("n,space", [(8, ServeSpace(tp=2, pp=3)), (8, ServeSpace(pp=3)),
-                                     (16, ServeSpace(tp=16, pp=3))])  # tp past the kv heads
-def test_serving_with_degrees_that_cannot_spread_is_refused(n, space):
+@pytest.mark.parametrize("changes,n,space", [
+    ({}, 8, ServeSpace(tp=2, pp=3)), ({}, 8, ServeSpace(pp=3)),
+    ({}, 16, ServeSpace(tp=16, pp=3)),  # tp past the kv heads is fine for serving
+    ({"num_heads": 1, "num_kv_heads": 1}, 3, ServeSpace(pp=2)),  # only tp 1 splits one head
+    ({"num_layers": 1}, 6, ServeSpace(tp=4)),  # one layer: one stage
+])
+def test_serving_with_degrees_that_cannot_spread_is_refused(changes, n, space):
     with pytest.raises(ConfigError, match=f"does not divide the {n} GPUs"):
-        search_serving(preset("llama3-8b"), cluster("h100-sxm", n),
+        search_serving(preset("llama3-8b").replace(**changes), cluster("h100-sxm", n),
                        ServeWorkload(context_len=2048, prompt_len=1024, output_len=1024), space)
