@@ -10,6 +10,7 @@ import torch
 from test_engine import GREEDY, PROMPTS, engine, random_model, reference_greedy
 
 from tetrad.errors import ConfigError
+from tetrad.inference.worker import triton_attention
 from tetrad.inference.worker.attention import (AttentionBackend, DeviceStep, HostStep,
                                                register, registry, resolve_backend,
                                                sdpa_paged_attention)
@@ -122,13 +123,16 @@ class Picky(PaddedGathering):
 
 
 def test_auto_asks_the_automatic_backends_in_the_registrys_order(monkeypatch):
-    cpu = torch.device("cpu")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
     first = {"auto": registry.FALLBACK, "picky": Picky}
     monkeypatch.setattr(registry, "BACKENDS", {**first, **registry.BACKENDS})
     assert resolve_backend("auto", cpu, 16) == "picky"
     assert resolve_backend("auto", cpu, 8) == "cpu"  # refused: the next one is asked
+    monkeypatch.setattr(triton_attention, "triton_available", lambda device: True)
+    assert resolve_backend("auto", cuda, 16) == "triton"  # not picky's device
+    monkeypatch.setattr(triton_attention, "triton_available", lambda device: False)
     with pytest.warns(UserWarning, match="gathering attention on the GPU"):
-        assert resolve_backend("auto", torch.device("cuda"), 16) == "auto"  # not picky's device
+        assert resolve_backend("auto", cuda, 16) == "auto"
     with pytest.raises(ConfigError, match="picky needs --block-size 16"):
         resolve_backend("picky", cpu, 8)
 
@@ -137,7 +141,7 @@ def test_the_engines_attention_choices_are_the_registrys(padded_gathering):
     assert EngineConfig(attention=padded_gathering.name).attention == padded_gathering.name
     del registry.BACKENDS[padded_gathering.name]
     try:
-        with pytest.raises(ConfigError, match="attention must be one of auto, varlen, cpu"):
+        with pytest.raises(ConfigError, match="attention must be one of auto, cpu, triton, varlen"):
             EngineConfig(attention=padded_gathering.name)
     finally:
         register(padded_gathering)

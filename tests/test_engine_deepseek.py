@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 from deepseek_models import hf_model  # noqa: E402
 from test_engine import GREEDY, PROMPTS, hf_greedy  # noqa: E402
 
+from tetrad.inference.worker import triton_attention  # noqa: E402
 from tetrad.inference.worker.attention import (resolve_backend, sdpa_paged_attention,  # noqa: E402
                                                tiled_paged_attention)
 from tetrad.inference.engine import LLM  # noqa: E402
@@ -50,10 +51,15 @@ def test_the_pool_holds_the_latent_and_rope_key_the_planner_counts(deepseek_fold
     assert per_token < 3 * 4 * (6 + 8 + 10) * 4
 
 
-def test_the_attention_kernel_that_cannot_read_the_latent_cache_is_refused():
+def test_the_attention_kernel_that_cannot_read_the_latent_cache_is_refused(monkeypatch):
+    cuda = torch.device("cuda")  # resolve_backend only reads the device's type
     with pytest.raises(ConfigError, match="cannot read an MLA model's latent cache"):
-        resolve_backend("varlen", torch.device("cuda"), 256, latent=True)
-    assert resolve_backend("auto", torch.device("cuda"), 256, latent=True) == "auto"  # gathers
+        resolve_backend("varlen", cuda, 256, latent=True)
+    monkeypatch.setattr(triton_attention, "triton_available", lambda device: True)
+    assert resolve_backend("auto", cuda, 256, latent=True) == "triton"  # reads it in place
+    monkeypatch.setattr(triton_attention, "triton_available", lambda device: False)
+    with pytest.warns(UserWarning, match="gathering attention on the GPU"):
+        assert resolve_backend("auto", cuda, 256, latent=True) == "auto"
 
 
 def test_paged_kernels_take_values_narrower_than_keys():

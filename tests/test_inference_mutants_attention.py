@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tetrad.errors import ConfigError
-from tetrad.inference.worker import attention
+from tetrad.inference.worker import attention, triton_attention
 from tetrad.inference.worker.attention import varlen
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -109,6 +109,11 @@ def test_a_bf16_tiled_result_keeps_the_query_dtype_and_matches_float32():
 def test_every_backend_choice_and_refusal(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")  # only the device's type is read
     monkeypatch.setattr(varlen, "flash_takes_block_tables", lambda: True)
+    monkeypatch.setattr(triton_attention, "triton_available", lambda device: True)
+    assert attention.resolve_backend("auto", cuda, 512) == "triton"  # asked before varlen
+    assert attention.resolve_backend("auto", cuda, 256, latent=True) == "triton"
+    assert attention.resolve_backend("auto", cpu, 256) == "cpu"  # the CPU's kernel first
+    monkeypatch.setattr(triton_attention, "triton_available", lambda device: False)
     for explicit in ("sdpa", "tiled", "flex"):
         assert attention.resolve_backend(explicit, cpu, 16) == explicit
         assert attention.resolve_backend(explicit, cuda, 16) == explicit

@@ -14,7 +14,7 @@ from test_engine import GREEDY, PROMPTS, engine, naive_paged_attention, random_m
     reference_greedy
 
 from tetrad.errors import ConfigError
-from tetrad.inference.worker import cpu_kernels
+from tetrad.inference.worker import cpu_kernels, triton_attention
 from tetrad.inference.worker.attention import (flex_paged_attention, kernel_paged_decode,
                                                paged_block_mask, resolve_backend,
                                                sdpa_paged_attention, varlen_paged_attention)
@@ -203,6 +203,9 @@ def test_without_paged_flash_attention_a_gpu_gathers(monkeypatch):
     explicit --attention varlen stops with one line."""
     assert attention_module.flash_takes_block_tables()  # torch 2.13, the pinned one
     cuda = torch.device("cuda")  # resolve_backend only reads the device's type
+    monkeypatch.setattr(triton_attention, "triton_available", lambda device: True)
+    assert resolve_backend("auto", cuda, 16) == "triton"  # where triton runs, it reads in place
+    monkeypatch.setattr(triton_attention, "triton_available", lambda device: False)
     assert resolve_backend("auto", cuda, 256) == "varlen"
     with pytest.warns(UserWarning, match="gathering attention on the GPU"):
         assert resolve_backend("auto", cuda, 16) == "auto"

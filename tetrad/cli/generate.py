@@ -26,8 +26,8 @@ ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("--max-model-len", int, "context length (default: the model's)"),
     ("--preemption", str, "when KV blocks run out: " + " or ".join(PREEMPTION_MODES)
      + " (default {preemption})"),
-    ("--attention", str, "{attention} (default: varlen on a GPU where it can, else triton where "
-                         "it runs, else gathering; on a CPU the C++ decode kernel, sdpa or "
+    ("--attention", str, "{attention} (default: triton on a GPU where it runs, else varlen where "
+                         "it can, else gathering; on a CPU the C++ decode kernel, sdpa or "
                          "tiled without a compiler), cpu, sdpa, tiled, flex, varlen or triton"),
     ("--seed", int, "engine seed: the sampling seed of requests that bring none (default "
                     "{seed})"),

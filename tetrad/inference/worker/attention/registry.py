@@ -3,6 +3,11 @@
 cache, and takes the first that does; where none does it gathers (`auto`: SDPA, or the tiled
 kernel when the copy would be large), with a warning that says why.
 
+On a GPU Triton comes first: it reads the pool in place with any block size, on any torch that
+brings triton, and keeps the MLA latent cache in place; torch's paged flash-attention (`varlen`)
+wants blocks of 256 and a torch from 2.12 on, so it is asked second. On a CPU the C++ kernel comes
+first (Triton runs there only under its interpreter, for tests).
+
 FlexAttention is never picked: its GPU kernels refused the engine's pages and prefill chunks on an
 H100 with torch 2.11 (16-token pages: no kernel config for decode; Q blocks of a chunk's length,
 such as 300, not a multiple of its tiles); `--attention flex` stays for those who try it.
@@ -27,9 +32,9 @@ FALLBACK = SizedGatheringBackend  # named "auto": what auto gathers with
 # Name -> backend, in auto's order of preference (in place and fastest first).
 BACKENDS: dict[str, type[AttentionBackend]] = {backend.name: backend for backend in (
     FALLBACK,
-    VarlenBackend,
     CpuKernelBackend,
     TritonBackend,
+    VarlenBackend,
     FlexBackend,
     SdpaBackend,
     TiledBackend,
