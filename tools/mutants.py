@@ -167,6 +167,12 @@ PLANNER_TESTS = [f"tests/test_{name}.py" for name in (
     "planner_mutants_search", "planner_mutants_layouts",
     "planner_mutants_timeline", "planner_mutants_report",
     "planner_mutants_schedules", "planner_mutants_ps")]
+# The search, the step's timeline, the report and the schedules: their own checks first (a bug
+# planted there fails within seconds), then the rest of the planner's.
+LAYOUT_TESTS = [f"tests/test_planner_mutants_{name}.py" for name in (
+    "schedules", "timeline", "layouts", "report", "ps")]
+LAYOUT_MODULES = [f"tetrad/planner/{name}.py" for name in (
+    "search", "timeline", "report", "parameter_server", "stacks", "__init__")]
 # The eager profile's checks against hand counts and the runtime built in-process, first (the
 # fastest first): a bug planted in the eager modules fails within seconds there.
 EAGER_TESTS = [f"tests/test_planner_mutants_eager_{name}.py" for name in (
@@ -195,6 +201,9 @@ TEST_MAP = {
        for module in (ROOT / "tetrad" / folder).glob("*.py")},
     **{str(module.relative_to(ROOT)): [*EAGER_TESTS, *PLANNER_TESTS]
        for module in (ROOT / "tetrad" / "planner").glob("eager*.py")},
+    **{module: [*LAYOUT_TESTS, *(t for t in PLANNER_TESTS if t not in LAYOUT_TESTS)]
+       for module in [*LAYOUT_MODULES, *(str(path.relative_to(ROOT)) for path in
+                                         (ROOT / "tetrad" / "schedules").glob("*.py"))]},
     **{str(module.relative_to(ROOT)): ATTENTION_TESTS
        for module in (ROOT / "tetrad" / "inference" / "worker" / "attention").glob("*.py")},
 }
