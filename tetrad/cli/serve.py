@@ -5,10 +5,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
 from tetrad.cli.generate import add_engine_arguments, build_engine
+from tetrad.spec.serving import ServerConfig
 
 
 def add_parser(subparsers) -> None:
@@ -25,26 +27,33 @@ def add_parser(subparsers) -> None:
     limits.add_argument("--api-key", default=os.environ.get("TETRAD_API_KEY"),
                         help="clients must send 'Authorization: Bearer KEY' to /v1/* and "
                              "/tokenize (default: $TETRAD_API_KEY; none: open)")
+    defaults = {field.name: field.default for field in dataclasses.fields(ServerConfig)}
     for flag, kind, help_text in SERVER_FLAGS:
-        limits.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text)
+        limits.add_argument(flag, type=kind, default=argparse.SUPPRESS,
+                            help=help_text.format_map(defaults))
     limits.add_argument("--enable-docs", action="store_true", default=argparse.SUPPRESS,
                         help="serve the API's /docs, /redoc and /openapi.json (off by default)")
     parser.set_defaults(run=run)
 
 
+# Help texts name a default as {field}: ServerConfig's, the one place each is declared.
 SERVER_FLAGS: list[tuple[str, type, str]] = [
-    ("--max-request-bytes", int, "largest request body, in bytes (default 16 MiB; more: 413)"),
-    ("--max-sequences-per-request", int, "prompts x n of one request (default 256; more: 400)"),
-    ("--max-stop-strings", int, "stop strings per request (default 16; more: 400)"),
+    ("--max-request-bytes", int, "largest request body, in bytes (default {max_request_bytes}; "
+                                 "more: 413)"),
+    ("--max-sequences-per-request", int, "prompts x n of one request (default "
+                                         "{max_sequences_per_request}; more: 400)"),
+    ("--max-stop-strings", int, "stop strings per request (default {max_stop_strings}; more: "
+                                "400)"),
     ("--max-waiting-requests", int, "requests queued and not started yet; more get a 503 with "
-                                    "Retry-After (default 1024)"),
+                                    "Retry-After (default {max_waiting_requests})"),
     ("--request-timeout", float, "seconds a request may run before it is stopped with a 408 "
-                                 "(default 600)"),
+                                 "(default {request_timeout:g})"),
     ("--template-timeout", float, "seconds the chat template may take on one request's "
-                                  "messages; a render past it is stopped (400) (default 5)"),
+                                  "messages; a render past it is stopped (400) (default "
+                                  "{template_timeout:g})"),
     ("--stream-interval", int, "engine steps between a streamed answer's events: its first "
                                "token and its end go at once, the steps between merged "
-                               "(default 1: every step)"),
+                               "(default {stream_interval}: every step)"),
 ]
 
 
@@ -52,7 +61,6 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tetrad.spec.model import from_dict
-    from tetrad.inference.entrypoints.api import ServerConfig
     from tetrad.inference.entrypoints.chat import ChatFormatter, load_chat_template
     from tetrad.inference.entrypoints.server import build_app
 

@@ -1,6 +1,6 @@
-"""The one description of a served model's layout and of the serving engine's settings, shared by
-the engine (tetrad.inference), the planner (`tetrad plan serve`) and the command line, whose help
-shows these defaults. No torch here: the settings only the torch side can check (dtype and
+"""The one description of a served model's layout, of the serving engine's settings and of the
+server's limits, shared by the engine (tetrad.inference), the planner (`tetrad plan serve`) and
+the command line, whose help shows these defaults. No torch here: the settings only the torch side can check (dtype and
 attention backend names, memory sizes, the device) are EngineConfig's
 (tetrad/inference/worker/config.py), which extends ServeConfig.
 
@@ -10,6 +10,7 @@ tetrad.inference.ranks.layout.check_servable."""
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -80,3 +81,28 @@ class ServeConfig(ServeLayout):
         check_choice("preemption", self.preemption, PREEMPTION_MODES)
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """`tetrad serve`'s access and limits. Field names are its flags with '-' for '_'."""
+
+    api_key: str | None = None  # clients send "Authorization: Bearer KEY" to /v1 and /tokenize
+    max_request_bytes: int = 16 * 2**20  # request body
+    max_sequences_per_request: int = 256  # prompts x n
+    max_stop_strings: int = 16  # per request; `tetrad create` checks a Modelfile against it
+    max_waiting_requests: int = 1024  # requests queued and not started: more get a 503
+    request_timeout: float = 600.0  # seconds; a request still running then is stopped (408)
+    enable_docs: bool = False  # /docs, /redoc and /openapi.json
+    stream_interval: int = 1  # engine steps between a stream's events (AsyncEngine)
+    template_timeout: float = 5.0  # seconds a chat template may render (front_end.py)
+
+    def __post_init__(self) -> None:
+        for name in ("max_request_bytes", "max_sequences_per_request", "max_waiting_requests",
+                     "request_timeout", "stream_interval", "template_timeout"):
+            check_positive(name, getattr(self, name))
+        check_positive("max_stop_strings", self.max_stop_strings, allow_zero=True)
+        for name in ("request_timeout", "template_timeout"):  # nan passes check_positive
+            if not math.isfinite(getattr(self, name)):
+                raise ConfigError(f"{name} must be a finite number of seconds, got "
+                                  f"{getattr(self, name)}")

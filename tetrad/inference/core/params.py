@@ -9,12 +9,12 @@ from dataclasses import dataclass
 
 from tetrad.spec.model import from_dict
 from tetrad.errors import ConfigError, TetradError
-
+from tetrad.spec.serving import ServerConfig
 
 MAX_LOGPROBS = 20  # top log-probabilities a request may ask for per token (OpenAI's limit)
-# Stop strings per request, the server's default limit (`--max-stop-strings`); here, not in the
-# server's module, so that `tetrad create` checks a Modelfile against it without fastapi.
-DEFAULT_MAX_STOP_STRINGS = 16
+# Stop strings per request, the server's default limit (`--max-stop-strings`), which `tetrad
+# create` checks a Modelfile against.
+DEFAULT_MAX_STOP_STRINGS = ServerConfig.max_stop_strings
 # Temperatures below this sample as greedy (vLLM's rule): dividing logits by 1e-300 overflows to
 # inf and the softmax to NaN.
 GREEDY_TEMPERATURE = 1e-5

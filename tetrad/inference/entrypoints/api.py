@@ -4,41 +4,13 @@ in the shapes of /v1/completions and /v1/chat/completions."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from tetrad.spec.model import check_positive
-from tetrad.errors import ConfigError, TetradError
+from tetrad.errors import TetradError
 from tetrad.inference.core.output import TokenLogprob
-from tetrad.inference.core.params import DEFAULT_MAX_STOP_STRINGS, SamplingParams
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """Field names are the `tetrad serve` flags with '-' for '_'."""
-
-    api_key: str | None = None  # clients send "Authorization: Bearer KEY" to /v1 and /tokenize
-    max_request_bytes: int = 16 * 2**20  # request body
-    max_sequences_per_request: int = 256  # prompts x n
-    max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS
-    max_waiting_requests: int = 1024  # requests queued and not started: more get a 503
-    request_timeout: float = 600.0  # seconds; a request still running then is stopped (408)
-    enable_docs: bool = False  # /docs, /redoc and /openapi.json
-    stream_interval: int = 1  # engine steps between a stream's events (AsyncEngine)
-    template_timeout: float = 5.0  # seconds a chat template may render (front_end.py)
-
-    def __post_init__(self) -> None:
-        for name in ("max_request_bytes", "max_sequences_per_request", "max_waiting_requests",
-                     "request_timeout", "stream_interval", "template_timeout"):
-            check_positive(name, getattr(self, name))
-        check_positive("max_stop_strings", self.max_stop_strings, allow_zero=True)
-        for name in ("request_timeout", "template_timeout"):  # nan passes check_positive
-            if not math.isfinite(getattr(self, name)):
-                raise ConfigError(f"{name} must be a finite number of seconds, got "
-                                  f"{getattr(self, name)}")
+from tetrad.inference.core.params import SamplingParams
+from tetrad.spec.serving import ServerConfig  # the limits requests are held to
 
 
 class ApiError(TetradError):
