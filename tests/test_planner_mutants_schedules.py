@@ -51,6 +51,13 @@ def test_a_compute_listed_before_the_receive_of_its_input_deadlocks():
         simulate(_replace(good, 1, actions))
 
 
+def test_a_receive_from_a_rank_that_has_finished_deadlocks_under_blocking_send_recv():
+    good = build_schedule("1f1b", 2, 1)
+    extra = next(a for a in good.actions[1] if a.kind == "RECV_F")
+    with pytest.raises(ScheduleError, match=r"rank 1 at RECV_F0@s1:r0: blocks until rank 0"):
+        simulate(_replace(good, 1, [*good.actions[1], extra]), blocking=True)
+
+
 def test_idle_time_is_each_ranks_gap_to_the_makespan_and_the_json_lists_every_span():
     timeline = simulate(build_schedule("1f1b", 3, 4))
     gaps = [timeline.makespan - sum((s.end - s.start for s in spans), Fraction(0))

@@ -53,6 +53,18 @@ def test_a_weight_pass_below_half_a_grid_step_still_takes_one():
         1, 2 + grid, 2, grid))), rel=1e-12)
 
 
+@pytest.mark.parametrize("name,pp,m,vpp", [
+    ("1f1b", 8, 256, 1), ("gpipe", 8, 96, 1), ("interleaved", 8, 256, 2), ("1f1b", 4, 3, 1),
+    ("interleaved", 4, 8, 3)])
+def test_uniform_stages_have_the_papers_bubble_whatever_the_times(name, pp, m, vpp):
+    """Idle over ideal time is (p-1)/m for GPipe and 1F1B and (p-1)/(v m) interleaved (m >= p;
+    Huang et al. 2019, Narayanan et al. 2021), simulated or in closed form past 1024 computes."""
+    expected = (pp - 1) / (m * (vpp if m >= pp else 1))
+    for forward, backward in ((1.0, 2.0), (1.0, 2.3), (0.5, 3.0)):
+        assert pipeline_bubble_ratio(name, pp, m, vpp, forward, backward) == pytest.approx(
+            expected, rel=1e-12)
+
+
 def _compute_actions(name: str, pp: int, m: int, vpp: int) -> int:
     """F and B per (stage, microbatch), and W when the backward is split (zero bubble)."""
     return pp * vpp * m * (3 if name == "zb" else 2)
