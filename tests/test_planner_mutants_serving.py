@@ -5,6 +5,8 @@ kernels and collectives, layer by layer."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tetrad.hardware.catalog import Cluster
@@ -27,6 +29,7 @@ H100 = catalog_gpu("h100-sxm")
 NODE = Cluster(H100, 8)
 LLAMA = preset("llama2-7b")
 MOE = preset("mixtral-8x7b").replace(num_layers=4)
+DEEPSEEK = preset("deepseek-v3").replace(num_layers=4)  # 3 dense layers, then MoE
 GPT = ModelConfig(vocab_size=50304, hidden_size=2048, num_layers=4, num_heads=16,
                   ffn_hidden_size=1024, max_seq_len=2048, norm="layernorm", position="learned",
                   mlp="gelu", bias=True, tie_embeddings=True)
@@ -118,21 +121,25 @@ def test_kv_budget_is_free_memory_over_a_whole_context(batch, layout):
     assert not too_many.fits
 
 
-def _decode_layer(config, layer, tokens, context, tp=1, ep=1):
+def _decode_layer(config, layer, tokens, context, tp=1, ep=1, gpu=H100):
     """Its matmuls at `tokens` rows, then attention over every sequence's whole KV cache: the
     longer of its FLOPs at the attention efficiency and the cache read."""
     group = tokens * max(1, ep // tp)
     expert_tp = tp // ep if 1 < ep < tp else 1
-    matmuls = sum(gemm_time(H100, g, "bf16", 2.0, 2.0)
+    matmuls = sum(gemm_time(gpu, g, "bf16", 2.0, 2.0)
                   for g in layer_gemms(config, layer, tokens, tp, ep, group, expert_tp))
     heads = config.num_heads // tp
-    flops = 2.0 * heads * 2 * config.head_dim * context * tokens
+    # MLA attends in its latent space (weight absorption): scores over the latent and the rope
+    # key, values out of the latent.
+    width = (2 * config.kv_lora_rank + config.qk_rope_head_dim if config.attention == "mla"
+             else 2 * config.head_dim)
+    flops = 2.0 * heads * width * context * tokens
     read = kv_bytes_per_token(config, 2.0, tp, 1) * context * tokens
-    return matmuls + max(flops / (H100.peak("bf16") * H100.efficiency.attention),
-                         bandwidth_time(H100, read, 1))
+    return matmuls + max(flops / (gpu.peak("bf16") * gpu.efficiency.attention),
+                         bandwidth_time(gpu, read, 1))
 
 
-@pytest.mark.parametrize("config", [LLAMA, MOE], ids=["llama", "moe"])
+@pytest.mark.parametrize("config", [LLAMA, MOE, DEEPSEEK], ids=["llama", "moe", "mla"])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_first_token_and_each_next_one_are_their_layers_and_collectives(config, tp):
     prompt, output, batch = 256, 128, 6
@@ -213,3 +220,18 @@ def test_a_serving_workload_and_layout_at_their_limits():
                                 (8, ServeLayout(tp=1, pp=8), "more than the model")):
         with pytest.raises(ConfigError, match=words):
             check_serve_layout(MOE, gpus, layout)
+
+
+@pytest.mark.parametrize("config", [LLAMA, DEEPSEEK], ids=["gqa", "mla"])
+def test_decode_attention_is_compute_bound_where_memory_is_fast(config):
+    """With HBM a hundred times faster every decode kernel is bound by its FLOPs: the attention
+    term is then its FLOPs alone (MLA's in the latent space)."""
+    fast = dataclasses.replace(H100, memory_bandwidth=100 * H100.memory_bandwidth)
+    prompt, output, batch = 4096, 128, 64  # attention's FLOPs far above a launch
+    estimate = evaluate_serving(config, Cluster(fast, 8), ServeLayout(dp=8),
+                                _serve(prompt, output, batch))
+    context = prompt + output // 2
+    decode = sum(_decode_layer(config, layer, batch, context, gpu=fast)
+                 for layer in range(config.num_layers))
+    assert estimate.tpot_s == pytest.approx(
+        decode + gemm_time(fast, head_gemm(config, batch), "bf16", 2.0, 2.0))
