@@ -9,7 +9,10 @@ weights, the same weights in both), CPU, everything in one run:
      default, --attention cpu) counts the K and V rows it reads as it runs; from the step's block
      tables, the gathering backends read the padded tables' blocks twice (the copy, then SDPA
      over it) and FlexAttention visits the blocks its block mask lists;
-  4. tokens/s of `LLM.generate` against HF `generate` in static batches of --max-num-seqs
+  4. host time per decode step at batch --batch past --step-context tokens (gpu_serving.py's
+     StepTimes): the step's wall time outside the model's forward (scheduling, the plan, the
+     runner's prepare, sampling, bookkeeping), and the prepare alone;
+  5. tokens/s of `LLM.generate` against HF `generate` in static batches of --max-num-seqs
      (left-padded) and HF's continuous batching (ContinuousBatchingManager), on the same
      requests (gpu_serving.py's runs of the three).
 
@@ -26,7 +29,7 @@ from contextlib import contextmanager
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from gpu_serving import run_engine, run_hf_continuous, run_hf_static
+from gpu_serving import run_engine, run_hf_continuous, run_hf_static, time_decode_steps
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from tetrad.spec.model import ModelConfig
@@ -181,6 +184,9 @@ def main() -> None:
     parser.add_argument("--ffn", type=int, default=688)
     parser.add_argument("--vocab", type=int, default=256, help="the byte tokenizer's")
     parser.add_argument("--batch", type=int, default=8, help="sequences of the counted step")
+    parser.add_argument("--step-context", type=int, default=128,
+                        help="context of the host-time steps")
+    parser.add_argument("--step-count", type=int, default=16)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2)
@@ -203,6 +209,13 @@ def main() -> None:
     print(f"  attention bytes read / K+V bytes of the contexts: CPU kernel (counted as it runs) "
           f"{counts['kernel_bytes_ratio']:.2f}, gathering {counts['gather_bytes_ratio']:.2f}, "
           f"flex block mask {counts['flex_bytes_ratio']:.2f}")
+    with torch.inference_mode():
+        times = time_decode_steps(engine(model, args), args.batch, args.step_context,
+                                  args.step_count).per_step_ms()
+    print(f"  host time per decode step (batch {args.batch}, context {args.step_context}, "
+          f"{args.step_count} steps): step {times['step_ms']:.2f} ms, outside the forward "
+          f"{times['outside_model_ms']:.2f} ms ({times['outside_model_ms'] / times['step_ms']:.0%}"
+          f"), of which the runner's prepare {times['prepare_ms']:.2f} ms")
     if not args.skip_throughput:
         rates = throughput(model, hf, args)
         ours = rates["tetrad_tokens_per_s"]
