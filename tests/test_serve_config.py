@@ -72,7 +72,7 @@ def test_the_command_line_refuses_them_in_one_line_before_loading(unreadable_wei
     assert not multiprocessing.active_children()
 
 
-def test_a_failure_after_the_ranks_started_stops_them(tmp_path):
+def test_a_failure_after_the_ranks_started_stops_them(tmp_path, monkeypatch, capsys):
     save_hf(random_model(), tmp_path)
 
     def failing_log(line):
@@ -81,6 +81,17 @@ def test_a_failure_after_the_ranks_started_stops_them(tmp_path):
     # Rank 0 fails once the driver is up (its runner and pool built, the ranks serving).
     with pytest.raises(RuntimeError, match="the log is full: KV cache"):
         LLM(tmp_path, tp=2, device="cpu", block_size=4, log=failing_log)
+    assert not multiprocessing.active_children()
+
+    # `tetrad serve` fails after its engine started (making the app).
+    def failing_app(llm, *args, **kwargs):
+        assert llm.driver.workers and all(worker.is_alive() for worker in llm.driver.workers)
+        raise ConfigError("no app today")
+
+    monkeypatch.setattr("tetrad.inference.entrypoints.server.build_app", failing_app)
+    assert main(["serve", str(tmp_path), "--tp", "2", "--device", "cpu", "--block-size",
+                 "4"]) == 2
+    assert "no app today" in capsys.readouterr().err
     assert not multiprocessing.active_children()
 
 

@@ -67,24 +67,22 @@ def run(args: argparse.Namespace) -> int:
     options = {key: value for key, value in vars(args).items()
                if key in ServerConfig.__dataclass_fields__}
     config = from_dict(ServerConfig, options)
-    llm = build_engine(args)
-    name = args.served_model_name or (args.stored.name if args.stored
-                                      else llm.path.resolve().name)
-    server = None  # the app stops it when the engine can no longer step (a dead tp rank)
-    stored = args.stored  # a stored model's Modelfile: its SYSTEM and PARAMETERs are defaults
-    app = build_app(llm, name, ChatFormatter(load_chat_template(llm.path),
-                                             stored.system if stored else None),
-                    on_fatal=lambda: setattr(server, "should_exit", True),
-                    defaults=stored.sampling_defaults if stored else None, config=config)
-    # loop and http "auto": uvloop and httptools where installed (requirements.txt has both),
-    # whose C loop and parser leave more of the GIL to the engine thread while it streams.
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level="warning", loop="auto", http="auto"))
-    print(f"serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    try:
+    with build_engine(args) as llm:  # closed (its ranks stopped) however the server ends
+        name = args.served_model_name or (args.stored.name if args.stored
+                                          else llm.path.resolve().name)
+        server = None  # the app stops it when the engine can no longer step (a dead tp rank)
+        stored = args.stored  # a stored model's Modelfile: its SYSTEM and PARAMETERs are defaults
+        app = build_app(llm, name, ChatFormatter(load_chat_template(llm.path),
+                                                 stored.system if stored else None),
+                        on_fatal=lambda: setattr(server, "should_exit", True),
+                        defaults=stored.sampling_defaults if stored else None, config=config)
+        # loop and http "auto": uvloop and httptools where installed (requirements.txt has
+        # both), whose C loop and parser leave more of the GIL to the engine thread while it
+        # streams.
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                               log_level="warning", loop="auto", http="auto"))
+        print(f"serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
         server.run()
-    finally:
-        llm.close()
     if llm.failure is not None:
         raise llm.failure
     return 0
