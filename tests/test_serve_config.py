@@ -119,3 +119,31 @@ def test_every_default_is_the_dataclass_one(monkeypatch):
         for name, value in changed.items():
             if name in ServeConfig.__dataclass_fields__ or command == "serve":
                 assert value in helps[name], (command, name, helps[name])
+
+
+@pytest.mark.parametrize("gpus", [0, 2])
+def test_the_device_is_resolved_in_one_place(gpus, monkeypatch):
+    import torch
+
+    from tetrad.inference.worker.config import serving_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert serving_device("cpu", 1) == serving_device("cpu", 2) == torch.device("cpu")
+    if gpus == 0:
+        assert serving_device("auto", 1) == serving_device("auto", 4) == torch.device("cpu")
+        for device, world, message in (("cuda", 1, "torch sees no GPU: use --device cpu"),
+                                       ("cuda:0", 1, "torch sees no GPU"),
+                                       ("cuda", 2, "needs 2 GPUs")):
+            with pytest.raises(ConfigError, match=message):
+                serving_device(device, world)
+        return
+    assert serving_device("auto", 1) == serving_device("cuda", 1) == torch.device("cuda")
+    assert serving_device("cuda:1", 1) == torch.device("cuda", 1)
+    # Rank 0 of several: cuda:0 (rank r runs on cuda:r), with a GPU for every rank.
+    assert serving_device("auto", 2) == serving_device("cuda", 2) == torch.device("cuda", 0)
+    for device in ("auto", "cuda"):
+        with pytest.raises(ConfigError, match="3 ranks .* needs 3 GPUs .* torch sees 2"):
+            serving_device(device, 3)
+    with pytest.raises(ConfigError, match="names one GPU"):
+        serving_device("cuda:1", 2)
