@@ -224,9 +224,11 @@ def test_a_serving_workload_and_layout_at_their_limits():
 
 @pytest.mark.parametrize("config", [LLAMA, DEEPSEEK], ids=["gqa", "mla"])
 def test_decode_attention_is_compute_bound_where_memory_is_fast(config):
-    """With HBM a hundred times faster every decode kernel is bound by its FLOPs: the attention
-    term is then its FLOPs alone (MLA's in the latent space)."""
-    fast = dataclasses.replace(H100, memory_bandwidth=100 * H100.memory_bandwidth)
+    """With HBM ten thousand times faster and free launches every decode kernel is bound by its
+    FLOPs: the attention term is then its FLOPs alone (MLA's in the latent space)."""
+    fast = dataclasses.replace(H100, memory_bandwidth=1e4 * H100.memory_bandwidth,
+                               efficiency=dataclasses.replace(H100.efficiency,
+                                                              kernel_overhead_s=0.0))
     prompt, output, batch = 4096, 128, 64  # attention's FLOPs far above a launch
     estimate = evaluate_serving(config, Cluster(fast, 8), ServeLayout(dp=8),
                                 _serve(prompt, output, batch))
