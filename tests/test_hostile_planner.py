@@ -366,3 +366,15 @@ def test_bounded_activation_walk_gives_the_full_walks_peak(monkeypatch):
     eager_activations.activations_peak.cache_clear()
     assert bounded == pytest.approx(whole, rel=1e-12)
     assert any(m > 4 * pp + m % pp for (_, pp, _, m, _) in whole)  # some walks were cut
+
+
+def test_a_picture_path_checked_early_leaves_no_file_behind(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    picture = tmp_path / "x.png"
+    _refused(capsys, _with(PLAN, "--model", "no-such-model") + ["--png", str(picture)],
+             "no-such-model")
+    assert not picture.exists()  # the check opened it, then took back what it made
+    picture.write_bytes(b"kept")
+    _refused(capsys, _with(PLAN, "--model", "no-such-model") + ["--png", str(picture)],
+             "no-such-model")
+    assert picture.read_bytes() == b"kept"

@@ -117,6 +117,10 @@ def run(args: argparse.Namespace) -> int:
     from tetrad.spec.presets import resolve_model
 
     _check_numbers(args)
+    if args.png:
+        from tetrad.viz.save import check_picture_path
+
+        check_picture_path(args.png)
     config = resolve_model(args.model)
     world = cluster(args.gpu, args.num_gpus, args.gpus_per_node, args.nic_gbps)
     if args.mode == "train":

@@ -21,6 +21,10 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from tetrad.viz.report import draw_report, format_report, load_report
 
+    if args.png:
+        from tetrad.viz.save import check_picture_path
+
+        check_picture_path(args.png)
     report = load_report(args.report)
     print(format_report(report))
     if args.png:

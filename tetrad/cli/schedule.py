@@ -31,6 +31,10 @@ def run(args: argparse.Namespace) -> int:
 
     from tetrad.schedules import Durations, build_schedule, render, simulate, validate
 
+    if args.png:
+        from tetrad.viz.save import check_picture_path
+
+        check_picture_path(args.png)
     _check_numbers(args)
     schedule = build_schedule(args.schedule, args.pp, args.microbatches, args.vpp)
     validate(schedule)
