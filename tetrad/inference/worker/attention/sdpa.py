@@ -94,7 +94,6 @@ class GatheringStep:
 
 class SdpaBackend(AttentionBackend):
     name = "sdpa"
-    step_class = GatheringStep
 
     def gathered(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  tables: torch.Tensor, positions: torch.Tensor, make_mask=None) -> torch.Tensor:
@@ -110,9 +109,8 @@ class SdpaBackend(AttentionBackend):
 
     def prepare(self, host: HostStep, step: DeviceStep, sent: dict[str, torch.Tensor]
                 ) -> StepAttention:
-        return self.step_class(self, step, host, sent.get("decode_seqs"),
-                               sent.get("decode_rows"))
+        return GatheringStep(self, step, host, sent.get("decode_seqs"), sent.get("decode_rows"))
 
     def graph_step(self, step: DeviceStep) -> StepAttention:
-        return self.step_class(self, step)
+        return GatheringStep(self, step)
 
