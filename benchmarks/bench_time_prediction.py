@@ -87,10 +87,10 @@ def compare(report: dict) -> tuple[float, float, dict]:
 
 def predicted_on(name: str, profile: Path) -> dict:
     """The run report's predicted step time of `name` on `profile`, computed as the trainer
-    computes it (tetrad.train.trainer.predict) but without training."""
+    computes it (tetrad.train.prediction.predict) but without training."""
     from tetrad.hardware.profile import load_profile
     from tetrad.train.launch import check_layout, with_overlap_decided
-    from tetrad.train.trainer import predict
+    from tetrad.train.prediction import predict
 
     config = with_overlap_decided(layout_config(name, 12, profile, profile), "cpu")
     layout = check_layout(config, config.nproc)

@@ -38,10 +38,11 @@ from tetrad.parallel.ps.clock import Scheduler
 from tetrad.parallel.ps.protocol import Kind, Message, check_run
 from tetrad.train import checkpoint as ckpt
 from tetrad.train.data import Dataset
+from tetrad.train.job import prepare
 from tetrad.train.optim import build_optimizer, learning_rate, parameter_groups
 from tetrad.train.ps_strategy import ParameterServerStrategy
 from tetrad.train.strategy import MeshStrategy
-from tetrad.train.trainer import build_model, prepare, train
+from tetrad.train.trainer import build_model, train
 
 SLOW_S = 0.1  # the slow worker's extra time per step
 

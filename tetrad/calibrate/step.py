@@ -31,7 +31,8 @@ def calibration_config() -> TrainConfig:
 
 def calibration_model() -> tuple[TrainConfig, torch.nn.Module, torch.Tensor]:
     """The calibration run's config, its model and a batch of token ids (seq_len + 1 wide)."""
-    from tetrad.train.trainer import build_model, prepare, resolve_run
+    from tetrad.train.job import prepare, resolve_run
+    from tetrad.train.trainer import build_model
 
     config = calibration_config()
     model_config, _, _ = prepare(config, resolve_run(config).model)
@@ -86,7 +87,7 @@ def predicted_step_seconds(profile) -> float:
     """The time model's step of the calibration model on `profile` (one process)."""
     from tetrad.train.strategy import planned_precision
     from tetrad.planner import predict_run
-    from tetrad.train.trainer import resolve_run
+    from tetrad.train.job import resolve_run
 
     config = calibration_config()
     predicted = predict_run(resolve_run(config), config.batch_size, num_microbatches=1,

@@ -4,7 +4,6 @@ the reference every parallel layout is compared with."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -18,22 +17,18 @@ from tqdm import tqdm
 
 from tetrad.spec.model import ModelConfig, TrainConfig
 from tetrad.errors import ConfigError, TetradError
-from tetrad.hardware.catalog import GPU, gpu_from_device_name
-from tetrad.hardware.profile import default_profile_path, gpu_or_profile, load_profile
 from tetrad.models.transformer import Transformer, count_parameters
 from tetrad.parallel.compile import CompileClock
 from tetrad.parallel.launch import local_device, rank_device
-from tetrad.planner import predict_run
-from tetrad.planner.rules import ResolvedLayout, resolve_layout
-from tetrad.spec.presets import resolve_model
-from tetrad.tokenizer import load_tokenizer
 from tetrad.train import checkpoint as ckpt
 from tetrad.train.data import AnyTokenizer, Dataset
+from tetrad.train.job import PreparedJob, prepare_job
 from tetrad.train.metrics import build_report, rank_entry, write_json_atomic, zero_per_comm_kind
 from tetrad.train.optim import learning_rate
+from tetrad.train.prediction import device_gpu, predict, prediction_hardware
 from tetrad.train.sample import sample_text
 from tetrad.train.stop import StopRequest, check_fits
-from tetrad.train.strategy import Strategy, build_strategy, planned_precision
+from tetrad.train.strategy import Strategy, build_strategy
 
 VALIDATION_BATCHES = 8
 
@@ -44,34 +39,6 @@ class TrainResult:
     checkpoint: Path | None
     sample: str
     stopped_by: int = 0  # the signal (SIGTERM, SIGINT) that stopped the run early; 0: none
-
-
-def resolve_run(config: TrainConfig) -> ResolvedLayout:
-    """The run's model and layout, checked against each other and with the pipeline cut: done
-    once, before any process starts, and handed to every rank."""
-    return resolve_layout(resolve_model(config.model, config.model_overrides), config.parallel,
-                          config.seq_len)
-
-
-def prepare(config: TrainConfig, model_config: ModelConfig | None = None
-            ) -> tuple[ModelConfig, AnyTokenizer, Path | None]:
-    """Everything that can be wrong with the input, checked before any data or model is built
-    (the layout's fit to the model is resolve_run's)."""
-    model_config = model_config or resolve_model(config.model, config.model_overrides)
-    tokenizer = load_tokenizer(config.tokenizer)
-    if tokenizer.vocab_size > model_config.vocab_size:
-        raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's "
-                          f"vocab_size is {model_config.vocab_size}: raise vocab_size")
-    if config.hardware:
-        gpu_or_profile(config.hardware)  # a bad --hardware fails before any work
-    resume_from = None
-    if config.resume:
-        resume_from = ckpt.find_checkpoint(config.checkpoint_dir)
-        if resume_from is not None:  # a corrupt checkpoint fails here, before any rank starts
-            ckpt.read_step(resume_from)
-            ckpt.read_model_config(resume_from)
-            ckpt.read_training_state(resume_from)
-    return model_config, tokenizer, resume_from
 
 
 def build_model(model_config: ModelConfig, config: TrainConfig) -> Transformer:
@@ -100,38 +67,6 @@ def cuda_memory(device: torch.device) -> dict[str, int] | None:
             "reserved_peak": torch.cuda.max_memory_reserved(device)}
 
 
-def prediction_hardware(config: TrainConfig, gpu: GPU | None) -> GPU | None:
-    """What the predicted step time is for: --hardware (a profile or a catalog GPU), else this
-    machine's cached profile (tetrad calibrate) on CPU, else the catalog GPU this run is on."""
-    if config.hardware:
-        return gpu_or_profile(config.hardware)
-    if gpu is None:
-        cached = default_profile_path()
-        return load_profile(cached) if cached.is_file() else None
-    return gpu
-
-
-def predict(layout: ResolvedLayout, config: TrainConfig, gpu: GPU | None) -> dict[str, Any]:
-    """The planner's prediction for this very run, which the report puts next to the
-    measurement: the same resolved layout (pipeline cut included), the same cost model. A rank's
-    batch goes through grad_accum pipeline steps of `microbatches` microbatches each (one
-    without a pipeline)."""
-    num_microbatches = config.grad_accum * config.parallel.microbatches
-    micro_batch = config.batch_size // (config.parallel.dp * num_microbatches)
-    try:
-        return predict_run(layout, micro_batch, num_microbatches=num_microbatches,
-                           dtype=config.dtype, gpu=gpu,
-                           precision=planned_precision(config))
-    except ConfigError as error:  # a layout the cost model does not cover
-        return {"error": str(error)}
-
-
-def device_gpu(device: torch.device) -> GPU | None:
-    """The catalog GPU this run is on (for MFU against its peak), None on CPU or unknown GPUs."""
-    return gpu_from_device_name(torch.cuda.get_device_name(device)) if device.type == "cuda" \
-        else None
-
-
 def check_finite(loss: float, grad_norm: float, step: int, model: torch.nn.Module,
                  loss_scaling: bool) -> None:
     """Stop on a non-finite loss or gradient, naming the step and the first bad parameter. Under
@@ -145,27 +80,32 @@ def check_finite(loss: float, grad_norm: float, step: int, model: torch.nn.Modul
                           f"gradient in {culprit}: lower --lr or use --dtype fp32")
 
 
-def train(config: TrainConfig, make_strategy: Callable[..., Strategy] = build_strategy,
-          show_progress: bool = True, layout: ResolvedLayout | None = None) -> TrainResult:
-    """Run `config`; `layout` is its resolve_run, when the launcher has made it already."""
-    layout = layout or resolve_run(config)
-    config = dataclasses.replace(config, parallel=layout.parallel)  # the strategies read this
-    model_config, tokenizer, resume_from = prepare(config, layout.model)
+def train(job: PreparedJob | TrainConfig, make_strategy: Callable[..., Strategy] = build_strategy,
+          show_progress: bool = True, device: torch.device | None = None) -> TrainResult:
+    """Run a job the launcher prepared (tetrad.train.job) on `device`, this rank's (None: the
+    one run_device names). A TrainConfig is one process's whole job, prepared here: the tests and
+    benchmarks that call the trainer directly."""
+    if device is None:
+        device = run_device(job if isinstance(job, TrainConfig) else job.config)
+    if isinstance(job, TrainConfig):
+        job = prepare_job(job)
+    config, model_config, tokenizer = job.config, job.model_config, job.tokenizer
     dataset = Dataset(config.data, tokenizer, config.seq_len, config.seed)
-    device = run_device(config)
     if device.type == "cuda":  # the report's cuda_memory peaks are this run's
         torch.cuda.reset_peak_memory_stats(device)
     model = build_model(model_config, config).to(device)
     num_parameters = count_parameters(model)  # before a layout spreads the model over ranks
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    gpu = device_gpu(device)
+    predicted = predict(job.layout, config, prediction_hardware(config, gpu))
+    check_fits(predicted, config, device, world_size)  # before the strategy allocates its state
     strategy = make_strategy(model, config, device)
+    resume_from = job.resume_from
     start_step = resume(strategy, resume_from, model_config) if resume_from is not None else 0
     if start_step > config.steps:
         raise ConfigError(f"the checkpoint in {config.checkpoint_dir} is at step {start_step}, "
                           f"past --steps {config.steps}: raise --steps to continue it")
-    gpu = device_gpu(device)
-    predicted = predict(layout, config, prediction_hardware(config, gpu))
-    check_fits(predicted, config, device, strategy.world_size)
-    peak_flops = gpu.peak(config.dtype) * strategy.world_size if gpu else None
+    peak_flops = gpu.peak(config.dtype) * world_size if gpu else None
     held: dict[str, int] = {}
     steps: list[dict[str, Any]] = []
     saved, last_saved_step = resume_from, start_step if resume_from else None
@@ -229,7 +169,7 @@ def train(config: TrainConfig, make_strategy: Callable[..., Strategy] = build_st
         config={**config.to_dict(), "model_config": model_config.to_dict()}, steps=steps,
         ranks=ranks, predicted=predicted, num_parameters=num_parameters,
         device={"type": device.type, "gpu": gpu.name if gpu else None},
-        validation_loss=evaluate(whole, dataset, config, device)
+        validation_loss=evaluate(whole, dataset, config.batch_size, device)
         if is_main and not stopped else None,
         # The slowest rank's compile time (--compile; parameter servers compile nothing).
         **({"compile_time_s": max(rank.get("compile_time_s", 0.0) for rank in ranks)}
@@ -245,7 +185,7 @@ def train(config: TrainConfig, make_strategy: Callable[..., Strategy] = build_st
 
 
 @torch.no_grad()
-def evaluate(model, dataset: Dataset, config: TrainConfig, device: torch.device) -> float | None:
+def evaluate(model, dataset: Dataset, batch_size: int, device: torch.device) -> float | None:
     """Mean loss on the held-out tail of the corpus."""
     if dataset.validation is None:
         return None
@@ -253,7 +193,7 @@ def evaluate(model, dataset: Dataset, config: TrainConfig, device: torch.device)
     model.eval()
     losses = [F.cross_entropy(model(batch[:, :-1].to(device)).float().flatten(0, 1),
                               batch[:, 1:].to(device).flatten()).item()
-              for batch in dataset.validation.in_order(config.batch_size, VALIDATION_BATCHES)]
+              for batch in dataset.validation.in_order(batch_size, VALIDATION_BATCHES)]
     model.train(was_training)
     return sum(losses) / len(losses)
 
