@@ -16,6 +16,7 @@ from tetrad.models.transformer import Transformer
 from tetrad.parallel.fsdp import transformer_units
 from tetrad.planner.comm import call_time, ledger_time
 from tetrad.planner.eager_comm import rank_comm
+from tetrad.planner.eager_overlap import shared_experts_forward
 from tetrad.planner.eager_time import rank_time
 from tetrad.planner.layout import TrainLayout
 from tetrad.planner.precision import TrainingPrecision, training_precision
@@ -27,10 +28,11 @@ H100 = GPUS["h100-sxm"]
 SEQ, MICRO = 16, 2
 
 
-def _fast_calls(gpus: int) -> Cluster:
-    """Collectives of any kind over 2 or 4 ranks at a nanosecond plus a picosecond a byte: the
-    bytes count, and the tiny model's calls stay far shorter than its kernels."""
-    fits = tuple((kind, size, 1e-9, 1e-12) for size in (2, 4)
+def _fast_calls(gpus: int, alpha_s: float = 1e-9) -> Cluster:
+    """Collectives of any kind over 2 or 4 ranks at `alpha_s` plus a picosecond a byte: the
+    bytes count, and at a nanosecond the tiny model's calls stay far shorter than its
+    kernels."""
+    fits = tuple((kind, size, alpha_s, 1e-12) for size in (2, 4)
                  for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"))
     gpu = dataclasses.replace(H100, efficiency=dataclasses.replace(H100.efficiency,
                                                                    collectives=fits))
@@ -79,6 +81,17 @@ def test_expert_dispatch_hides_behind_the_shared_experts(recompute):
     no_shared = config.replace(num_shared_experts=0)
     assert _hidden(no_shared, dataclasses.replace(layout, overlap=True), cluster) == (
         pytest.approx(_hidden(no_shared, layout, cluster)))
+
+
+def test_a_dispatch_longer_than_the_shared_experts_hides_their_time():
+    """A dispatch of a second beside the shared experts' microseconds: what it hides is their
+    matmuls' time, forward once and backward twice over (the backward's matmuls)."""
+    config, m, cluster = preset("tiny-moe"), 2, _fast_calls(2, alpha_s=1.0)
+    shared = shared_experts_forward(config, cluster, MICRO * SEQ, MIXED)
+    layout = TrainLayout(dp=2, ep=2, micro_batch=MICRO, grad_accum=m)
+    hidden = (_hidden(config, dataclasses.replace(layout, overlap=True), cluster)
+              - _hidden(config, layout, cluster))
+    assert hidden == pytest.approx(m * config.num_layers * (shared + 2 * shared))
 
 
 @pytest.mark.parametrize("tied", [False, True])
