@@ -30,6 +30,10 @@ def test_default_durations_are_a_forward_of_1_and_a_backward_of_2_split_in_halve
         ("F", 1), ("B", 1), ("W", 1)]
 
 
+def test_a_schedule_of_no_ranks_takes_no_time():
+    assert simulate(_schedule(0, 1, 0, [])).makespan == 0
+
+
 def test_two_chunks_on_one_rank_hand_their_tensors_over_in_memory():
     """A rank holding stages 0 and 1 (pp 1, vpp 2): each chunk takes half the times, and stage
     1 cannot start before stage 0 has produced its input."""
