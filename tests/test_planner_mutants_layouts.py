@@ -30,8 +30,9 @@ def _divides(n: int, at_most: int | None = None) -> list[int]:
 
 
 def _schedules(config, pp: int, m: int, space: TrainSpace) -> list[tuple[str, int]]:
-    if pp == 1:
-        return [(space.schedule or "1f1b", 1)]
+    pipelined = space.schedule not in (None, "1f1b", "gpipe") or (space.vpp or 1) > 1
+    if pp == 1:  # a schedule or vpp that needs a pipeline leaves pp 1 out of an open search
+        return [] if pipelined else [(space.schedule or "1f1b", 1)]
     if space.schedule not in (None, "interleaved"):
         return [(space.schedule, 1)]
     vpps = _given(space.vpp, [v for v in range(2, 9) if pp * v <= config.num_layers])
@@ -39,7 +40,9 @@ def _schedules(config, pp: int, m: int, space: TrainSpace) -> list[tuple[str, in
     # both given: then the layout check names the problem).
     both_given = space.schedule is not None and space.micro_batch is not None
     interleaved = [("interleaved", v) for v in vpps if m % pp == 0 or both_given]
-    return interleaved if space.schedule else [("1f1b", 1), ("zb", 1)] + interleaved
+    if space.schedule or (space.vpp or 1) > 1:  # --vpp alone asks for interleaving
+        return interleaved
+    return [("1f1b", 1), ("zb", 1)] + interleaved
 
 
 def reference_shapes(config, world, batch: int, seq_len: int, space=TrainSpace()) -> list:

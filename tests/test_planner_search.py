@@ -225,3 +225,16 @@ def test_served_stages_hold_every_weight_once_and_a_tied_head_twice():
         halves = [weight_bytes_per_gpu(config, ServeLayout(tp=2), "bf16", 0),
                   weight_bytes_per_gpu(config, ServeLayout(tp=4), "bf16", 0)]
         assert whole > halves[0] > halves[1] > whole / 4
+
+
+def test_a_schedule_that_needs_a_pipeline_searches_only_pipelined_shapes():
+    config, world = preset("llama3-8b"), cluster("h100-sxm", 16)
+    for space in (TrainSpace(vpp=2), TrainSpace(schedule="zb"), TrainSpace(schedule="interleaved")):
+        result = search_training(config, world, WORKLOAD, 256, space)  # pp left open
+        layouts = [estimate.layout for estimate in result.ranked]
+        assert layouts and all(layout.pp > 1 for layout in layouts), space
+        assert {layout.schedule for layout in layouts} == {space.schedule or "interleaved"}
+        if space.vpp:
+            assert {layout.vpp for layout in layouts} == {space.vpp}
+    with pytest.raises(ConfigError, match="need pipeline parallelism"):
+        search_training(config, world, WORKLOAD, 256, TrainSpace(pp=1, vpp=2))

@@ -72,14 +72,16 @@ def _choices(given, options):
 def _schedules(config: ModelConfig, pp: int, space: TrainSpace) -> list[tuple[str, int]]:
     if pp == 1:
         if space.schedule not in (None, "1f1b", "gpipe") or (space.vpp or 1) > 1:
-            raise ConfigError("--schedule and --vpp need pipeline parallelism (pp > 1)")
+            if space.pp == 1:
+                raise ConfigError("--schedule and --vpp need pipeline parallelism (pp > 1)")
+            return []  # pp left open: the pipelined shapes carry the schedule asked for
         return [(space.schedule or "1f1b", 1)]
     if space.schedule is not None and space.schedule != "interleaved":
         return [(space.schedule, 1)]
     vpps = [space.vpp] if space.vpp else [v for v in range(2, MAX_VPP + 1)
                                           if pp * v <= config.num_layers]
     interleaved = [("interleaved", v) for v in vpps]
-    if space.schedule == "interleaved":
+    if space.schedule == "interleaved" or (space.vpp or 1) > 1:  # --vpp alone means interleaved
         return interleaved
     return [("1f1b", 1), ("zb", 1)] + interleaved
 
