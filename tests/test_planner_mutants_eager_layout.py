@@ -176,7 +176,7 @@ def test_zero3_gathers_and_reduces_every_unit_the_runtime_cuts(name, group):
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb"])
-@pytest.mark.parametrize("name", ["llama", "tied"])
+@pytest.mark.parametrize("name", FOUR_LAYERS)
 def test_zero3_under_a_pipeline_gathers_each_stage_unit(name, schedule):
     """Each stage's units (stage_units: a tied copy the last stage's root), gathered per
     microbatch for forward and backward, and under zero bubble a third time for W on every
