@@ -159,22 +159,30 @@ def test_throughput_figures_are_their_definitions():
     assert not evaluate_training(SMALL, Cluster(tight, 8), layout, TrainWorkload(SEQ)).fits
 
 
-def test_chunked_tp_collectives_hide_behind_the_matmuls_but_their_first_chunk():
+SLOW_LINKS = Cluster(dataclasses.replace(H100, nvlink_bandwidth=H100.nvlink_bandwidth / 1e4,
+                                        nic_bandwidth=H100.nic_bandwidth / 1e4), 16)
+
+
+@pytest.mark.parametrize("cluster", [NODE, SLOW_LINKS], ids=["nvlink", "slow-links"])
+def test_chunked_tp_collectives_hide_behind_the_matmuls_but_their_first_chunk(cluster):
     """overlap_tp_comm: at best all but one of tp chunks hide, never more than three forward
     matmuls' worth, and the SMs the collective takes slow the compute by `interference`."""
     tp, m = 4, 2
-    layout = TrainLayout(tp=tp, microbatches=m, micro_batch=2)
+    layout = TrainLayout(tp=tp, dp=cluster.num_gpus // tp, microbatches=m, micro_batch=2)
     workload = dataclasses.replace(EXPOSED, overlap_tp_comm=True)
-    estimate = evaluate_training(SMALL, NODE, layout, workload)
+    estimate = evaluate_training(SMALL, cluster, layout, workload)
     calls = 2 * 2 * SMALL.num_layers + 2
-    whole = calls * comm.all_reduce_time(NODE, comm.place_group(NODE, tp, 1),
+    whole = calls * comm.all_reduce_time(cluster, comm.place_group(cluster, tp, 1),
                                          2 * SEQ * SMALL.hidden_size * 2)
     matmuls = _kernels(SMALL, layout).matmul_forward
     hidden = max(whole / tp, whole - 3 * matmuls, H100.efficiency.comm_interference * whole)
-    assert estimate.step.communication_exposed == pytest.approx(m * hidden)
+    dense, _ = stage_params(SMALL, 1, 0, tp, 1)
+    data = comm.all_reduce_time(cluster, comm.place_group(cluster, layout.dp, tp), 2 * dense)
+    assert estimate.step.communication_exposed == pytest.approx(m * hidden + data)
 
 
-@pytest.mark.parametrize("cluster,tp", [(NODE, 1), (TWO_NODES, 8)], ids=["nvlink", "nic"])
+@pytest.mark.parametrize("cluster,tp", [(NODE, 1), (TWO_NODES, 8), (SLOW_LINKS, 8)],
+                         ids=["nvlink", "nic", "slow-links"])
 def test_context_parallel_ring_hides_behind_three_and_a_half_attention_forwards(cluster, tp):
     """The K/V ring runs behind the attention it feeds (forward, and the backward's 2.5); its
     hops cross nodes when cp ranks, tp apart, do not fit in one."""
