@@ -237,3 +237,16 @@ def test_decode_attention_is_compute_bound_where_memory_is_fast(config):
                  for layer in range(config.num_layers))
     assert estimate.tpot_s == pytest.approx(
         decode + gemm_time(fast, head_gemm(config, batch), "bf16", 2.0, 2.0))
+
+
+@pytest.mark.parametrize("num_layers, pp", [(10, 4), (11, 4)])
+def test_the_fullest_serving_gpu_is_found_among_every_stage(num_layers, pp):
+    """A dense-first MoE model (DeepSeek-V3's 3 dense layers) cut unevenly puts its heaviest
+    weights on a middle stage of MoE layers; the estimate's weights are the most any stage holds
+    (the planner looked at one stage per layer count, which missed it)."""
+    config = preset("deepseek-v3").replace(num_layers=num_layers)
+    layout = ServeLayout(pp=pp)
+    estimate = evaluate_serving(config, NODE, layout, _serve(batch=1))
+    per_stage = [_weights(config, layout, "bf16", stage) for stage in range(pp)]
+    assert estimate.weights == pytest.approx(max(per_stage))
+    assert per_stage.index(max(per_stage)) not in (0, pp - 1)  # a middle stage is the fullest

@@ -22,7 +22,7 @@ from tetrad.planner import comm
 from tetrad.planner.compute import bandwidth_time, gemm_time, layer_times
 from tetrad.planner.flops import attention_head_dims, head_gemm, layer_gemms
 from tetrad.planner.layout import stage_first_layer, stage_layer_counts
-from tetrad.planner.memory import kv_bytes_per_token, representative_stages
+from tetrad.planner.memory import kv_bytes_per_token, stages_to_check
 from tetrad.planner.model_stats import (embedding_params, head_params, layer_params,
                                         norm_params, position_params, unquantized_layer_params)
 from tetrad.planner.precision import COMPUTE_DTYPE, element_bytes, unquantized_bytes, weight_bytes
@@ -196,7 +196,7 @@ def evaluate_serving(config: ModelConfig, cluster: Cluster, layout: ServeLayout,
     kv_per_token = max(
         kv_bytes_per_token(config, element_bytes(workload.kv_dtype), layout.tp, count)
         for count in stage_layer_counts(config.num_layers, layout.pp))
-    stages = representative_stages(config.num_layers, layout.pp)
+    stages = stages_to_check(config, layout.pp)
     weights = max(weight_bytes_per_gpu(config, layout, workload.weight_dtype, stage)
                   for stage in stages)
     probe_batch = workload.batch or MAX_BATCH
