@@ -153,7 +153,7 @@ def planted_source(mutant: Mutant, source: str) -> str:
 NOT_FOUR_RANKS = ["-k", "not four_ranks"]
 TP_TESTS = ["tests/test_parallel_mutants_tp.py", "tests/test_tensor_parallel.py", *NOT_FOUR_RANKS]
 PIPELINE_TESTS = ["tests/test_pipeline.py", *NOT_FOUR_RANKS]
-PS_TESTS = ["tests/test_parameter_server.py", "-k",
+PS_TESTS = ["tests/test_parameter_server_units.py", "tests/test_parameter_server.py", "-k",
             "not dead and not hung and not another and not async_converges"]
 # The planner and the schedules: their in-process tests (test_report*.py spawn runs to compare),
 # the hand counts of each estimate's parts first (seconds each: most planted bugs fail there).
