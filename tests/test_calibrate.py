@@ -60,7 +60,9 @@ def test_calibrated_profile_round_trips_and_times(calibrated, tmp_path):
     efficiency = profile.efficiency
     assert {(kind, size) for kind, size, _, _ in efficiency.collectives} == \
         {(kind, 2) for kind in KINDS} | {("p2p", 2)}
-    assert efficiency.op_forward_s > 0 and efficiency.op_backward_s > 0
+    # The backward's cost is a difference of two medians (forward and backward, less the
+    # forward): beside other jobs it can vanish, as the call cost below can.
+    assert efficiency.op_forward_s > 0 and efficiency.op_backward_s >= 0
     assert efficiency.optimizer_tensor_s > 0 and efficiency.concurrent_ranks >= 1
     # The calibration model's whole step, alone and on both ranks at once.
     assert efficiency.step_scale > 0
