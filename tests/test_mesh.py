@@ -19,6 +19,8 @@ def test_the_classic_16_gpu_example():
                                       [3, 7, 11, 15]]
     assert dims.group_ranks("dp") == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11],
                                       [12, 14], [13, 15]]
+    # Megatron's docstring (initialize_model_parallel): 2 model-parallel groups of tp x pp ranks.
+    assert dims.group_ranks("mp") == [[0, 1, 4, 5, 8, 9, 12, 13], [2, 3, 6, 7, 10, 11, 14, 15]]
 
 
 def test_tetrad_mesh_prints_the_groups(capsys):
@@ -27,6 +29,7 @@ def test_tetrad_mesh_prints_the_groups(capsys):
     assert "[g0,g1] [g2,g3]" in out
     assert "[g0,g4,g8,g12] [g1,g5,g9,g13]" in out
     assert "[g0,g2] [g1,g3]" in out
+    assert "mp groups (2 of 8): [g0,g1,g4,g5,g8,g9,g12,g13] [g2,g3,g6,g7,g10,g11,g14,g15]" in out
 
 
 @pytest.mark.parametrize("dp, pp, cp, tp, ep", [(2, 4, 1, 2, 1), (2, 1, 2, 2, 4), (3, 2, 2, 1, 2),
@@ -39,7 +42,8 @@ def test_rank_order_and_partitions(dp, pp, cp, tp, ep):
         coords = dims.coords(rank)
         assert (coords["pp"], coords["dp"], coords["cp"], coords["tp"]) == (p, d, c, t)
         assert dims.rank_of(pp=p, dp=d, cp=c, tp=t) == rank
-    expected_sizes = {"tp": tp, "cp": cp, "dp": dp, "pp": pp, "dp_cp": dp * cp, "ep": ep,
+    expected_sizes = {"tp": tp, "cp": cp, "dp": dp, "pp": pp, "dp_cp": dp * cp, "mp": tp * pp,
+                      "ep": ep,
                       "edp": dp * cp // ep, "world": dp * pp * cp * tp}
     for name in GROUP_NAMES:
         groups = dims.group_ranks(name)
@@ -48,6 +52,10 @@ def test_rank_order_and_partitions(dp, pp, cp, tp, ep):
     # Members of a group differ only along the group's axes.
     for group in dims.group_ranks("dp_cp"):
         assert len({(dims.coords(r)["pp"], dims.coords(r)["tp"]) for r in group}) == 1
+    # A model-parallel group is one replica: one (dp, cp) position, every (pp, tp) pair once.
+    for group in dims.group_ranks("mp"):
+        assert len({(dims.coords(r)["dp"], dims.coords(r)["cp"]) for r in group}) == 1
+        assert len({(dims.coords(r)["pp"], dims.coords(r)["tp"]) for r in group}) == pp * tp
 
 
 def test_experts_fold_over_data_and_context_ranks():

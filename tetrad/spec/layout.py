@@ -35,9 +35,10 @@ AXES = ("pp", "dp", "cp", "tp")
 
 # Every group the runtime uses: a name -> the axes whose ranks it spans. "dp_cp" reduces the
 # gradients of replicated (non-expert) parameters: CP ranks hold the same weights, like DP ranks.
+# "mp" is Megatron's model-parallel group (tp x pp: the ranks that together hold one replica).
 GROUP_AXES: dict[str, tuple[str, ...]] = {
     "tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",), "dp_cp": ("dp", "cp"),
-    "world": AXES,
+    "mp": ("pp", "tp"), "world": AXES,
 }
 EXPERT_GROUPS = ("ep", "edp")
 GROUP_NAMES = (*GROUP_AXES, *EXPERT_GROUPS)
