@@ -129,6 +129,7 @@ class ChatRequest(SamplingFields):
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
+    model: str | None = None
     prompt: str
     add_special_tokens: bool = True  # tetrad's tokenizers add none either way
 
@@ -141,6 +142,7 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
+    model: str | None = None
     tokens: list[int]
 
 

@@ -26,14 +26,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse
 from starlette.exceptions import HTTPException
 
-from tetrad.errors import ConfigError, TetradError
-from tetrad.inference.entrypoints.api import (ApiError, ChatRequest, CompletionRequest, DetokenizeRequest,
-                                  ServerConfig, TokenizeRequest, TokenText, chat_logprobs,
-                                  completion_logprobs, error_response)
-from tetrad.inference.entrypoints.async_engine import AsyncEngine, EngineStopped, RequestError
+from tetrad.errors import TetradError
+from tetrad.inference.entrypoints.api import (ApiError, ChatRequest, CompletionRequest,
+                                              DetokenizeRequest, ServerConfig, TokenizeRequest,
+                                              chat_logprobs, completion_logprobs, error_response)
+from tetrad.inference.entrypoints.async_engine import EngineStopped, RequestError
 from tetrad.inference.entrypoints.chat import ChatFormatter
 from tetrad.inference.engine import LLM
-from tetrad.inference.entrypoints.front_end import FrontEnd
+from tetrad.inference.entrypoints.served import OneModel, ServedModel
 from tetrad.inference.entrypoints.http import ChunkEvents, Guard, final_outputs, merged, sse, unless_gone
 from tetrad.inference.core.output import RequestOutput
 
@@ -41,29 +41,27 @@ from tetrad.inference.core.output import RequestOutput
 def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None,
               on_fatal: Callable[[], None] | None = None, defaults: dict | None = None,
               config: ServerConfig | None = None) -> FastAPI:
-    """`defaults`: sampling fields for requests that leave them out (a stored model's
-    Modelfile PARAMETERs); `config`: the API key and the limits."""
+    """A server of one model. `defaults`: sampling fields for requests that leave them out (a
+    stored model's Modelfile PARAMETERs); `config`: the API key and the limits."""
     config = config or ServerConfig()
-    default_stops = len((defaults or {}).get("stop", ()))
-    if default_stops > config.max_stop_strings:  # else every request without stop passes it
-        raise ConfigError(f"the model's Modelfile has {default_stops} stop strings: more than "
-                          f"--max-stop-strings {config.max_stop_strings}")
-    engine = AsyncEngine(llm, on_fatal, config.stream_interval)
-    chat = chat or ChatFormatter()
-    front = FrontEnd(llm.tokenizer, llm.max_model_len, chat, config.template_timeout)
-    token_text = TokenText(llm.tokenizer)
+    served = ServedModel.build(llm, model_name, config, chat, defaults, on_fatal)
+    return build_server(OneModel(served), config)
+
+
+def build_server(models, config: ServerConfig) -> FastAPI:
+    """The routes over a model set (served.py's OneModel, or a pool of many): each request asks
+    it for the model it names with `await models.acquire(name, keep_alive)`."""
 
     @asynccontextmanager
     async def lifespan(_app):
-        engine.start()
+        models.start()
         yield
-        engine.shutdown()
-        front.close()
+        models.close()
 
     docs = {} if config.enable_docs else {"docs_url": None, "redoc_url": None,
                                           "openapi_url": None}
     app = FastAPI(title="tetrad", lifespan=lifespan, **docs)
-    app.state.engine = engine
+    app.state.models = models
     app.add_middleware(Guard, config=config)
 
     @app.exception_handler(RequestValidationError)
@@ -92,18 +90,14 @@ def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None,
         return error_response(500, f"internal error: {type(error).__name__}: {error}",
                               "server_error")
 
-    def check_model(name: str | None) -> None:
-        if name not in (None, model_name):
-            raise ApiError(404, f"model {name!r} is not served here: use {model_name!r}",
-                           "not_found_error")
-
-    def submit_all(prompts: list[list[int]], params, stream: bool) -> list:
+    def submit_all(served: ServedModel, prompts: list[list[int]], params, stream: bool) -> list:
         if len(prompts) * params.n > config.max_sequences_per_request:
             raise ApiError(400, f"{len(prompts)} prompts x n = {params.n} asks for "
                                 f"{len(prompts) * params.n} sequences: at most "
                                 f"{config.max_sequences_per_request} per request (tetrad serve "
                                 f"--max-sequences-per-request)")
-        if engine.failure is None and llm.num_waiting() >= config.max_waiting_requests:
+        engine = served.engine
+        if engine.failure is None and served.llm.num_waiting() >= config.max_waiting_requests:
             raise ApiError(503, f"the server is busy: {config.max_waiting_requests} requests "
                                 f"are waiting; retry later", "server_error", {"Retry-After": "1"})
         streams = []
@@ -122,47 +116,55 @@ def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None,
 
     @app.get("/health")
     async def health():
-        if (problem := engine.health() or front.health()) is not None:
-            return error_response(503, problem, "server_error")
+        for served in models.loaded():
+            if (problem := served.health()) is not None:
+                return error_response(503, problem, "server_error")
         return {"status": "ok"}
 
     @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "tetrad",
-                                            "max_model_len": llm.max_model_len}]}
+    async def list_models():
+        return {"object": "list", "data": [
+            {"id": served.name, "object": "model", "created": 0, "owned_by": "tetrad",
+             "max_model_len": served.llm.max_model_len} for served in models.loaded()]}
 
     @app.get("/metrics")
-    async def metrics():
-        text = await engine.call(llm.metrics_text)
+    async def metrics(model: str | None = None):
+        served = await models.acquire(model)
+        text = await served.engine.call(served.llm.metrics_text)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
-        tokens = (await front.tokenize([body.prompt]))[0]
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": llm.max_model_len}
+        served = await models.acquire(body.model)
+        tokens = (await served.front.tokenize([body.prompt]))[0]
+        return {"tokens": tokens, "count": len(tokens),
+                "max_model_len": served.llm.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
+        served = await models.acquire(body.model)
+        llm = served.llm
         if len(body.tokens) > llm.max_model_len:
             raise ApiError(400, f"{len(body.tokens)} tokens: at most the model's context length "
                                 f"({llm.max_model_len})")
         vocab = llm.model_config.vocab_size
         if not all(0 <= token < vocab for token in body.tokens):
             raise ApiError(400, f"tokens must be in 0..{vocab - 1} (the model's vocab)")
-        return {"prompt": await front.detokenize(body.tokens)}
+        return {"prompt": await served.front.detokenize(body.tokens)}
 
     @app.get("/tokenizer_info")
-    async def tokenizer_info():
-        tokenizer = llm.tokenizer
-        return {"tokenizer_class": type(tokenizer).__name__,
-                "eos_token": getattr(tokenizer, "eos_token", None), "bos_token": None,
-                "pad_token": None, "chat_template": chat.source,
+    async def tokenizer_info(model: str | None = None):
+        served = await models.acquire(model)
+        llm = served.llm
+        return {"tokenizer_class": type(llm.tokenizer).__name__,
+                "eos_token": getattr(llm.tokenizer, "eos_token", None), "bos_token": None,
+                "pad_token": None, "chat_template": served.chat.source,
                 "model_max_length": llm.max_model_len}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        check_model(body.model)
+        served = await models.acquire(body.model)
+        front, token_text = served.front, served.token_text
         prompt = body.prompt
         batch = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
         prompts = prompt if batch else [prompt]
@@ -171,7 +173,7 @@ def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None,
         prompt_only = body.echo and body.max_tokens == 0
         scored = body.logprobs is not None
         params = body.sampling_params(
-            config, defaults=defaults, logprobs=body.logprobs,
+            config, defaults=served.defaults, logprobs=body.logprobs,
             prompt_logprobs=body.logprobs if body.echo and scored else None,
             **({"max_tokens": 1} if prompt_only else {}))
         texts = [p if isinstance(p, str) else None for p in prompts]
@@ -179,9 +181,9 @@ def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None,
         if body.echo or scored:  # the prompt's text: echoed, and where text offsets start
             texts = [text if text is not None else await front.detokenize(prompt_ids)
                      for text, prompt_ids in zip(texts, ids)]
-        streams = submit_all(ids, params, body.stream)
+        streams = submit_all(served, ids, params, body.stream)
         common = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-                  "created": int(time.time()), "model": model_name}
+                  "created": int(time.time()), "model": served.name}
 
         def choice(index: int, output: RequestOutput, completion, first: bool, offset: int
                    ) -> tuple[dict, int]:
@@ -241,22 +243,23 @@ def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        check_model(body.model)
+        served = await models.acquire(body.model)
+        front, chat = served.front, served.chat
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true")
         params = body.sampling_params(
-            config, chat.stop, defaults,
+            config, chat.stop, served.defaults,
             logprobs=(body.top_logprobs or 0) if body.logprobs else None)
         prompt = await unless_gone(request, front.render(body.messages))
         ids = await front.tokenize([prompt])
-        streams = submit_all(ids, params, body.stream)
+        streams = submit_all(served, ids, params, body.stream)
         common = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
-                  "model": model_name}
+                  "model": served.name}
 
         def logprobs_of(scores) -> dict | None:
-            return chat_logprobs(scores, token_text) if body.logprobs else None
+            return chat_logprobs(scores, served.token_text) if body.logprobs else None
 
         if body.stream:
             async def chunks():
