@@ -10,7 +10,7 @@ from tetrad.cli.main import main
 from tetrad.errors import ConfigError
 from tetrad.schedules import (Action, Durations, Schedule, ScheduleError, build_schedule,
                               peak_in_flight, render, simulate, validate)
-from tetrad.schedules.generate import SCHEDULES
+from tetrad.schedules.generate import SCHEDULES, V_SHAPED
 
 CASES = [(name, pp, 1, m) for name in ("naive", "gpipe", "1f1b", "zb") for pp in (1, 2, 4)
          for m in (1, 2, 3, 4, 8)]
@@ -178,7 +178,7 @@ def test_cli_prints_timeline_json_and_png(capsys, tmp_path):
 
 def test_every_schedule_has_a_cli_choice(capsys):
     for name in SCHEDULES:
-        extra = ["--vpp", "2"] if name == "interleaved" else []
+        extra = ["--vpp", "2"] if name in ("interleaved", *V_SHAPED) else []
         assert main(["schedule", "--pp", "2", "--microbatches", "4", "--schedule", name,
                      *extra]) == 0, name
     capsys.readouterr()

@@ -17,9 +17,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--microbatches", type=int, required=True)
     parser.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b")
     parser.add_argument("--vpp", type=int, default=1,
-                        help="model chunks per rank (interleaved only)")
+                        help="model chunks per rank (interleaved: 2 or more; zbv and dualpipe: "
+                             "2, placed in a V)")
     parser.add_argument("--fb-ratio", type=float, default=2.0,
-                        help="backward time / forward time; zb splits it evenly into B and W")
+                        help="backward time / forward time; zb, zbv and dualpipe split it evenly "
+                             "into B and W")
     parser.add_argument("--png", metavar="PATH", help="also draw the timeline to this PNG")
     parser.add_argument("--json", action="store_true",
                         help="print actions, timeline, bubble and peaks as one JSON object")

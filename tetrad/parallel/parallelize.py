@@ -60,7 +60,7 @@ from tetrad.parallel.pipeline.executor import whole_sequences
 from tetrad.parallel.recompute import apply_recompute
 from tetrad.parallel.tensor_parallel import TensorParallelSplit, apply_tensor_parallel
 from tetrad.parallel.zero import NORM_TAG, Pipelined, ZeroDataParallel
-from tetrad.schedules.generate import SPLIT_BACKWARD
+from tetrad.schedules.generate import SPLIT_BACKWARD, V_SHAPED
 from tetrad.sharded_tensors import CHECKPOINT_KINDS, LazyMapping, Piece, assemble
 from tetrad.spec.runtime_rules import rank_stages, reduces_per_stage
 
@@ -82,7 +82,8 @@ def parallelize(model: Transformer, mesh: Mesh, comm: Comm, parallel: ParallelCo
     cut = None
     if parallel.pp > 1:  # the blocks of this rank's stages (stage s lives on rank s % pp)
         cut = partition(config, parallel.pp * parallel.vpp, seq_len, parallel.stage_layers or None)
-        runs = [layer for stage in rank_stages(mesh.coords["pp"], cut.num_stages, parallel.pp)
+        runs = [layer for stage in rank_stages(mesh.coords["pp"], cut.num_stages, parallel.pp,
+                                               parallel.schedule in V_SHAPED)
                 for layer in cut.layers(stage)]
     overlap = bool(parallel.overlap)  # None (not decided by a launcher) counts as off
     experts = (apply_expert_parallel(model, mesh, comm, layers=runs, overlap=overlap)

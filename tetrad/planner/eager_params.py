@@ -29,6 +29,7 @@ from tetrad.planner.layout import TrainLayout, stage_layer_counts
 from tetrad.planner.model_stats import norm_params
 from tetrad.planner.precision import FP8_BLOCK
 from tetrad.planner.rules import shared_expert_size
+from tetrad.schedules.generate import V_SHAPED
 from tetrad.spec import runtime_rules
 
 
@@ -60,8 +61,10 @@ def stage_layers(config: ModelConfig, layout: TrainLayout) -> tuple[int, ...]:
 
 
 def rank_stages(layout: TrainLayout, pp_rank: int) -> tuple[int, ...]:
-    """The stages pipeline rank `pp_rank` runs: pp_rank, pp_rank + pp, ... (the runtime's)."""
-    return tuple(runtime_rules.rank_stages(pp_rank, layout.pp * layout.vpp, layout.pp))
+    """The stages pipeline rank `pp_rank` runs: pp_rank, pp_rank + pp, ..., or the V's two
+    (the runtime's)."""
+    return runtime_rules.rank_stages(pp_rank, layout.pp * layout.vpp, layout.pp,
+                                     layout.schedule in V_SHAPED)
 
 
 def stage_blocks(config: ModelConfig, layout: TrainLayout, stage: int) -> range:

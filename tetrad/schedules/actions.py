@@ -1,8 +1,10 @@
 """What a pipeline schedule is made of: per rank, an ordered list of actions.
 
-Stages are global virtual stages 0 .. pp*vpp-1; stage s lives on rank s % pp (Megatron's
-interleaved placement: with pp=4, vpp=2 rank 0 holds stages 0 and 4), so with vpp=1 the stage
-index equals the rank. Compute actions:
+Stages are global virtual stages 0 .. pp*vpp-1. In the loop placement stage s lives on rank
+s % pp (Megatron's interleaved placement: with pp=4, vpp=2 rank 0 holds stages 0 and 4), so with
+vpp=1 the stage index equals the rank. In the V placement (ZB-V, DualPipeV: two chunks per rank)
+rank r holds stages r and 2*pp-1-r, so the pipeline runs down the ranks and back up, and the
+first and last stages share rank 0. Compute actions:
 
     F  forward of (stage, microbatch)
     B  backward; the full backward, or backward-for-input when `split_backward` (zero bubble)
@@ -54,6 +56,13 @@ class Action:
                 "peer": self.peer}
 
 
+def stage_rank(stage: int, pp: int, v_shape: bool) -> int:
+    """The pipeline rank that holds `stage` (module doc: the loop or the V placement)."""
+    if v_shape:
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
 def message(action: Action) -> tuple[str, int, int]:
     """The tensor a SEND_* / RECV_* moves, named by (direction, receiving stage, microbatch), so a
     send and its matching receive give the same key."""
@@ -102,13 +111,17 @@ class Schedule:
     microbatches: int
     split_backward: bool  # B is backward-for-input and every (stage, microbatch) also has a W
     actions: tuple[tuple[Action, ...], ...]  # actions[rank], in execution order
+    v_shape: bool = False  # the V placement (module doc) instead of the loop
+    # Per rank, the (F, B) pairs the schedule runs as one overlapped unit (DualPipe): while one
+    # microbatch's chunk waits on its expert all-to-all, the other's computes.
+    overlapped: tuple[tuple[tuple[Action, Action], ...], ...] = ()
 
     @property
     def num_stages(self) -> int:
         return self.pp * self.vpp
 
     def rank_of(self, stage: int) -> int:
-        return stage % self.pp
+        return stage_rank(stage, self.pp, self.v_shape)
 
     def chunk_of(self, stage: int) -> int:
         """Which of its rank's vpp model chunks a stage is."""
@@ -121,5 +134,8 @@ class Schedule:
     def to_dict(self) -> dict:
         return {"schedule": self.name, "pp": self.pp, "vpp": self.vpp,
                 "microbatches": self.microbatches, "split_backward": self.split_backward,
+                "placement": "v" if self.v_shape else "loop",
+                "overlapped": {str(rank): [[str(f), str(b)] for f, b in pairs]
+                               for rank, pairs in enumerate(self.overlapped)},
                 "actions": {str(rank): [a.to_dict() for a in rank_actions]
                             for rank, rank_actions in enumerate(self.actions)}}

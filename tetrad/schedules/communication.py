@@ -22,6 +22,8 @@ order, so plain FIFO matching (no tags) pairs every send with the right receive.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from tetrad.schedules.actions import Action, Schedule, downstream
 from tetrad.schedules.simulate import simulate
 
@@ -46,5 +48,4 @@ def add_communication(bare: Schedule) -> Schedule:
                                              action.microbatch, rank)))
     actions = tuple(tuple(action for _, action in sorted(rank_events, key=lambda e: e[0]))
                     for rank_events in events)
-    return Schedule(bare.name, bare.pp, bare.vpp, bare.microbatches, bare.split_backward,
-                    actions)
+    return replace(bare, actions=actions)

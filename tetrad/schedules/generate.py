@@ -11,6 +11,7 @@ from typing import Callable
 from tetrad.errors import ConfigError
 from tetrad.schedules.actions import Action, Schedule
 from tetrad.schedules.communication import add_communication
+from tetrad.schedules.v_shape import dualpipe_v, zero_bubble_v
 
 ComputeOrder = list[list[Action]]  # [rank][position]
 
@@ -97,8 +98,9 @@ def zero_bubble_h1(pp: int, microbatches: int, vpp: int) -> ComputeOrder:
 
 SCHEDULES: dict[str, Callable[[int, int, int], ComputeOrder]] = {
     "naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved,
-    "zb": zero_bubble_h1}
-SPLIT_BACKWARD = {"zb"}
+    "zb": zero_bubble_h1, "zbv": zero_bubble_v, "dualpipe": lambda *shape: dualpipe_v(*shape)[0]}
+V_SHAPED = {"zbv", "dualpipe"}  # two chunks per rank in the V placement (actions.py)
+SPLIT_BACKWARD = {"zb"} | V_SHAPED
 
 
 def check_arguments(name: str, pp: int, microbatches: int, vpp: int) -> None:
@@ -108,7 +110,14 @@ def check_arguments(name: str, pp: int, microbatches: int, vpp: int) -> None:
     for flag, value in (("pp", pp), ("microbatches", microbatches), ("vpp", vpp)):
         if value < 1:
             raise ConfigError(f"--{flag} must be >= 1, got {value}")
-    if name != "interleaved" and vpp > 1:
+    if name in V_SHAPED:
+        if vpp != 2:
+            raise ConfigError(f"the {name} schedule places two model chunks per rank in a V: "
+                              f"use --vpp 2 (got {vpp})")
+        if name == "dualpipe" and microbatches < 2 * pp:
+            raise ConfigError(f"the dualpipe schedule needs at least 2 * pp = {2 * pp} "
+                              f"microbatches (one per stage), got {microbatches}")
+    elif name != "interleaved" and vpp > 1:
         raise ConfigError(f"--vpp {vpp} splits each rank into model chunks, which only the "
                           f"interleaved schedule runs: use --schedule interleaved or --vpp 1")
     if name == "interleaved":
@@ -132,6 +141,8 @@ def build_schedule(name: str, pp: int, microbatches: int, vpp: int = 1,
     leaves the bare compute order, which simulates to the same timeline as the full schedule
     under the executor's isend/irecv rule and in a fraction of the time (the planner's use)."""
     check_arguments(name, pp, microbatches, vpp)
+    overlapped = dualpipe_v(pp, microbatches, vpp)[1] if name == "dualpipe" else ()
     bare = Schedule(name, pp, vpp, microbatches, name in SPLIT_BACKWARD,
-                    tuple(tuple(actions) for actions in SCHEDULES[name](pp, microbatches, vpp)))
+                    tuple(tuple(actions) for actions in SCHEDULES[name](pp, microbatches, vpp)),
+                    name in V_SHAPED, overlapped)
     return add_communication(bare) if communication else bare

@@ -26,7 +26,7 @@ import itertools
 from dataclasses import dataclass
 
 from tetrad.errors import ConfigError, check_choice, check_positive
-from tetrad.schedules.generate import SCHEDULES
+from tetrad.schedules.generate import SCHEDULES, V_SHAPED
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
@@ -60,7 +60,7 @@ class ParallelConfig:
     zero: int = 0
     offload: bool = False
     sequence_parallel: bool = False
-    schedule: str = "1f1b"  # naive | gpipe | 1f1b | interleaved | zb
+    schedule: str = "1f1b"  # naive | gpipe | 1f1b | interleaved | zb | zbv | dualpipe
     microbatches: int = 0  # per pipeline pass; 0 means pp (the fewest that keep every stage busy)
     recompute: str = "none"  # none | selective | full
     collectives: str = "backend"  # backend | ring (tetrad's own ring all-reduce on send/recv)
@@ -85,7 +85,11 @@ class ParallelConfig:
         if self.offload and self.zero == 0:
             raise ConfigError("--offload needs a ZeRO stage: add --zero 1, 2 or 3")
         check_choice("schedule", self.schedule, tuple(SCHEDULES))
-        if (self.vpp > 1) != (self.schedule == "interleaved"):
+        if self.schedule in V_SHAPED:
+            if self.vpp != 2:
+                raise ConfigError(f"the {self.schedule} schedule places two model chunks per "
+                                  f"rank in a V: use --vpp 2")
+        elif (self.vpp > 1) != (self.schedule == "interleaved"):
             raise ConfigError("virtual stages go with the interleaved schedule: use --schedule "
                               "interleaved with --vpp 2 or more, or --vpp 1 with other schedules")
         check_choice("recompute", self.recompute, RECOMPUTE_MODES)

@@ -102,7 +102,11 @@ def padded(elements: int, group: int) -> int:
     return -(-elements // group) * group
 
 
-def rank_stages(pp_rank: int, num_stages: int, pp: int) -> range:
+def rank_stages(pp_rank: int, num_stages: int, pp: int,
+                v_shape: bool = False) -> tuple[int, ...]:
     """The virtual stages pipeline rank `pp_rank` runs: stage s lives on rank s % pp
-    (Megatron's interleaving)."""
-    return range(pp_rank, num_stages, pp)
+    (Megatron's interleaving), or, in the V placement of ZB-V and DualPipeV (two stages per
+    rank), stages pp_rank and 2 * pp - 1 - pp_rank (tetrad.schedules.actions)."""
+    if v_shape:
+        return (pp_rank, num_stages - 1 - pp_rank)
+    return tuple(range(pp_rank, num_stages, pp))

@@ -104,7 +104,8 @@ class PipelineExecutor:
         if pp_group.size != schedule.pp:
             raise ConfigError(f"the schedule is for pp={schedule.pp} but the pipeline group has "
                               f"{pp_group.size} ranks: build the schedule with pp={pp_group.size}")
-        owned = set(rank_stages(pp_group.index, schedule.num_stages, schedule.pp))
+        owned = set(rank_stages(pp_group.index, schedule.num_stages, schedule.pp,
+                                schedule.v_shape))
         assert set(stages) == owned, (sorted(stages), sorted(owned))
         self.stages, self.schedule, self.group, self.comm = stages, schedule, pp_group, comm
         self.embedding_group, self.partition, self.autocast = embedding_group, partition, autocast
@@ -140,9 +141,9 @@ class PipelineExecutor:
         plan = build_schedule(schedule, pp, microbatches or pp, vpp)
         cut = cut or partition(model.config, pp * vpp, seq_len, stage_layers)
         tied = (embedding_group(mesh.dims, mesh.rank)
-                if model.config.tie_embeddings and pp > 1 else None)
-        return cls(build_stages(model, cut, pp, mesh.coords["pp"]), plan, mesh["pp"], comm,
-                   tied, cut, autocast, shard)
+                if model.config.tie_embeddings and pp > 1 and not plan.v_shape else None)
+        return cls(build_stages(model, cut, pp, mesh.coords["pp"], plan.v_shape), plan,
+                   mesh["pp"], comm, tied, cut, autocast, shard)
 
     # The step -------------------------------------------------------------------------------
 
@@ -280,6 +281,12 @@ class PipelineExecutor:
             buffer, self.comm.recv(buffer, action.peer, self.group))
 
     def _received(self, state: _Step, direction: str, key: tuple[int, int]) -> torch.Tensor:
+        """The input of `key`'s compute: received from another rank, or, where the neighbouring
+        stage lives on this rank too (the turn of a V), handed over in memory."""
+        if (direction, *key) not in state.incoming:
+            stage, microbatch = key
+            producer = stage - 1 if direction == "F" else stage + 1
+            return state.outgoing.pop((direction, producer, microbatch))
         buffer, handle = state.incoming.pop((direction, *key))
         self._wait(handle)
         return buffer

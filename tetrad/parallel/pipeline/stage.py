@@ -97,12 +97,14 @@ class PipelineStage(nn.Module):
         return torch.stack(losses).sum() if losses else None
 
 
-def build_stages(model: Transformer, partition: Partition, pp: int,
-                 pp_index: int) -> dict[int, PipelineStage]:
+def build_stages(model: Transformer, partition: Partition, pp: int, pp_index: int,
+                 v_shape: bool = False) -> dict[int, PipelineStage]:
     """The stages pipeline rank `pp_index` holds: s = pp_index, pp_index + pp, ... (Megatron's
-    interleaved placement, as tetrad.schedules assumes), keyed by stage index."""
+    interleaved placement), or pp_index and 2 * pp - 1 - pp_index in the V placement (as
+    tetrad.schedules places them), keyed by stage index. In the V, rank 0 holds the first and
+    the last stage, so a tied embedding is one module there and needs no embedding group."""
     return {stage: PipelineStage(model, stage, partition.num_stages, partition.layers(stage))
-            for stage in rank_stages(pp_index, partition.num_stages, pp)}
+            for stage in rank_stages(pp_index, partition.num_stages, pp, v_shape)}
 
 
 def embedding_group(dims: ParallelConfig, rank: int) -> Group | None:
