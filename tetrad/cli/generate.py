@@ -78,8 +78,9 @@ def _add_group(parser: argparse.ArgumentParser, title: str, values: list[tuple[s
         group.add_argument(flag, default=argparse.SUPPRESS, **options)
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("path", metavar="MODEL",
+def add_engine_arguments(parser: argparse.ArgumentParser, nargs: str | None = None) -> None:
+    """nargs: the model argument's ("*": `tetrad serve`'s none or several, a list)."""
+    parser.add_argument("path", metavar="MODEL", nargs=nargs,
                         help="a stored model's name (tetrad list), an HF model folder (llama, "
                              "qwen2, gpt2, ...) or a tetrad checkpoint (step folder or root)")
     parser.add_argument("--tokenizer", help="'byte', a tokenizer.json or a folder (default: the "

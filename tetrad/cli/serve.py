@@ -1,6 +1,8 @@
-"""`tetrad serve PATH --port P`: an OpenAI-compatible server (/v1/completions,
+"""`tetrad serve [MODEL ...] --port P`: an OpenAI-compatible server (/v1/completions,
 /v1/chat/completions with streaming and log-probabilities, /v1/models, /tokenize, /detokenize,
-/health, /metrics) over the serving engine."""
+/health, /metrics) over the serving engine. One MODEL: that model, loaded at start. None or
+several: the models of the store (tetrad list) and those named, each loaded when a request names
+it and unloaded after its keep_alive, as many at once as --max-loaded-memory holds."""
 
 from __future__ import annotations
 
@@ -10,19 +12,31 @@ import os
 import sys
 
 from tetrad.cli.generate import add_engine_arguments, build_engine
+from tetrad.errors import ConfigError
 from tetrad.spec.serving import ServerConfig
+
+DEFAULT_KEEP_ALIVE = "5m"  # Ollama's (OLLAMA_KEEP_ALIVE)
 
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible API",
                                    description=__doc__)
-    add_engine_arguments(parser)
+    add_engine_arguments(parser, nargs="*")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     parser.add_argument("--served-model-name",
                         help="the model name clients send (default: the stored model's name "
-                             "or the folder's)")
+                             "or the folder's; one model only)")
+    pool = parser.add_argument_group("many models (no MODEL, or several)")
+    pool.add_argument("--max-loaded-memory",
+                      help="what the loaded models may hold together, weights and KV caches, "
+                           "e.g. 8GiB; least recently used idle models unload to make room "
+                           "(default: 90%% of the GPUs' memory, or of this machine's on a CPU)")
+    pool.add_argument("--keep-alive", default=DEFAULT_KEEP_ALIVE,
+                      help="how long a model stays loaded after its last request, for requests "
+                           "that bring no keep_alive: seconds or a duration (5m, 1h), 0 to "
+                           "unload at once, negative to never (default %(default)s)")
     limits = parser.add_argument_group("access and limits")
     limits.add_argument("--api-key", default=os.environ.get("TETRAD_API_KEY"),
                         help="clients must send 'Authorization: Bearer KEY' to /v1/* and "
@@ -57,16 +71,60 @@ SERVER_FLAGS: list[tuple[str, type, str]] = [
 ]
 
 
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    from tetrad.spec.model import from_dict
+
+    return from_dict(ServerConfig, {key: value for key, value in vars(args).items()
+                                    if key in ServerConfig.__dataclass_fields__})
+
+
 def run(args: argparse.Namespace) -> int:
+    if len(args.path) == 1:
+        args.path = args.path[0]
+        return run_one(args)
+    return run_many(args)
+
+
+def listen(app, args: argparse.Namespace, what: str):
+    """The uvicorn server of `app`, printing where it listens."""
     import uvicorn
 
-    from tetrad.spec.model import from_dict
+    # loop and http "auto": uvloop and httptools where installed (requirements.txt has both),
+    # whose C loop and parser leave more of the GIL to the engine thread while it streams.
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level="warning", loop="auto", http="auto"))
+    print(f"serving {what} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    return server
+
+
+def run_many(args: argparse.Namespace) -> int:
+    from tetrad.inference.entrypoints.model_pool import ModelPool
+    from tetrad.inference.entrypoints.model_pool_catalog import ModelCatalog
+    from tetrad.inference.entrypoints.server import build_server
+    from tetrad.inference.worker.kv_cache import parse_bytes
+
+    for flag, value in (("--served-model-name", args.served_model_name),
+                        ("--tokenizer", args.tokenizer)):
+        if value is not None:
+            raise ConfigError(f"{flag} goes with one model; with {len(args.path) or 'no'} "
+                              f"models each is served by its name")
+    config = server_config(args)
+    catalog = ModelCatalog(args, build_engine, args.path)
+    budget = (catalog.default_budget() if args.max_loaded_memory is None
+              else parse_bytes(args.max_loaded_memory))
+    pool = ModelPool(catalog, config, budget, args.keep_alive)
+    names = catalog.names()
+    listen(build_server(pool, config), args,
+           f"{len(names)} models ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''}) "
+           f"within {budget / 2**30:.1f} GiB").run()
+    return 0
+
+
+def run_one(args: argparse.Namespace) -> int:
     from tetrad.inference.entrypoints.chat import ChatFormatter, load_chat_template
     from tetrad.inference.entrypoints.server import build_app
 
-    options = {key: value for key, value in vars(args).items()
-               if key in ServerConfig.__dataclass_fields__}
-    config = from_dict(ServerConfig, options)
+    config = server_config(args)
     with build_engine(args) as llm:  # closed (its ranks stopped) however the server ends
         name = args.served_model_name or (args.stored.name if args.stored
                                           else llm.path.resolve().name)
@@ -76,12 +134,7 @@ def run(args: argparse.Namespace) -> int:
                                                  stored.system if stored else None),
                         on_fatal=lambda: setattr(server, "should_exit", True),
                         defaults=stored.sampling_defaults if stored else None, config=config)
-        # loop and http "auto": uvloop and httptools where installed (requirements.txt has
-        # both), whose C loop and parser leave more of the GIL to the engine thread while it
-        # streams.
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                               log_level="warning", loop="auto", http="auto"))
-        print(f"serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+        server = listen(app, args, name)
         server.run()
     if llm.failure is not None:
         raise llm.failure

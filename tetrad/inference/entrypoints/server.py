@@ -33,7 +33,7 @@ from tetrad.inference.entrypoints.api import (ApiError, ChatRequest, CompletionR
 from tetrad.inference.entrypoints.async_engine import EngineStopped, RequestError
 from tetrad.inference.entrypoints.chat import ChatFormatter
 from tetrad.inference.engine import LLM
-from tetrad.inference.entrypoints.served import OneModel, ServedModel
+from tetrad.inference.entrypoints.served import Leases, OneModel, ServedModel
 from tetrad.inference.entrypoints.http import ChunkEvents, Guard, final_outputs, merged, sse, unless_gone
 from tetrad.inference.core.output import RequestOutput
 
@@ -50,7 +50,8 @@ def build_app(llm: LLM, model_name: str, chat: ChatFormatter | None = None,
 
 def build_server(models, config: ServerConfig) -> FastAPI:
     """The routes over a model set (served.py's OneModel, or a pool of many): each request asks
-    it for the model it names with `await models.acquire(name, keep_alive)`."""
+    it for the model it names with `await models.acquire(name, keep_alive)`, which it holds
+    until its answer is sent (served.py's Leases)."""
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -63,6 +64,7 @@ def build_server(models, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="tetrad", lifespan=lifespan, **docs)
     app.state.models = models
     app.add_middleware(Guard, config=config)
+    app.add_middleware(Leases)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request, error: RequestValidationError):
@@ -123,9 +125,12 @@ def build_server(models, config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models():
+        """Every model a request may name, loaded or not (the context length of loaded ones)."""
+        lengths = {served.name: served.llm.max_model_len for served in models.loaded()}
         return {"object": "list", "data": [
-            {"id": served.name, "object": "model", "created": 0, "owned_by": "tetrad",
-             "max_model_len": served.llm.max_model_len} for served in models.loaded()]}
+            {"id": name, "object": "model", "created": 0, "owned_by": "tetrad",
+             **({"max_model_len": lengths[name]} if name in lengths else {})}
+            for name in models.available()]}
 
     @app.get("/metrics")
     async def metrics(model: str | None = None):
