@@ -28,6 +28,7 @@ from tetrad.spec.hf import (hf_from_model_config, hf_model_type, model_config_fr
                               rope_scaling_type)
 from tetrad.models.fp8 import BLOCK
 from tetrad.models.fp8_weights import FP8WeightLinear
+from tetrad.models.gguf import is_gguf_folder, load_gguf
 from tetrad.models.hf_deepseek import check_deepseek_support, deepseek_rules, is_extra_layer
 from tetrad.models.hf_fp8 import (QUANTIZATION_CONFIG, UNQUANTIZED_DTYPE, FP8Weight,
                                   block_size, quantize_state_dict, read_weight, scale_names)
@@ -384,6 +385,8 @@ def load_pretrained(path: str | Path, device: torch.device | str = "cpu",
     device = torch.device(device)
     if (folder / "model.json").is_file():
         tensors = _checkpoint_tensors(_parameter_names(config), folder)
+    elif is_gguf_folder(folder):
+        return load_gguf(folder, config, device, dtype or checkpoint_dtype(folder), keep_fp8)
     else:
         hf = read_hf_config(folder)
         if dtype is None and hf.get("quantization_config"):

@@ -27,6 +27,12 @@ def assemble(folder: Path, source: Path, template: str | None, manifest: dict) -
                 and path.name not in SKIPPED_FILES | shards
                 and path.suffix not in SKIPPED_SUFFIXES):
             link_or_copy(path, folder / path.name)
+    write_settings(folder, template, manifest)
+
+
+def write_settings(folder: Path, template: str | None, manifest: dict) -> None:
+    """The Modelfile's TEMPLATE as chat_template.jinja (replacing the source's) and the
+    manifest."""
     if template is not None:
         write_fresh(folder / "chat_template.jinja", template)
     write_fresh(folder / MANIFEST, json.dumps(manifest, indent=2) + "\n")

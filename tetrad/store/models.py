@@ -40,7 +40,8 @@ from tetrad.spec.hf import resolve_checkpoint
 from tetrad.store.modelfile import (ROLES, Modelfile, ModelfileError, check_parameters,
                               render_modelfile)
 from tetrad.spec.presets import resolve_model
-from tetrad.store.files import MANIFEST, assemble
+from tetrad.store.files import MANIFEST, assemble, write_settings
+from tetrad.store.gguf import gguf_folder, is_gguf_file, unpack_gguf
 
 STORE_ENV = "TETRAD_HOME"  # the store is $TETRAD_HOME/models
 MANIFEST_FIELDS = {"name": str, "from": str, "source": str, "created": str,
@@ -174,7 +175,9 @@ class ModelStore:
         settings["messages"] = modelfile.messages or settings["messages"]
         settings["license"] = modelfile.license or settings["license"]
         settings["template"] = settings["template"] or modelfile.template is not None
-        check_context(settings["parameters"], source, modelfile.where)
+        gguf = is_gguf_file(source)
+        if not gguf:  # a GGUF file's context is in its metadata: checked once unpacked
+            check_context(settings["parameters"], source, modelfile.where)
         manifest = {"name": full, "from": origin or modelfile.source, "source": str(source),
                     "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **settings,
                     "modelfile": modelfile.text}
@@ -183,7 +186,12 @@ class ModelStore:
             self.root.mkdir(parents=True, exist_ok=True)
             staging = self.root / f".tmp-{uuid.uuid4().hex}"
             staging.mkdir()
-            assemble(staging, source, modelfile.template, manifest)
+            if gguf:
+                unpack_gguf(source, staging)
+                check_context(settings["parameters"], staging, modelfile.where)
+                write_settings(staging, modelfile.template, manifest)
+            else:
+                assemble(staging, source, modelfile.template, manifest)
             target = self.folder(full)
             with self._lock():
                 target.parent.mkdir(parents=True, exist_ok=True)
@@ -206,11 +214,14 @@ class ModelStore:
     def _source(self, modelfile: Modelfile) -> tuple[Path, StoredModel | None]:
         """FROM's folder, and the stored model it names (None for a folder)."""
         path = (modelfile.folder / Path(modelfile.source).expanduser())
+        if is_gguf_file(path):
+            return path, None
         if path.exists():
             folder = resolve_checkpoint(path)
             if not is_model_folder(folder):
                 raise ModelfileError(f"FROM {modelfile.source}: {folder} is not a model folder "
-                                     f"(an HF folder with config.json, or a tetrad checkpoint)")
+                                     f"(an HF folder with config.json, or a tetrad checkpoint) "
+                                     f"nor a .gguf file")
             return folder, None
         base = self.get(modelfile.source) if NAME.fullmatch(modelfile.source.lower()) else None
         if base is None:
@@ -355,11 +366,13 @@ def check_context(parameters: dict[str, Any], folder: Path, where: Callable[...,
 
 def resolve_model_argument(argument: str, store: ModelStore | None = None
                            ) -> tuple[str, StoredModel | None]:
-    """What a command's model argument names: an existing path as is, else a stored model (its
-    folder and its settings)."""
+    """What a command's model argument names: an existing path as is (a GGUF file as its model
+    folder, tetrad.store.gguf), else a stored model (its folder and its settings)."""
+    store = store or ModelStore()
+    if is_gguf_file(argument):
+        return str(gguf_folder(argument, store.root)), None
     if Path(argument).expanduser().exists():
         return argument, None
-    store = store or ModelStore()
     if not NAME.fullmatch(argument.strip().lower()):
         raise ConfigError(f"{argument[:200]} does not exist: pass a model folder or a stored "
                           f"model's name (tetrad list)")
