@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from tetrad.spec.layout import OFFLOAD_MODES
 from tetrad.spec.model import DEVICES, DTYPES, FP8_RECIPES
 from tetrad.schedules import SCHEDULES
 
@@ -50,6 +51,17 @@ def layer_counts(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected layer counts like 3,4,4,3, got {text!r}")
 
 
+def byte_count(text: str) -> int:
+    """Bytes, with an optional binary unit: 800000, 512K, 1.5M, 2G."""
+    units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+    number, unit = (text[:-1], text[-1].upper()) if text[-1:].isalpha() else (text, "")
+    try:
+        return int(float(number) * units[unit])
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"expected bytes like 800000, 512K, 1.5M or 2G, "
+                                         f"got {text!r}")
+
+
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "train", help="train a transformer", description=__doc__,
@@ -70,6 +82,10 @@ def add_parser(subparsers) -> None:
                         help="auto (default): a GPU per local rank (NCCL) when there are enough, "
                              "else the CPU (gloo); cpu: the CPU beside GPUs; cuda: a GPU per "
                              "local rank or stop")
+    parser.add_argument("--device-memory-cap", type=byte_count, metavar="BYTES",
+                        help="refuse a run whose rank would hold more in device memory (the "
+                             "planner's count), stop one that does (the counted tensors); "
+                             "reported in the run report")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest checkpoint in --checkpoint-dir")
     parser.add_argument("--save-as", metavar="NAME",
@@ -98,8 +114,16 @@ def add_parser(subparsers) -> None:
     distributed.add_argument("--zero", type=int, choices=(0, 1, 2, 3),
                              help="0: DDP; 1: shard optimizer state; 2: and gradients; "
                                   "3: and parameters (FSDP)")
-    distributed.add_argument("--offload", action="store_true",
-                             help="keep the optimizer state and step in host memory (ZeRO 1-3)")
+    distributed.add_argument("--offload", dest="offload_mode", nargs="?", const="optimizer",
+                             choices=OFFLOAD_MODES,
+                             help="optimizer (the flag alone): the optimizer state and step in "
+                                  "host memory (ZeRO 1-3); params: ZeRO-3's parameter and "
+                                  "gradient shards too; nvme: parameter shards and optimizer "
+                                  "state in files under --offload-dir")
+    distributed.add_argument("--offload-dir", metavar="PATH",
+                             help="--offload nvme: an existing writable folder for its files")
+    distributed.add_argument("--offload-keep", action="store_true",
+                             help="--offload nvme: leave its files in --offload-dir at the end")
     distributed.add_argument("--collectives", choices=("backend", "ring"),
                              help="'ring': tetrad's own ring all-reduce on send/recv")
     distributed.add_argument("--overlap", dest="overlap", action="store_true",
@@ -120,6 +144,9 @@ def add_parser(subparsers) -> None:
     ps.add_argument("--staleness", type=int, metavar="K",
                     help="ssp: how many steps the fastest worker may run ahead of the slowest "
                          "(default 1)")
+    ps.add_argument("--ps-replicas", type=int, choices=(0, 1),
+                    help="1: each server's key range replicated on the next server, which takes "
+                         "over when it dies (sync, --servers 2 or more; default 0)")
     parser.set_defaults(run=run)
 
 
@@ -133,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
     overrides = {key: value for key, value in vars(args).items()
                  if key not in ("command", "run", "config", "save_as")}
     config = build_train_config(getattr(args, "config", None), overrides)
+    config.parallel.check_offload_dir()
     if save_as is not None:
         return train_and_store(config, save_as)
 

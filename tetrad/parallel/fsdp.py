@@ -47,6 +47,7 @@ from torch import nn
 from tetrad.parallel.comm import Comm, Handle
 from tetrad.parallel.data_parallel import broadcast_parameters
 from tetrad.parallel.mesh import Group
+from tetrad.parallel.offload import Offload, host_zeros
 from tetrad.parallel.zero import Pipelined, ShardedEngine, named_decays
 from tetrad.parallel.zero_optimizer import FlatShard, nbytes
 
@@ -116,6 +117,7 @@ class Unit:
     grad_shard: torch.Tensor  # [numel / N], accumulated over microbatches
     state: str = SHARDED
     handle: Handle | None = None
+    staged: torch.Tensor | None = None  # offloaded: the shard's device copy, while gathering
     reduced: bool = False  # this microbatch's gradients are on their way to the shard
     stage: int = 0  # the pipeline stage it belongs to (0 without a pipeline)
     hooks: list = field(default_factory=list)
@@ -126,7 +128,7 @@ class FullyShardedDataParallel(ShardedEngine):
 
     def __init__(self, model: nn.Module, group: Group, comm: Comm, param_groups: list[dict],
                  betas: tuple[float, float], eps: float,
-                 compute_dtype: torch.dtype = torch.float32, offload: bool = False,
+                 compute_dtype: torch.dtype = torch.float32, offload: Offload | bool = False,
                  units: list[tuple[list[nn.Module], list[nn.Parameter]]] | None = None,
                  pipelined: Pipelined | None = None):
         super().__init__(group, comm, compute_dtype, offload, betas, eps, pipelined)
@@ -153,9 +155,14 @@ class FullyShardedDataParallel(ShardedEngine):
                 flat32 = shard.flatten([p.detach() for p in shard.params], torch.float32)
                 shard32s.append(flat32[lo:hi].clone())
                 full = flat32.to(compute_dtype, copy=True)
-                unit = Unit(len(self.units), shard, full, full[lo:hi].clone(),
-                            torch.zeros(hi - lo, dtype=compute_dtype, device=full.device),
-                            stage=stage)
+                index = len(self.units)
+                if self.offload.params:
+                    param_shard = self.offload.keep(f"unit{index}.params", full[lo:hi])
+                    grad_shard = host_zeros(hi - lo, compute_dtype)
+                else:
+                    param_shard = full[lo:hi].clone()
+                    grad_shard = torch.zeros(hi - lo, dtype=compute_dtype, device=full.device)
+                unit = Unit(index, shard, full, param_shard, grad_shard, stage=stage)
                 for param, view in zip(shard.params, shard.views(full)):
                     param.data = view
                 self._hook_modules(unit, modules)
@@ -175,10 +182,16 @@ class FullyShardedDataParallel(ShardedEngine):
         if unit.state != SHARDED:
             return
         unit.full.untyped_storage().resize_(nbytes(unit.full))
+        source = unit.param_shard
+        if self.offload.params:  # host -> device, kept until the gather is done
+            if self.offload.files is not None:
+                following = self._neighbour(unit, 1)
+                self.offload.files.read_ahead([following.param_shard] if following else [])
+            unit.staged = source = unit.param_shard.to(unit.full.device, copy=True)
         # The collective writes into storage autograd saved for backward; that is intended (the
         # data is the same weights), so keep the version counter from flagging it.
         with torch.autograd._unsafe_preserve_version_counter(unit.full):
-            unit.handle = self.comm.all_gather(unit.full, unit.param_shard, self.group, "params",
+            unit.handle = self.comm.all_gather(unit.full, source, self.group, "params",
                                                async_op=True)
         unit.state = GATHERING
         self.live_bytes += nbytes(unit.full)
@@ -188,14 +201,14 @@ class FullyShardedDataParallel(ShardedEngine):
         self._start_gather(unit)
         if unit.state == GATHERING:
             unit.handle.wait()
-            unit.handle, unit.state = None, GATHERED
+            unit.handle, unit.staged, unit.state = None, None, GATHERED
 
     def _free(self, unit: Unit) -> None:
         if unit.state == SHARDED:
             return
         if unit.state == GATHERING:
             unit.handle.wait()
-            unit.handle = None
+            unit.handle = unit.staged = None
         unit.full.untyped_storage().resize_(0)
         unit.state = SHARDED
         self.live_bytes -= nbytes(unit.full)
@@ -282,7 +295,7 @@ class FullyShardedDataParallel(ShardedEngine):
             unit, grads, handle = self.pending
             handle.wait()
             lo, hi = unit.shard.shard_range
-            unit.grad_shard.add_(grads[lo:hi])
+            unit.grad_shard.add_(grads[lo:hi].to(unit.grad_shard.device))  # offloaded: to host
             self.pending = None
 
     # ShardedEngine.
@@ -315,6 +328,11 @@ class FullyShardedDataParallel(ShardedEngine):
         self.peak_live_bytes = self.live_bytes
 
     def _device_bytes(self) -> dict[str, int]:
-        return {"params": sum(nbytes(u.param_shard) for u in self.units) + self.live_bytes,
-                "grads": sum(nbytes(u.grad_shard) for u in self.units),
-                "params_gathered_peak": self.peak_live_bytes}
+        params = sum(nbytes(u.param_shard) for u in self.units)
+        grads = sum(nbytes(u.grad_shard) for u in self.units)
+        held = {"params": self.live_bytes, "grads": 0, "params_gathered_peak": self.peak_live_bytes}
+        if not self.offload.params:
+            return held | {"params": params + self.live_bytes, "grads": grads}
+        # An fp32 shard is its own master copy: counted here (optimizer_bytes leaves it out).
+        where = "disk_params" if self.offload.files is not None else "host_params"
+        return held | {where: params, "host_grads": grads}

@@ -55,6 +55,7 @@ from tetrad.parallel.engine import (DataParallelEngine, DataParallelOptions, Par
 from tetrad.parallel.expert_parallel import ExpertParallel, apply_expert_parallel
 from tetrad.parallel.fsdp import FullyShardedDataParallel, transformer_units
 from tetrad.parallel.mesh import Group, Mesh
+from tetrad.parallel.offload import Offload
 from tetrad.parallel.pipeline import PipelineExecutor, partition
 from tetrad.parallel.pipeline.executor import whole_sequences
 from tetrad.parallel.recompute import apply_recompute
@@ -148,7 +149,7 @@ def _data_parallel(model: Transformer, replicated: dict[str, nn.Parameter], mesh
         return DataParallel(replicated, group, comm, options)
     sharded = dict(param_groups=options.group_parameters(view), betas=options.betas,
                    eps=options.eps, compute_dtype=options.compute_dtype,
-                   offload=parallel.offload)
+                   offload=Offload.of(parallel))
     # ZeRO-2/3 reduce every microbatch: under a pipeline, stage by stage, after each backward of
     # a stage the executor runs (ZeRO-1 just reduces after the step's last backward).
     pipelined = None

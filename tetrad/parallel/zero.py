@@ -44,6 +44,7 @@ from tetrad.parallel.data_parallel import (LaunchInOrder, bucket_params, broadca
                                            param_bytes)
 from tetrad.parallel.engine import DEFAULT_BUCKET_BYTES, Counted, LossScaler, Placement
 from tetrad.parallel.mesh import Group
+from tetrad.parallel.offload import Offload
 from tetrad.parallel.zero_optimizer import (FlatShard, ShardedAdamW, counted_segments, nbytes,
                                             scatter_state, shard_pieces)
 from tetrad.sharded_tensors import Piece
@@ -75,10 +76,11 @@ class ShardedEngine:
     AdamW step, checkpoints, bytes held. A stage provides the shards, how gradients reach them,
     and what happens to parameters after the step."""
 
-    def __init__(self, group: Group, comm: Comm, compute_dtype: torch.dtype, offload: bool,
-                 betas: tuple[float, float], eps: float, pipelined: Pipelined | None = None):
+    def __init__(self, group: Group, comm: Comm, compute_dtype: torch.dtype,
+                 offload: Offload | bool, betas: tuple[float, float], eps: float,
+                 pipelined: Pipelined | None = None):
         self.group, self.comm = group, comm
-        self.compute_dtype, self.offload = compute_dtype, offload
+        self.compute_dtype, self.offload = compute_dtype, Offload.coerce(offload)
         self.betas, self.eps = betas, eps
         self.pipelined = pipelined
         self.scaler = LossScaler() if compute_dtype == torch.float16 else None
@@ -116,9 +118,10 @@ class ShardedEngine:
 
     # Shared.
     def _init_optimizer(self, shard32s: list[torch.Tensor]) -> None:
-        for shard, shard32, param_shard in zip(self.shards, shard32s, self._param_shards()):
-            shard.init_optimizer(shard32, param_shard, self.offload)
-        self.optimizer = ShardedAdamW(self.shards, self.betas, self.eps)
+        for index, (shard, shard32, param_shard) in enumerate(
+                zip(self.shards, shard32s, self._param_shards())):
+            shard.init_optimizer(shard32, param_shard, self.offload, f"shard{index}")
+        self.optimizer = ShardedAdamW(self.shards, self.betas, self.eps, self.offload)
 
     def backward(self, loss: torch.Tensor, is_last_microbatch: bool) -> None:
         self._prepare_backward(is_last_microbatch)
@@ -150,14 +153,14 @@ class ShardedEngine:
     def grad_square(self, counted: Counted) -> torch.Tensor:
         """Each dp x cp rank holds its own shard of the gradients: the squares of what this rank
         counts of them, summed over the group."""
-        device = self._grad_shards()[0].device
-        square = torch.zeros((), dtype=torch.float64, device=device)
+        square = torch.zeros((), dtype=torch.float64, device=self._grad_shards()[0].device)
         if self._segments is None:
             self._segments = counted_segments(self.shards, counted)
         for shard, pieces in zip(self.shards, self._segments):
             for start, end, mask in pieces:
                 grad = shard.main_grad[start:end]
                 square += (grad if mask is None else grad[mask]).double().square().sum()
+        square = square.to(self.shards[0].params[0].device)  # offloaded shards: from the host
         self.comm.all_reduce(square, self.group, NORM_TAG)
         return square
 
@@ -181,24 +184,20 @@ class ShardedEngine:
         for shard, param_shard in zip(self.shards, self._param_shards()):
             if shard.master is not param_shard:  # fp32 master -> compute dtype (host -> device)
                 param_shard.copy_(shard.master)
+        if self.offload.files is not None:
+            self.offload.files.wait_written()  # the files hold this step before the next reads
         self._publish_params()
         self._zero_grads()
         return True
 
     def bytes_held(self) -> dict[str, int]:
-        held = self._device_bytes()
+        """Bytes of this rank's tensors by kind and place (Offload.place)."""
         optimizer = sum(s.optimizer_bytes(p) for s, p in zip(self.shards, self._param_shards()))
         fp32_grads = sum(nbytes(s.main_grad) for s, g in zip(self.shards, self._grad_shards())
                          if s.main_grad is not None and s.main_grad is not g
                          and s.host_grad is None)
-        held["grads"] += fp32_grads
-        if self.offload:
-            held["optimizer"] = 0
-            held["host_optimizer"] = optimizer
-            held["host_grads"] = sum(nbytes(s.host_grad) for s in self.shards)
-        else:
-            held["optimizer"] = optimizer
-        return held
+        return self.offload.place(self._device_bytes(), optimizer, fp32_grads,
+                                  sum(nbytes(s.host_grad) for s in self.shards))
 
     def pieces(self, kinds: tuple[str, ...], placement: Placement) -> list[Piece]:
         return shard_pieces(self.shards, kinds, placement)
@@ -245,7 +244,7 @@ class ZeroDataParallel(ShardedEngine):
 
     def __init__(self, model: nn.Module, group: Group, comm: Comm, stage: int,
                  param_groups: list[dict], betas: tuple[float, float], eps: float,
-                 compute_dtype: torch.dtype = torch.float32, offload: bool = False,
+                 compute_dtype: torch.dtype = torch.float32, offload: Offload | bool = False,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, pipelined: Pipelined | None = None):
         assert stage in (1, 2) and (pipelined is None or stage == 2), (stage, pipelined)
         super().__init__(group, comm, compute_dtype, offload, betas, eps, pipelined)

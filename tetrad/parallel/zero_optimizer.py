@@ -19,16 +19,9 @@ from torch import nn
 
 from tetrad.parallel.engine import Counted, Placement
 from tetrad.parallel.mesh import Group
+from tetrad.parallel.offload import Offload
 from tetrad.sharded_tensors import Piece
 from tetrad.spec.runtime_rules import padded
-
-
-def host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A separate copy in host memory (pinned when a GPU will copy to and from it). On a CPU-only
-    machine this is still a distinct buffer: offload is a real second copy, never an alias."""
-    pin = torch.cuda.is_available()
-    return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
-                       pin_memory=pin).copy_(tensor)
 
 
 def nbytes(tensor: torch.Tensor | None) -> int:
@@ -92,17 +85,29 @@ class FlatShard:
                 for offset, param in zip(self.offsets, self.params)]
 
     def init_optimizer(self, shard32: torch.Tensor, shard_param: torch.Tensor,
-                       offload: bool) -> None:
-        """fp32 master of the shard and AdamW moments. In fp32 without offload the master *is*
-        the shard of the parameters (no second copy), as the ZeRO formulas assume."""
-        if offload:
-            self.master = host_copy(shard32)
+                       offload: Offload, name: str) -> None:
+        """fp32 master of the shard and AdamW moments, where `offload` keeps them (`name` tells
+        this shard's files apart). An fp32 parameter shard is its own master copy (no second
+        copy, as the ZeRO formulas assume) wherever it lives, except with optimizer offload,
+        which keeps the shard on the device and the master on the host."""
+        if shard_param.dtype == torch.float32 and offload.mode != "optimizer":
+            self.master = shard_param
+        elif offload.optimizer:
+            self.master = offload.keep(f"{name}.master", shard32)
         else:
-            self.master = shard_param if shard_param.dtype == torch.float32 else shard32
-        self.exp_avg = torch.zeros_like(self.master)
-        self.exp_avg_sq = torch.zeros_like(self.master)
-        if offload:
+            self.master = shard32
+        zeros = torch.zeros_like(self.master)
+        if offload.files is not None:
+            self.exp_avg = offload.files.tensor(f"{name}.exp_avg", zeros)
+            self.exp_avg_sq = offload.files.tensor(f"{name}.exp_avg_sq", zeros)
+        else:
+            self.exp_avg, self.exp_avg_sq = zeros, torch.zeros_like(zeros)
+        if offload.mode == "optimizer":
             self.host_grad = torch.zeros_like(self.master)
+
+    def state(self) -> list[torch.Tensor]:
+        """The tensors the optimizer step reads and writes."""
+        return [self.master, self.exp_avg, self.exp_avg_sq]
 
     def set_main_grad(self, grad_shard: torch.Tensor, inv_scale: float | None) -> None:
         """The fp32 gradient the optimizer reads, unscaled: the shard itself when it already is
@@ -127,11 +132,13 @@ class ShardedAdamW:
     the same formula, equal to fp32 rounding). Runs wherever the master
     weights live: in host memory with offload (the host-side step of ZeRO-Offload)."""
 
-    def __init__(self, shards: list[FlatShard], betas: tuple[float, float], eps: float):
+    def __init__(self, shards: list[FlatShard], betas: tuple[float, float], eps: float,
+                 offload: Offload | None = None):
         self.shards = shards
         self.beta1, self.beta2 = betas
         self.eps = eps
         self.step_count = 0
+        self.files = offload.files if offload is not None else None
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
@@ -140,7 +147,10 @@ class ShardedAdamW:
         bias_correction2 = 1 - self.beta2 ** float(self.step_count)
         step_size = lr / bias_correction1
         bias_correction2_sqrt = bias_correction2 ** 0.5
-        for shard in self.shards:
+        for index, shard in enumerate(self.shards):
+            if self.files is not None:  # the next shard's state is read while this one steps
+                self.files.read_ahead(self.shards[index + 1].state()
+                                      if index + 1 < len(self.shards) else [])
             master, grad = shard.master, shard.main_grad
             for start, end, decay in shard.decay_segments:
                 master[start:end].mul_(1 - lr * decay)
@@ -149,6 +159,8 @@ class ShardedAdamW:
             denom = (shard.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
             master.addcdiv_(shard.exp_avg, denom, value=-step_size)
             shard.main_grad = None
+            if self.files is not None:
+                self.files.write_behind(shard.state())
 
 
 def scatter_state(shard: FlatShard, full: Mapping[str, torch.Tensor],

@@ -44,8 +44,8 @@ def predict_training(model_config: ModelConfig, parallel_config: ParallelConfig,
 
     Returns {"bytes": {"params", "grads", "optimizer", "activations_peak"} of the fullest rank
     (with ZeRO-3 also "params_gathered_peak", the whole units gathered at once, which "params"
-    leaves out; with offload "host_optimizer" and "host_grads", in CPU memory), "runtime" (whose
-    tensors were counted), "idle_fraction" (the pipeline bubble's share of the step),
+    leaves out; with offload its host_* and disk_* bytes: MemoryBreakdown.offloaded), "runtime"
+    (whose tensors were counted), "idle_fraction" (the pipeline bubble's share of the step),
     "fullest_stage", "comm_bytes" and "comm_payload_bytes" (per step, per collective kind, of a
     rank of the slowest stage; with the tetrad runtime, of the fullest), "step_time_s"
     ({"total", "compute", "communication_exposed", "bubble"}; None without `gpu`: a catalog name,
@@ -121,8 +121,7 @@ def _rank_bytes(memory: MemoryBreakdown, layout: TrainLayout, ledger: CommLedger
             "optimizer": memory.optimizer}
     if layout.zero == 3:
         held["params_gathered_peak"] = memory.params_gathered
-    if layout.offload:
-        held.update(host_optimizer=memory.host_optimizer, host_grads=memory.host_grads)
+    held.update(memory.offloaded(layout.offload_mode))
     return {"bytes": {**held, "activations_peak": memory.activations},
             "comm_bytes": dict(ledger.sent), "comm_payload_bytes": dict(ledger.payload),
             "comm_calls": ledger.calls_by_kind()}

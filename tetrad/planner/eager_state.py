@@ -9,12 +9,15 @@ embedding's copy alone): the runtime's own rules (tetrad.spec.runtime_rules), si
 planner's tensors; ZeRO-3 in units (eager_params), each padded, gathered one while
 prefetching the next of its stage, a root unit gathered around its stage's forward besides. The
 engine keeps the fp32 gradient of its shard beside a 16-bit one; offload keeps fp32 master,
-moments and gradient shard on the host. Experts (ep > 1) stay out of ZeRO: fp32 parameters with
+moments and gradient shard on the host; parameter offload (ZeRO-3) the parameter and gradient
+shards there too (an fp32 parameter shard is its own master), NVMe offload the parameter shards,
+masters and moments in files and the gradient shards on the host. Experts (ep > 1) stay out of ZeRO: fp32 parameters with
 an AdamW of their own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -32,7 +35,7 @@ FP32 = 4
 @dataclass(frozen=True)
 class ModelState:
     """Bytes of one rank's model state. `params` includes `params_gathered` (ZeRO-3's whole
-    units at their peak); host bytes (offload) are not GPU memory."""
+    units at their peak); host and disk bytes (offload) are not GPU memory."""
 
     params: float
     grads: float
@@ -40,6 +43,9 @@ class ModelState:
     params_gathered: float = 0.0
     host_optimizer: float = 0.0
     host_grads: float = 0.0
+    host_params: float = 0.0
+    disk_params: float = 0.0
+    disk_optimizer: float = 0.0
 
 
 def fp32_bytes(param: Param) -> int:
@@ -167,8 +173,26 @@ def model_state(config: ModelConfig, layout: TrainLayout, precision: TrainingPre
     fp32_grad = shard * FP32
     params_bytes += expert_params + frozen
     grads += expert_grads
+    if layout.offload_params:
+        return _offloaded_shards(layout, shard, precision, ModelState(
+            gathered + expert_params + frozen, expert_grads, expert_optimizer, gathered))
     if layout.offload:
         return ModelState(params_bytes, grads, expert_optimizer, gathered,
                           shard * (FP32 + precision.optimizer_bytes), fp32_grad)
     return ModelState(params_bytes, grads + (fp32_grad if gb != FP32 else 0.0),
                       shard * precision.optimizer_state_bytes + expert_optimizer, gathered)
+
+
+def _offloaded_shards(layout: TrainLayout, shard: int, precision: TrainingPrecision,
+                      on_device: ModelState) -> ModelState:
+    """ZeRO-3 with its shards off the device: the parameter shard (its own fp32 master when the
+    parameters are fp32), the optimizer state, and on the host the gradient shard with its fp32
+    copy for the step when the gradients are 16-bit."""
+    params = shard * precision.param_bytes
+    optimizer = shard * precision.optimizer_state_bytes
+    grads = shard * precision.grad_bytes + (shard * FP32 if precision.grad_bytes != FP32 else 0)
+    if layout.offload_files:
+        return dataclasses.replace(on_device, host_grads=grads, disk_params=params,
+                                   disk_optimizer=optimizer)
+    return dataclasses.replace(on_device, host_grads=grads, host_params=params,
+                               host_optimizer=optimizer)

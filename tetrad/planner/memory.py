@@ -55,10 +55,25 @@ class MemoryBreakdown:
     params_gathered: float = 0.0  # of `params`: ZeRO-3's whole units at their peak
     host_optimizer: float = 0.0  # offloaded to CPU memory: not in the total
     host_grads: float = 0.0
+    host_params: float = 0.0  # --offload params: ZeRO-3's parameter shard
+    disk_params: float = 0.0  # --offload nvme: in files
+    disk_optimizer: float = 0.0
 
     @property
     def total(self) -> float:
         return self.params + self.grads + self.optimizer + self.activations + self.kv_cache
+
+    def offloaded(self, mode: str) -> dict[str, float]:
+        """The host and disk bytes of offload `mode` (ParallelConfig.offload_mode), by the run
+        report's names."""
+        if mode == "none":
+            return {}
+        held = {"host_grads": self.host_grads}
+        if mode == "nvme":
+            return held | {"disk_params": self.disk_params, "disk_optimizer": self.disk_optimizer}
+        if mode == "params":
+            held["host_params"] = self.host_params
+        return held | {"host_optimizer": self.host_optimizer}
 
     def as_dict(self) -> dict[str, float]:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
@@ -109,10 +124,14 @@ def stage_params(config: ModelConfig, num_stages: int, stage: int, tp: int,
 
 
 def zero_state_bytes(num_params: float, group: int, zero: int, offload: bool,
-                     precision: TrainingPrecision) -> tuple[float, float, float]:
+                     precision: TrainingPrecision, offload_params: bool = False
+                     ) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes per GPU of `num_params` parameters shared by `group`
     data-parallel ranks: ZeRO stage 1 shards the optimizer state, 2 also the gradients, 3 also
-    the parameters; offload keeps the optimizer state in CPU memory."""
+    the parameters; offload keeps the optimizer state in CPU memory (or files), parameter offload
+    ZeRO-3's parameter and gradient shards too."""
+    if offload_params:
+        return 0.0, 0.0, 0.0
     params = num_params * precision.param_bytes / (group if zero >= 3 else 1)
     grads = num_params * precision.grad_bytes / (group if zero >= 2 else 1)
     optimizer = (0.0 if offload else
@@ -127,7 +146,7 @@ def model_state_bytes(config: ModelConfig, layout: TrainLayout, precision: Train
     dense, expert = stage_params(config, layout.pp, stage, layout.tp, layout.ep,
                                  layout.expert_tp)
     params, grads, optimizer = zero_state_bytes(dense, layout.zero_group, layout.zero,
-                                                layout.offload, precision)
+                                                layout.offload, precision, layout.offload_params)
     expert_params, expert_grads, expert_optimizer = zero_state_bytes(
         expert, layout.expert_zero_group, layout.zero, layout.offload, precision)
     return (params + expert_params
@@ -247,7 +266,9 @@ def eager_breakdown(rank: eager.RankBytes) -> MemoryBreakdown:
     state = rank.state
     return MemoryBreakdown(state.params, state.grads, state.optimizer, rank.activations,
                            params_gathered=state.params_gathered,
-                           host_optimizer=state.host_optimizer, host_grads=state.host_grads)
+                           host_optimizer=state.host_optimizer, host_grads=state.host_grads,
+                           host_params=state.host_params, disk_params=state.disk_params,
+                           disk_optimizer=state.disk_optimizer)
 
 
 def training_memory(config: ModelConfig, layout: TrainLayout, precision: TrainingPrecision,

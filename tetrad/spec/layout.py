@@ -23,12 +23,17 @@ replicated edp = dp*cp/ep times, and its gradients are reduced over that edp gro
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass
 
 from tetrad.errors import ConfigError, check_choice, check_positive
 from tetrad.schedules.generate import SCHEDULES, V_SHAPED
 
 RECOMPUTE_MODES = ("none", "selective", "full")
+# Where ZeRO's state lives (docs/distributed.md, "Offload"): optimizer state (fp32 master, moments,
+# fp32 gradient) on the host; "params" also ZeRO-3's parameter and gradient shards; "nvme" the
+# parameter shards and optimizer state in files under offload_dir (gradients on the host).
+OFFLOAD_MODES = ("none", "optimizer", "params", "nvme")
 
 # Outermost to innermost: the order of the rank formula above.
 AXES = ("pp", "dp", "cp", "tp")
@@ -42,6 +47,14 @@ GROUP_AXES: dict[str, tuple[str, ...]] = {
 }
 EXPERT_GROUPS = ("ep", "edp")
 GROUP_NAMES = (*GROUP_AXES, *EXPERT_GROUPS)
+
+
+def check_offload_dir(folder: str) -> None:
+    """--offload nvme writes into `folder`: an existing folder this user may write in."""
+    if not os.path.isdir(folder):
+        raise ConfigError(f"--offload-dir {folder} is not a folder: create it first")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"--offload-dir {folder} is not writable by this user")
 
 
 @dataclass(frozen=True)
@@ -58,7 +71,10 @@ class ParallelConfig:
     ep: int = 1
     vpp: int = 1
     zero: int = 0
-    offload: bool = False
+    offload: bool = False  # the optimizer state off the device (every offload_mode but "none")
+    offload_mode: str = "none"  # OFFLOAD_MODES; offload=True alone means "optimizer"
+    offload_dir: str = ""  # nvme: the folder its files go in
+    offload_keep: bool = False  # nvme: leave the files there at the end
     sequence_parallel: bool = False
     schedule: str = "1f1b"  # naive | gpipe | 1f1b | interleaved | zb | zbv | dualpipe
     microbatches: int = 0  # per pipeline pass; 0 means pp (the fewest that keep every stage busy)
@@ -73,6 +89,7 @@ class ParallelConfig:
     servers: int = 0  # ps: server processes after the dp workers
     ps_mode: str = "sync"  # sync | async | ssp
     staleness: int | None = None  # ssp's bound K; None: PSOptions' default
+    ps_replicas: int = 0  # ps: 1 keeps each server's key range on the next server (a standby)
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "cp", "tp", "ep", "vpp"):
@@ -82,13 +99,16 @@ class ParallelConfig:
         check_positive("microbatches", self.microbatches, allow_zero=True)
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"zero must be 0, 1, 2 or 3, got {self.zero}")
-        if self.offload and self.zero == 0:
-            raise ConfigError("--offload needs a ZeRO stage: add --zero 1, 2 or 3")
+        self._check_offload()
         check_choice("schedule", self.schedule, tuple(SCHEDULES))
         if self.schedule in V_SHAPED:
             if self.vpp != 2:
                 raise ConfigError(f"the {self.schedule} schedule places two model chunks per "
                                   f"rank in a V: use --vpp 2")
+            if self.schedule == "dualpipe" and (self.microbatches or self.pp) < 2 * self.pp:
+                raise ConfigError(f"the dualpipe schedule needs at least 2 * pp = {2 * self.pp} "
+                                  f"microbatches (one per stage): use --microbatches "
+                                  f"{2 * self.pp} or more")
         elif (self.vpp > 1) != (self.schedule == "interleaved"):
             raise ConfigError("virtual stages go with the interleaved schedule: use --schedule "
                               "interleaved with --vpp 2 or more, or --vpp 1 with other schedules")
@@ -103,6 +123,38 @@ class ParallelConfig:
                               f"to be a multiple of pp ({self.pp})")
         self._check_strategy()
 
+    def _check_offload(self) -> None:
+        check_choice("offload", self.offload_mode, OFFLOAD_MODES)
+        if self.offload_mode == "none" and self.offload:
+            object.__setattr__(self, "offload_mode", "optimizer")  # configs from before the modes
+        object.__setattr__(self, "offload", self.offload_mode != "none")
+        if self.offload_params and self.zero != 3:
+            raise ConfigError(f"--offload {self.offload_mode} moves ZeRO-3's parameter shard: "
+                              f"use --zero 3, or --offload optimizer")
+        if self.offload and self.zero == 0:
+            raise ConfigError("--offload needs a ZeRO stage: add --zero 1, 2 or 3")
+        if (self.offload_dir or self.offload_keep) and not self.offload_files:
+            raise ConfigError("--offload-dir and --offload-keep are for --offload nvme: add it or "
+                              "drop them")
+
+    @property
+    def offload_params(self) -> bool:
+        """ZeRO-3's parameter and gradient shards off the device (host memory or files)."""
+        return self.offload_mode in ("params", "nvme")
+
+    @property
+    def offload_files(self) -> bool:
+        """Parameter shards and optimizer state in files (ZeRO-Infinity's NVMe offload)."""
+        return self.offload_mode == "nvme"
+
+    def check_offload_dir(self) -> None:
+        """What a run needs of --offload-dir (the planner needs none of it)."""
+        if self.offload_files:
+            if not self.offload_dir:
+                raise ConfigError("--offload nvme needs --offload-dir PATH: the folder for its "
+                                  "files")
+            check_offload_dir(self.offload_dir)
+
     def _check_expert_fold(self) -> None:
         """The rank grid folds ep over the dp*cp ranks of one (pp, tp) position. This one rule is
         the place for a layout that spreads experts wider (a planner-only allowance) to widen."""
@@ -115,7 +167,8 @@ class ParallelConfig:
         if self.strategy == "collective":
             for flag, value, default in (("--servers", self.servers, 0),
                                          ("--ps-mode", self.ps_mode, "sync"),
-                                         ("--staleness", self.staleness, None)):
+                                         ("--staleness", self.staleness, None),
+                                         ("--ps-replicas", self.ps_replicas, 0)):
                 if value != default:
                     raise ConfigError(f"{flag} configures the parameter server: add --strategy ps "
                                       f"or drop {flag}")
@@ -137,6 +190,12 @@ class ParallelConfig:
                 raise ConfigError(f"--staleness bounds --ps-mode ssp only: drop it or use "
                                   f"--ps-mode ssp (got --ps-mode {self.ps_mode})")
             check_positive("staleness", self.staleness, allow_zero=True)
+        if self.ps_replicas not in (0, 1):
+            raise ConfigError(f"--ps-replicas must be 0 or 1, got {self.ps_replicas!r}")
+        if self.ps_replicas and (self.servers < 2 or self.ps_mode != "sync"):
+            raise ConfigError(f"--ps-replicas 1 keeps each server's key range on the next server "
+                              f"and replays sync steps: it needs --servers 2 or more and --ps-mode "
+                              f"sync (got --servers {self.servers}, --ps-mode {self.ps_mode})")
 
     @property
     def world_size(self) -> int:

@@ -264,6 +264,7 @@ class TrainConfig:
     log_every: int = 10
     sample_tokens: int = 200
     nproc: int = 1
+    device_memory_cap: int = 0  # bytes a rank may hold on its device (0: no cap; tetrad.train.stop)
     model_overrides: dict = field(default_factory=dict)  # [model] table of a TOML config
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
@@ -272,7 +273,7 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "nproc", "log_every"):
             check_positive(name, getattr(self, name))
         for name in ("lr", "grad_clip", "save_every", "keep", "warmup_steps", "weight_decay",
-                     "sample_tokens"):
+                     "sample_tokens", "device_memory_cap"):
             check_positive(name, getattr(self, name), allow_zero=True)
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("fp8_recipe", self.fp8_recipe, FP8_RECIPES)

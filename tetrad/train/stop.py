@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from tetrad.spec.model import TrainConfig
-from tetrad.errors import ConfigError
+from tetrad.errors import ConfigError, TetradError
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 SAME_REQUEST_S = 1.0
@@ -71,16 +71,35 @@ def memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+# What a rank holds in its device's memory, by the run report's byte names; host_* bytes are in
+# host memory (the same memory on a CPU run), disk_* bytes in --offload nvme's files.
+DEVICE_BYTES = ("params", "params_gathered_peak", "grads", "optimizer", "activations_peak")
+
+
+def device_bytes(held: dict[str, float]) -> float:
+    """The device-resident part of a rank's bytes (predicted, or counted from its tensors)."""
+    return sum(held.get(kind, 0) for kind in DEVICE_BYTES)
+
+
 def check_fits(predicted: dict, config: TrainConfig, device: torch.device,
                world_size: int) -> None:
     """Refuse a run whose rank needs more memory than its device has (a --batch-size of 10^8
-    would otherwise build its batch for minutes, then fail or swap): the planner's bytes for the
-    rank, plus the global batch of token ids each rank builds. The CPU's memory is shared by the
-    ranks on this machine."""
+    would otherwise build its batch for minutes, then fail or swap), or than
+    --device-memory-cap allows: the planner's bytes for the rank, plus the global batch of token
+    ids each rank builds. The CPU's memory is shared by the ranks on this machine, and holds
+    what offload puts in host memory too; files are not memory."""
     if "bytes" not in predicted:  # a layout the cost model does not cover
         return
     batch_bytes = config.batch_size * (config.seq_len + 1) * 8
-    need = sum(predicted["bytes"].values()) + batch_bytes
+    on_device = device_bytes(predicted["bytes"])
+    cap = config.device_memory_cap
+    if cap and on_device > cap:
+        raise ConfigError(f"a rank would hold {on_device:,.0f} bytes in device memory (the "
+                          f"planner's count), over --device-memory-cap {cap:,}: offload "
+                          f"(--offload params with --zero 3), more ranks or a smaller batch")
+    in_memory = on_device + sum(value for kind, value in predicted["bytes"].items()
+                                if kind.startswith("host_") and device.type == "cpu")
+    need = in_memory + batch_bytes
     sharing = 1 if device.type == "cuda" else int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     have = memory_bytes(device) // sharing
     if need > have:
@@ -88,3 +107,11 @@ def check_fits(predicted: dict, config: TrainConfig, device: torch.device,
                           f"about {need / 2**30:,.1f} GiB per rank (the planner's bytes and the "
                           f"batch's token ids) but {device.type} memory holds "
                           f"{have / 2**30:,.1f} GiB per rank: lower --batch-size or --seq-len")
+
+
+def check_cap(held: dict[str, int], activations_peak: int, cap: int, step: int) -> None:
+    """Stop a run whose rank counted more device-resident bytes than --device-memory-cap."""
+    counted = device_bytes(held) + activations_peak
+    if cap and counted > cap:
+        raise TetradError(f"step {step}: this rank holds {counted:,} bytes in device memory "
+                          f"(counted from its tensors), over --device-memory-cap {cap:,}")

@@ -27,7 +27,7 @@ from tetrad.train.metrics import build_report, rank_entry, write_json_atomic, ze
 from tetrad.train.optim import learning_rate
 from tetrad.train.prediction import device_gpu, predict, prediction_hardware
 from tetrad.train.sample import sample_text
-from tetrad.train.stop import StopRequest, check_fits
+from tetrad.train.stop import StopRequest, check_cap, check_fits, device_bytes
 from tetrad.train.strategy import Strategy, build_strategy
 
 VALIDATION_BATCHES = 8
@@ -130,6 +130,7 @@ def train(job: PreparedJob | TrainConfig, make_strategy: Callable[..., Strategy]
         check_finite(loss, grad_norm, step + 1, model, loss_scaling=config.dtype == "fp16")
         applied = strategy.step(learning_rate(step, config))
         held = {k: max(v, held.get(k, 0)) for k, v in strategy.bytes_held().items()}
+        check_cap(held, strategy.activations_peak, config.device_memory_cap, step + 1)
         if device.type == "cuda":  # the optimizer step's kernels are this step's time too
             torch.cuda.synchronize(device)
         compile_s = clock.seconds - compiled_before if clock else 0.0
@@ -174,6 +175,9 @@ def train(job: PreparedJob | TrainConfig, make_strategy: Callable[..., Strategy]
         # The slowest rank's compile time (--compile; parameter servers compile nothing).
         **({"compile_time_s": max(rank.get("compile_time_s", 0.0) for rank in ranks)}
            if clock else {}),
+        device_memory={"cap": config.device_memory_cap,
+                       "predicted": device_bytes(predicted.get("bytes", {})),
+                       "counted": max(device_bytes(rank["bytes"]) for rank in ranks)},
         # The parameter server's run summary (modes, staleness, dead workers); set by gather.
         **({"parameter_server": strategy.summary} if strategy.summary is not None else {}))
     if config.report and is_main:
