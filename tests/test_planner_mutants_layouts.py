@@ -33,16 +33,21 @@ def _schedules(config, pp: int, m: int, space: TrainSpace) -> list[tuple[str, in
     pipelined = space.schedule not in (None, "1f1b", "gpipe") or (space.vpp or 1) > 1
     if pp == 1:  # a schedule or vpp that needs a pipeline leaves pp 1 out of an open search
         return [] if pipelined else [(space.schedule or "1f1b", 1)]
+    # Interleaving needs a multiple of pp microbatches, DualPipeV 2 pp of them (unless schedule
+    # and micro batch are both given: then the layout check names the problem).
+    both_given = space.schedule is not None and space.micro_batch is not None
+    if space.schedule in ("zbv", "dualpipe"):
+        return [(space.schedule, 2)] if space.schedule == "zbv" or m >= 2 * pp or both_given \
+            else []
     if space.schedule not in (None, "interleaved"):
         return [(space.schedule, 1)]
     vpps = _given(space.vpp, [v for v in range(2, 9) if pp * v <= config.num_layers])
-    # Interleaving needs a multiple of pp microbatches (unless schedule and micro batch are
-    # both given: then the layout check names the problem).
-    both_given = space.schedule is not None and space.micro_batch is not None
     interleaved = [("interleaved", v) for v in vpps if m % pp == 0 or both_given]
     if space.schedule or (space.vpp or 1) > 1:  # --vpp alone asks for interleaving
         return interleaved
-    return [("1f1b", 1), ("zb", 1)] + interleaved
+    v_shaped = [(name, 2) for name in ("dualpipe", "zbv") if 2 * pp <= config.num_layers
+                and (name == "zbv" or m >= 2 * pp)]
+    return [("1f1b", 1), ("zb", 1)] + interleaved + v_shaped
 
 
 def reference_shapes(config, world, batch: int, seq_len: int, space=TrainSpace()) -> list:

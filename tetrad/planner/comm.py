@@ -77,14 +77,17 @@ def all_gather_time(cluster: Cluster, group: Group, full_bytes: float) -> float:
 reduce_scatter_time = all_gather_time
 
 
-def all_to_all_time(cluster: Cluster, group: Group, local_bytes: float) -> float:
-    """Every rank sends (n-1)/n of its `local_bytes`; the off-node share goes over the NIC."""
+def all_to_all_time(cluster: Cluster, group: Group, local_bytes: float,
+                    off_node_bytes: float | None = None) -> float:
+    """Every rank sends (n-1)/n of its `local_bytes`; the off-node share goes over the NIC
+    (`off_node_bytes` instead, when a dispatch sends less across nodes than that share)."""
     if group.size == 1 or local_bytes == 0:
         return 0.0
     profile = cluster.gpu.efficiency
     n = group.size
     intra_share = (group.members_per_node - 1) / n * local_bytes
-    inter_share = (n - group.members_per_node) / n * local_bytes
+    inter_share = ((n - group.members_per_node) / n * local_bytes if off_node_bytes is None
+                   else off_node_bytes)
     intra_time = intra_share / (cluster.intra_bandwidth * profile.intra_link)
     inter_time = (inter_share / (cluster.inter_bandwidth * profile.inter_link)
                   if inter_share else 0.0)

@@ -7,8 +7,10 @@ Search rules (given values are always used as given):
   pp      divides the remaining GPUs and is at most the layer count; dp is what is left
   ep      divides the experts and dp*cp (MoE only)
   micro batch   divides the per-replica batch, up to MAX_MICRO_BATCH
-  schedule      1F1B, zero bubble and interleaved (vpp up to MAX_VPP, at least a layer per
-                chunk, microbatches a multiple of pp); GPipe only when asked for (it has 1F1B's
+  schedule      1F1B, zero bubble, interleaved (vpp up to MAX_VPP, at least a layer per
+                chunk, microbatches a multiple of pp), ZB-V and DualPipeV (two chunks in a V;
+                DualPipeV with at least 2 pp microbatches, hiding a MoE model's expert
+                all-to-all in its overlapped pairs); GPipe only when asked for (it has 1F1B's
                 bubble and more memory)
   sequence parallel   on whenever tp > 1 (it only saves memory and element-wise work)
   zero    1-3 with data parallelism (stage 0 moves the same bytes as stage 1 with more memory,
@@ -28,6 +30,7 @@ from tetrad.spec.model import ModelConfig
 from tetrad.errors import ConfigError
 from tetrad.hardware.catalog import Cluster
 from tetrad.planner.layout import TrainLayout, check_training_layout, microbatches_for
+from tetrad.schedules.generate import V_SHAPED
 from tetrad.planner.rules import check_degrees, divisors, valid_tp_degrees
 from tetrad.planner.memory import peak_bytes_by_zero_stage
 from tetrad.planner.serving import (ServeLayout, ServeWorkload, ServingEstimate,
@@ -76,6 +79,8 @@ def _schedules(config: ModelConfig, pp: int, space: TrainSpace) -> list[tuple[st
                 raise ConfigError("--schedule and --vpp need pipeline parallelism (pp > 1)")
             return []  # pp left open: the pipelined shapes carry the schedule asked for
         return [(space.schedule or "1f1b", 1)]
+    if space.schedule in V_SHAPED:
+        return [(space.schedule, 2)]
     if space.schedule is not None and space.schedule != "interleaved":
         return [(space.schedule, 1)]
     vpps = [space.vpp] if space.vpp else [v for v in range(2, MAX_VPP + 1)
@@ -83,7 +88,8 @@ def _schedules(config: ModelConfig, pp: int, space: TrainSpace) -> list[tuple[st
     interleaved = [("interleaved", v) for v in vpps]
     if space.schedule == "interleaved" or (space.vpp or 1) > 1:  # --vpp alone means interleaved
         return interleaved
-    return [("1f1b", 1), ("zb", 1)] + interleaved
+    v_shaped = [(name, 2) for name in sorted(V_SHAPED) if 2 * pp <= config.num_layers]
+    return [("1f1b", 1), ("zb", 1)] + interleaved + v_shaped
 
 
 def training_layouts(config: ModelConfig, cluster: Cluster, global_batch: int, seq_len: int,
@@ -125,6 +131,9 @@ def training_layouts(config: ModelConfig, cluster: Cluster, global_batch: int, s
                             if schedule == "interleaved" and m % pp and (
                                     space.schedule is None or space.micro_batch is None):
                                 continue  # interleaving needs a multiple of pp microbatches
+                            if schedule == "dualpipe" and m < 2 * pp and (
+                                    space.schedule is None or space.micro_batch is None):
+                                continue  # DualPipeV needs a microbatch per stage
                             yield TrainLayout(
                                 tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vpp=vpp,
                                 zero=1 if space.offload else 0, offload=space.offload,
@@ -169,7 +178,8 @@ def check_training_space(cluster: Cluster, workload: TrainWorkload, global_batch
     if workload.seq_len < 1 or global_batch < 1:
         raise ConfigError(f"seq_len and global batch must be at least 1, got {workload.seq_len} "
                           f"and {global_batch}")
-    if space.vpp is not None and space.vpp > 1 and space.schedule not in (None, "interleaved"):
+    if (space.vpp is not None and space.vpp > 1
+            and space.schedule not in (None, "interleaved", *V_SHAPED)):
         raise ConfigError(f"--vpp {space.vpp} needs --schedule interleaved, not "
                           f"{space.schedule}: drop --vpp or use the interleaved schedule")
     if space.zero:

@@ -20,11 +20,16 @@ makespan, each rank busy m (F + B)):
   zero bubble (ZB-H1) makespan = max(m (F + B) + (p - 1)(F + B - 2W),  (m + p - 1)(F + B - W) + W)
                       Qi et al. 2023: (p - 1)(T_F + T_B - T_W) per rank once m >= p; exact for
                       W <= F and W <= B - W, which the planner's times always satisfy.
+  ZB-V and DualPipeV  makespan(m) = makespan(2p) + (m - 2p)(F + B): from 2p microbatches on
+                      (DualPipeV's least) every further microbatch adds only its own work to the
+                      V's steady state, so one simulation at m = 2p (12 p^2 actions) prices any m;
+                      tests/test_schedule_v.py checks it against the simulation at larger m.
 
 Activations in flight at each rank's peak, in microbatches of the rank's whole layer set: GPipe m;
 1F1B min(p - r, m); interleaved min(m v, (v - 1) p + 2 (p - r - 1) + 1) chunks of 1/v each; ZB-H1
 min(p, m) on every rank, counted until W, which still needs the saved matmul inputs (the
-zero-bubble paper's p M_B; tetrad's executor holds them that long too).
+zero-bubble paper's p M_B; tetrad's executor holds them that long too); ZB-V and DualPipeV what
+their action lists hold at min(m, 2p) microbatches, which more microbatches do not raise.
 
 Bubble ratios are idle time *relative to the ideal* (bubble-free) time m * t_microbatch, so the
 step takes (1 + ratio) times the ideal; as a fraction of the step the bubble is
@@ -38,7 +43,7 @@ from fractions import Fraction
 from functools import lru_cache
 
 from tetrad.schedules import Durations, Schedule, build_schedule, peak_in_flight, simulate
-from tetrad.schedules.generate import SPLIT_BACKWARD
+from tetrad.schedules.generate import SPLIT_BACKWARD, V_SHAPED
 
 DURATION_GRID = 32  # ZB-H1's bubble then within 6% of the unrounded times' (the others' is exact)
 MAX_SIMULATED_ACTIONS = 1024  # ~20 ms a simulation: a 16,384-GPU search stays under a second
@@ -72,7 +77,12 @@ def pipeline_bubble_ratio(schedule: str, pp: int, num_microbatches: int, vpp: in
 def _bubble_ratio(schedule: str, pp: int, m: int, vpp: int, forward: int, backward_input: int,
                   backward_weight: int) -> Fraction:
     busy = m * (forward + backward_input + backward_weight)
-    if _num_actions(schedule, pp, m, vpp) > MAX_SIMULATED_ACTIONS:
+    if schedule in V_SHAPED and m > 2 * pp:
+        filled = _bubble_ratio(schedule, pp, 2 * pp, vpp, forward, backward_input,
+                               backward_weight)
+        per_microbatch = busy / m
+        return ((1 + filled) * 2 * pp * per_microbatch + (m - 2 * pp) * per_microbatch) / busy - 1
+    if _num_actions(schedule, pp, m, vpp) > MAX_SIMULATED_ACTIONS and schedule not in V_SHAPED:
         return closed_form_makespan(schedule, pp, m, vpp, forward, backward_input,
                                     backward_weight) / busy - 1
     durations = (Durations(forward, backward_input + backward_weight, backward_input,
@@ -105,7 +115,9 @@ def pipeline_in_flight(schedule: str, pp: int, num_microbatches: int,
     W. From the schedule's action lists, or the closed forms of the module doc beyond
     MAX_SIMULATED_ACTIONS."""
     p, m, v = pp, num_microbatches, vpp
-    if _num_actions(schedule, p, m, v) <= MAX_SIMULATED_ACTIONS:
+    if schedule in V_SHAPED:
+        m = min(m, 2 * p)
+    if schedule in V_SHAPED or _num_actions(schedule, p, m, v) <= MAX_SIMULATED_ACTIONS:
         release = "W" if schedule in SPLIT_BACKWARD else "B"
         return tuple(peak / v for peak in
                      peak_in_flight(_compute_order(schedule, p, m, v), release))
@@ -122,6 +134,17 @@ def closed_form_in_flight(schedule: str, pp: int, m: int, vpp: int) -> tuple[flo
         return tuple(min(m * vpp, (vpp - 1) * pp + 2 * (pp - rank - 1) + 1) / vpp
                      for rank in range(pp))
     return tuple(min(pp - rank, m) for rank in range(pp))
+
+
+@lru_cache(maxsize=1024)
+def paired_share(schedule: str, pp: int, num_microbatches: int, vpp: int = 1) -> float:
+    """Of a rank's chunk forwards (and as many backwards), the share the schedule runs as one
+    of its overlapped (F, B) pairs, on the rank that pairs fewest: 0 but for DualPipeV, whose
+    steady state is all pairs (about 1 - 1.5 pp / m)."""
+    if schedule != "dualpipe":
+        return 0.0
+    pairs = build_schedule(schedule, pp, num_microbatches, vpp, communication=False).overlapped
+    return min(len(rank_pairs) for rank_pairs in pairs) / (num_microbatches * vpp)
 
 
 def bubble_fraction_of_step(ratio: float) -> float:

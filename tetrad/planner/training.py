@@ -33,7 +33,8 @@ from tetrad.planner.layout import TrainLayout, stage_layer_counts
 from tetrad.planner.memory import (ActivationOptions, MemoryBreakdown, stage_params,
                                    stages_to_check, training_memory)
 from tetrad.planner.precision import TrainingPrecision, training_precision
-from tetrad.planner.timeline import StepTime, overlapped, pipeline_bubble_ratio
+from tetrad.planner.timeline import StepTime, overlapped, paired_share, pipeline_bubble_ratio
+from tetrad.schedules.generate import V_SHAPED
 
 # Memory the framework cannot use for tensors: CUDA context, NCCL buffers, allocator
 # fragmentation (PyTorch's caching allocator typically strands a few percent).
@@ -61,6 +62,10 @@ class TrainWorkload:
     # checkpointing re-runs the gather hooks, one more all-gather under full recomputation.
     zero3_per_parameter: bool = False
     portable_attention: bool = False  # FlashAttention-2 / Triton, not the vendor's kernels
+    # DeepSeek-V3's dispatch kernels (report section 3.2.2): a token crosses the network once per
+    # node that holds any of its experts, then fans out over NVLink; with group-limited routing
+    # whose expert groups are the ep group's nodes, that is at most topk_expert_groups nodes.
+    node_limited_dispatch: bool = False
 
     def __post_init__(self) -> None:
         if self.seq_len < 1:
@@ -162,14 +167,54 @@ def _microbatch_comm(config: ModelConfig, cluster: Cluster, layout: TrainLayout,
         if ledger is not None:
             ledger.add("p2p", layout.cp, chunk, 3 * (layout.cp - 1) * num_layers)
     if layout.ep > 1 and num_moe:
-        size = tokens / layout.tp * config.num_experts_per_token * config.hidden_size * act
-        # Over tensor ranks too (expert_tp 1), the group's members are adjacent ranks.
-        group = comm.place_group(cluster, layout.ep, expert_tp)
-        num_a2a = 2 * passes * num_moe
-        exposed += num_a2a * comm.all_to_all_time(cluster, group, size)
+        size, num_a2a, one = _expert_all_to_all(config, cluster, layout, workload, stage,
+                                                expert_tp)
+        exposed += num_a2a * one
         if ledger is not None:
             ledger.add("all_to_all", layout.ep, size, num_a2a)
     return exposed
+
+
+def _expert_all_to_all(config: ModelConfig, cluster: Cluster, layout: TrainLayout,
+                       workload: TrainWorkload, stage: int,
+                       expert_tp: int) -> tuple[float, int, float]:
+    """(bytes of one dispatch or combine, how many one microbatch runs on `stage`, the time of
+    one): two per MoE block and pass (forward, backward, and the recomputed forward)."""
+    tokens = layout.micro_batch * workload.seq_len / layout.cp
+    counts = stage_layer_counts(config.num_layers, layout.pp)
+    first = sum(counts[:stage])
+    num_moe = sum(1 for layer in range(first, first + counts[stage])
+                  if config.is_moe_layer(layer))
+    passes = 3 if layout.recompute == "full" else 2
+    token = workload.precision.activation_bytes * config.hidden_size
+    size = tokens / layout.tp * config.num_experts_per_token * token
+    # Over tensor ranks too (expert_tp 1), the group's members are adjacent ranks.
+    group = comm.place_group(cluster, layout.ep, expert_tp)
+    off_node = None
+    if workload.node_limited_dispatch and group.num_nodes > 1:
+        nodes = min(config.num_experts_per_token, group.num_nodes)
+        if config.num_expert_groups == group.num_nodes:
+            nodes = min(nodes, config.topk_expert_groups)
+        off_node = tokens / layout.tp * token * nodes * (group.num_nodes - 1) / group.num_nodes
+    return size, 2 * passes * num_moe, comm.all_to_all_time(cluster, group, size, off_node)
+
+
+def _hidden_by_pairing(config: ModelConfig, cluster: Cluster, layout: TrainLayout,
+                       workload: TrainWorkload, stage: int, kernels: KernelTimes) -> float:
+    """Expert all-to-all time per microbatch that DualPipe takes off the exposed communication:
+    in each of its overlapped pairs the forward chunk's dispatches and combines run while the
+    paired backward chunk computes, and the backward's while the forward computes, so a pair
+    exposes only what outlasts the pair's compute (and the compute the communication kernels
+    slow down). Chunk passes outside the pairs (the V's warm-up and cool-down) stay exposed."""
+    if layout.schedule != "dualpipe" or layout.ep == 1:
+        return 0.0
+    _, num_a2a, one = _expert_all_to_all(config, cluster, layout, workload, stage,
+                                          layout.expert_tp)
+    a2a = num_a2a * one
+    window = kernels.forward + kernels.backward + kernels.recompute
+    interference = cluster.gpu.efficiency.comm_interference
+    share = paired_share(layout.schedule, layout.pp, layout.num_microbatches, layout.vpp)
+    return share * (a2a - overlapped(a2a, window, True, interference))
 
 
 def _data_parallel(config: ModelConfig, cluster: Cluster, layout: TrainLayout,
@@ -236,7 +281,10 @@ def _pipeline_p2p(config: ModelConfig, cluster: Cluster, layout: TrainLayout,
     crosses = layout.tp * layout.cp * layout.dp >= cluster.node_size
     one = comm.p2p_time(cluster, crosses, size)
     m, v = layout.num_microbatches, layout.vpp
-    sends = m * (2 * v - (stage == layout.pp - 1) - (stage == 0))
+    if layout.schedule in V_SHAPED:  # the V's ends: rank 0 the model's, the last its turn
+        sends = m * (2 * v - 2 * (stage in (0, layout.pp - 1)))
+    else:
+        sends = m * (2 * v - (stage == layout.pp - 1) - (stage == 0))
     ledger.add("p2p", 2, size, sends)
     on_critical_path = layout.pp - 1 if workload.overlap_p2p else m * v + layout.pp - 1
     return 2 * on_critical_path * one
@@ -293,6 +341,7 @@ def evaluate_training(config: ModelConfig, cluster: Cluster, layout: TrainLayout
         for call in ledger.calls:
             ledger.calls[call] *= layout.num_microbatches
     m = layout.num_microbatches
+    microbatch_comm -= _hidden_by_pairing(config, cluster, layout, workload, stage, kernels)
     per_microbatch_kernels = kernels.forward + kernels.backward + kernels.recompute
     dense, expert = stage_params(config, layout.pp, fullest, layout.tp, layout.ep,
                                  layout.expert_tp)
