@@ -105,6 +105,10 @@ def hf_config_from_gguf(reader, source: str) -> dict[str, Any]:
                           "dtype": gguf_dtype(reader)}
     for key, field in CONFIG_KEYS.items():
         value = metadata(reader, f"{arch}.{key}")
+        if isinstance(value, float):  # a float32 in the file: its shortest decimal, 1e-05
+            import numpy
+
+            value = float(str(numpy.float32(value)))
         if value is not None:
             hf[field] = value
     if arch == "qwen2":
