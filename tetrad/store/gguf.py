@@ -59,16 +59,18 @@ def unpack_gguf(file: Path, folder: Path, link: bool = False) -> None:
 
 def gguf_folder(file: str | Path, root: Path) -> Path:
     """The model folder of GGUF `file` for a command that runs it by path: made once under
-    `root`/.gguf and reused while the file keeps its size and modification time."""
+    `root`/.gguf and reused while the file keeps its size and modification time. It is named as
+    the file is, less .gguf (what `tetrad serve` calls the model)."""
     file = Path(file).expanduser().resolve()
     status = file.stat()
     key = hashlib.sha256(f"{file}\0{status.st_size}\0{status.st_mtime_ns}".encode()).hexdigest()
-    folder = root / CACHE / key[:32]
+    folder = root / CACHE / key[:32] / file.stem
     if (folder / "config.json").is_file():
         return folder
     staging = root / CACHE / f".tmp-{uuid.uuid4().hex}"
     try:
-        staging.mkdir(parents=True)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()
         unpack_gguf(file, staging, link=True)
         try:
             staging.rename(folder)
