@@ -16,7 +16,7 @@ from tetrad.errors import TetradError
 from tetrad.inference.entrypoints.api import ApiError, ServerConfig, error_json, error_response
 from tetrad.inference.entrypoints.async_engine import RequestError, RequestStream
 
-PROTECTED = ("/v1", "/tokenize", "/detokenize")  # what --api-key guards (vLLM guards /v1)
+PROTECTED = ("/v1", "/tokenize", "/detokenize", "/api/")  # what --api-key guards (vLLM: /v1)
 
 
 class Guard:

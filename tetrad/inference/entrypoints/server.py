@@ -35,6 +35,7 @@ from tetrad.inference.entrypoints.chat import ChatFormatter
 from tetrad.inference.engine import LLM
 from tetrad.inference.entrypoints.served import Leases, OneModel, ServedModel
 from tetrad.inference.entrypoints.http import ChunkEvents, Guard, final_outputs, merged, sse, unless_gone
+from tetrad.inference.entrypoints.ollama import add_ollama_api
 from tetrad.inference.core.output import RequestOutput
 
 
@@ -292,4 +293,5 @@ def build_server(models, config: ServerConfig) -> FastAPI:
                 "usage": usage(len(final.prompt_token_ids),
                                sum(len(c.token_ids) for c in final.outputs))}
 
+    add_ollama_api(app, models, config)  # /api/* and GET /, beside /v1
     return app
