@@ -147,6 +147,25 @@ def test_engine_greedy_tokens_equal_transformers_on_the_f32_file(models, tokeniz
         assert output.outputs[0].token_ids == expected
 
 
+def test_engine_serves_a_q4_0_file_with_int4_layers(models, tokenizer, tmp_path):
+    """The file's dtype is bf16 (its matrices are all quantized): the engine's one rank keeps the
+    Q4_0 linears as Int4Linear, and its greedy tokens are those of the same layers' plain
+    forward over the whole sequence."""
+    folder = gguf_model_folder(tmp_path, models["llama"][0], "Q4_0", tokenizer)
+    prompt = tokenizer.encode(TEXTS[0][:30])
+    with LLM(folder, log=None, block_size=4) as llm:
+        assert llm.config.dtype == "bf16"
+        assert isinstance(llm.model.layers[1].mlp.down, Int4Linear)
+        tokens = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8,
+                                                       ignore_eos=True))[0].outputs[0].token_ids
+    model = load_pretrained(folder, dtype=torch.bfloat16, keep_fp8=True)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(8):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    assert tokens == ids[len(prompt):]
+
+
 def _tensor_file(tmp_path, arch="llama"):
     """A file of `arch` with its metadata and one embedding."""
     writer = gguf.GGUFWriter(str(tmp_path / f"{arch}.gguf"), arch)
