@@ -206,38 +206,45 @@ def test_through_a_tetrad_serve_process(tmp_path):
 
 
 def test_a_pool_of_stored_models_behind_the_ollama_api(tmp_path, monkeypatch):
-    from model_pool_helpers import NAMES, engine_args, fill_store
+    import argparse
 
     from tetrad.cli.generate import build_engine
     from tetrad.inference.entrypoints.model_pool import ModelPool
     from tetrad.inference.entrypoints.model_pool_catalog import ModelCatalog
 
     monkeypatch.setenv("TETRAD_HOME", str(tmp_path / "home"))
+    save_tiny_model(tmp_path / "tiny")
     store = ModelStore()
-    expected = fill_store(store.root, tmp_path)
-    alpha, beta = NAMES[:2]
+    names = ["alpha:latest", "beta:latest"]
+    for name in names:
+        store.create(name, parse_modelfile(f"FROM {tmp_path / 'tiny'}\n"))
+    alpha, beta = names
     config = ServerConfig()
-    pool = ModelPool(ModelCatalog(engine_args(), build_engine, (), store), config,
+    engine_args = argparse.Namespace(path=[], tokenizer=None, device="cpu", dtype="fp32",
+                                     **ENGINE)
+    pool = ModelPool(ModelCatalog(engine_args, build_engine, (), store), config,
                      budget_bytes=2**34, keep_alive="5m", log=lambda line: None)
     with running(build_server(pool, config)) as port:
         client = ollama.Client(host=f"http://127.0.0.1:{port}")
-        assert [m.model for m in client.list().models] == sorted(NAMES)  # loaded or not
+        assert [m.model for m in client.list().models] == names  # loaded or not
         assert client.ps().models == []
         options = {"temperature": 0, "num_predict": 8}
         first = client.generate(model="alpha", prompt="Hello", raw=True, options=options,
                                 keep_alive="10m")
         again = client.generate(model="alpha", prompt="Hello", raw=True, options=options)
-        assert first.response == again.response == expected[alpha]
+        got, completion = post(port, "/v1/completions", {"model": alpha, "prompt": "Hello",
+                                                          "max_tokens": 8, "temperature": 0})
+        assert first.response == again.response == completion["choices"][0]["text"]
         assert first.load_duration > again.load_duration  # the first one loaded the model
         [entry] = client.ps().models
         assert entry.model == alpha and entry.size == pool.loaded()[0].size_bytes
         remaining = entry.expires_at.timestamp() - time.time()
-        assert 240 < remaining <= 300  # the second request's keep_alive: the server's 5m
+        assert 240 < remaining <= 300  # the last request's keep_alive: the server's 5m
         with pytest.raises(ollama.ResponseError) as error:
             client.delete(alpha)
         assert error.value.status_code == 409
         assert client.delete(beta).status == "success"
-        assert [m.model for m in client.list().models] == sorted(set(NAMES) - {beta})
+        assert [m.model for m in client.list().models] == [alpha]
         stopped = client.generate(model="alpha", keep_alive=0)  # what `ollama stop` sends
         assert stopped.done_reason == "unload"
         deadline = time.monotonic() + 30
