@@ -3,6 +3,7 @@ streamed and not, against /v1's answers to the same prompts; `options` that chan
 those refused by name; Ollama's error shape."""
 
 import json
+import time
 
 import pytest
 from serving import post, request, running, save_tiny_model
@@ -196,13 +197,35 @@ def test_streams_are_ndjson_and_probes_answer(port):
         assert got == 200 and (method == "HEAD" or text.startswith("tetrad is running"))
 
 
-def test_the_api_key_guards_api_too(tmp_path):
+def test_the_servers_limits_answer_in_ollamas_shape(tmp_path, monkeypatch):
     save_tiny_model(tmp_path)
-    app = build_app(LLM(tmp_path, **ENGINE), "tiny", config=ServerConfig(api_key="sesame"))
-    with running(app) as port:
+    llm = LLM(tmp_path, **ENGINE)
+    config = ServerConfig(api_key="sesame", max_request_bytes=4096, request_timeout=0.5)
+    with running(build_app(llm, "tiny", config=config)) as port:
         got, answer = post(port, "/api/generate", {"model": "tiny", "prompt": "x"})
         assert got == 401 and set(answer) == {"error"} and "API key" in answer["error"]
         keyed = ollama.Client(host=f"http://127.0.0.1:{port}",
                               headers={"Authorization": "Bearer sesame"})
         assert keyed.generate(model="tiny", prompt="x", options={"num_predict": 2}).done
         assert request(port, "GET", "/")[0] == 200  # the probe stays open, as /health does
+        with pytest.raises(ollama.ResponseError) as error:
+            keyed.generate(model="tiny", prompt="x" * 5000)
+        assert error.value.status_code == 413 and "exceeds 4096 bytes" in error.value.error
+        step = llm.step
+
+        def slow_step():  # past the request timeout whatever the machine's speed
+            time.sleep(0.05)
+            return step()
+
+        monkeypatch.setattr(llm, "step", slow_step)
+        long = {"temperature": 0, "num_predict": 100}
+        with pytest.raises(ollama.ResponseError) as error:
+            keyed.generate(model="tiny", prompt="Once", raw=True, options=long)
+        assert error.value.status_code == 408 and "ran longer than 0.5 s" in error.value.error
+        chunks = []
+        with pytest.raises(ollama.ResponseError) as error:  # a last {"error"} line, raised
+            for chunk in keyed.chat(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                    options=long, stream=True):
+                chunks.append(chunk)
+        assert "ran longer than 0.5 s" in error.value.error
+        assert chunks and not chunks[-1].done  # it had begun
