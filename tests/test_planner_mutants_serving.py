@@ -58,7 +58,9 @@ def _weights(config, layout, dtype, stage):
 
 
 @pytest.mark.parametrize("config", [LLAMA, MOE, GPT], ids=["llama", "moe", "gpt"])
-@pytest.mark.parametrize("dtype", ["bf16", "fp8", "int4"])
+# int8 and int4 are counted matrix by matrix as the engine holds them (planner/quantized.py;
+# tests/test_quantization*.py check them against the engine's counted bytes).
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("tp,pp,ep", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 2), (2, 1, 4),
                                       (4, 1, 2)])
 def test_weights_per_gpu_follow_each_tensors_split(config, dtype, tp, pp, ep):

@@ -35,6 +35,7 @@ from tetrad.planner.rules import check_degrees, divisors, valid_tp_degrees
 from tetrad.planner.memory import peak_bytes_by_zero_stage
 from tetrad.planner.serving import (ServeLayout, ServeWorkload, ServingEstimate,
                                     check_serve_layout, evaluate_serving)
+from tetrad.planner.quantized import quantization_refusal
 from tetrad.planner.training import (USABLE_MEMORY_FRACTION, TrainingEstimate, TrainWorkload,
                                      evaluate_training)
 
@@ -286,9 +287,15 @@ def serving_layouts(config: ModelConfig, cluster: Cluster, space: ServeSpace):
 def search_serving(config: ModelConfig, cluster: Cluster, workload: ServeWorkload,
                    space: ServeSpace = ServeSpace(), top: int = 5) -> SearchResult:
     estimates: list[ServingEstimate] = []
+    refusals: list[str] = []  # layouts whose int4 shards the engine cannot hold
     for layout in serving_layouts(config, cluster, space):
         check_serve_layout(config, cluster.num_gpus, layout)
+        if refusal := quantization_refusal(config, layout, workload.weight_dtype):
+            refusals.append(refusal)
+            continue
         estimates.append(evaluate_serving(config, cluster, layout, workload))
+    if not estimates and refusals:
+        raise ConfigError(refusals[0])
     if not estimates:
         check_degrees(config, space.tp or 1, space.pp or 1, space.ep or 1, training=False)
         raise ConfigError(f"tp*pp = {(space.tp or 1) * (space.pp or 1)} does not divide the "

@@ -26,6 +26,7 @@ from tetrad.planner.memory import kv_bytes_per_token, stages_to_check
 from tetrad.planner.model_stats import (embedding_params, head_params, layer_params,
                                         norm_params, position_params, unquantized_layer_params)
 from tetrad.planner.precision import COMPUTE_DTYPE, element_bytes, unquantized_bytes, weight_bytes
+from tetrad.planner.quantized import QUANTIZED_DTYPES, check_quantizable, quantized_layer_bytes
 from tetrad.planner.rules import check_degrees
 from tetrad.spec.serving import ServeLayout  # the engine's layout too (its ServeConfig extends it)
 
@@ -112,11 +113,16 @@ def _expert_tp(layout: ServeLayout) -> int:
 
 def weight_bytes_per_gpu(config: ModelConfig, layout: ServeLayout, dtype: str,
                          stage: int) -> float:
+    """One rank's weight bytes on pipeline stage `stage`. int8 and int4 are the engine's
+    layouts counted matrix by matrix (planner/quantized.py): exactly what it holds."""
     counts = stage_layer_counts(config.num_layers, layout.pp)
     first = stage_first_layer(counts, stage)
     quantized, kept = weight_bytes(dtype), unquantized_bytes(dtype)
     total = 0.0
     for layer in range(first, first + counts[stage]):
+        if dtype in QUANTIZED_DTYPES:
+            total += quantized_layer_bytes(config, layer, layout, dtype)
+            continue
         params = layer_params(config, layer)
         small = unquantized_layer_params(config, layer)
         matmul_replicated = params.replicated - small
@@ -192,6 +198,7 @@ def _stage_forward_time(config: ModelConfig, cluster: Cluster, layout: ServeLayo
 
 def evaluate_serving(config: ModelConfig, cluster: Cluster, layout: ServeLayout,
                      workload: ServeWorkload) -> ServingEstimate:
+    check_quantizable(config, layout, workload.weight_dtype)
     usable = cluster.gpu.memory_bytes * USABLE_MEMORY_FRACTION
     kv_per_token = max(
         kv_bytes_per_token(config, element_bytes(workload.kv_dtype), layout.tp, count)
