@@ -29,6 +29,11 @@ ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("--attention", str, "{attention} (default: triton on a GPU where it runs, else varlen where "
                          "it can, else gathering; on a CPU the C++ decode kernel, sdpa or "
                          "tiled without a compiler), cpu, sdpa, tiled, flex, varlen or triton"),
+    ("--quantization", str, "{quantization} (default), int8 or int4: the blocks' projections "
+                            "held in 8 bits (a scale per output channel) or 4 bits (a scale and "
+                            "zero per 128 inputs), computing in bf16/fp16"),
+    ("--kv-cache-dtype", str, "{kv_cache_dtype} (default: the model's dtype), bf16, fp16 or fp8 "
+                              "(E4M3, 1 byte; read by the sdpa and tiled backends)"),
     ("--seed", int, "engine seed: the sampling seed of requests that bring none (default "
                     "{seed})"),
     ("--tp", int, "tensor-parallel ranks: the weights and KV cache split over this many "

@@ -41,6 +41,7 @@ from tetrad.inference.core.scheduler import Scheduler, SchedulerConfig
 from tetrad.inference.core.sequence import Sequence
 from tetrad.inference.core.tracker import RequestTracker
 from tetrad.models.hf import load_pretrained, pretrained_config
+from tetrad.planner.quantized import check_quantizable
 
 
 class LLM:
@@ -57,6 +58,7 @@ class LLM:
         self.path = None if isinstance(model, nn.Module) else Path(model)
         model_config = model.config if self.path is None else pretrained_config(self.path)
         check_servable(config, model_config)
+        check_quantizable(model_config, config, config.quantization)
         self.max_model_len = min(config.max_model_len or model_config.max_seq_len,
                                  model_config.max_seq_len)
         scheduling = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
@@ -67,7 +69,8 @@ class LLM:
             self.eos_token_ids = _config_eos_ids(self.path)
         if getattr(self.tokenizer, "eos_id", None) is not None:
             self.eos_token_ids = tuple(sorted({*self.eos_token_ids, self.tokenizer.eos_id}))
-        config = replace(config, dtype=resolve_dtype(config.dtype, self.path or model))
+        config = replace(config, dtype=resolve_dtype(config.dtype, self.path or model,
+                                                     config.quantization))
         self.config = config
         if self.path is not None:
             # Multi-rank layouts split the model on the host, then move each rank's share. One
@@ -76,6 +79,8 @@ class LLM:
             single = config.world_size == 1
             model = load_pretrained(self.path, device if single else "cpu",
                                     TORCH_DTYPES[config.dtype], keep_fp8=single)
+        if self.path is None and config.world_size == 1 and config.quantization != "none":
+            model = copy.deepcopy(model)  # quantizing swaps its layers: the caller's stays
         self.model_config = model.config
         # A vocabulary rounded up past the tokenizer's: sample only ids the tokenizer decodes.
         self.num_sampleable = min(model.config.vocab_size,

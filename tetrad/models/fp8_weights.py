@@ -40,8 +40,11 @@ class FP8WeightLinear(nn.Module):
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of a model's weights as held: its parameters, and its FP8 weights (1 byte per
-    element) with their scales."""
-    fp8 = [buffer for module in model.modules() if isinstance(module, FP8WeightLinear)
-           for buffer in module.buffers()]
-    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *fp8))
+    """Bytes of a model's weights as held: its parameters, and the persistent buffers that hold
+    weights in other forms (FP8 weights, 1 byte per element, and the int8 / int4 ones of
+    tetrad.models.quant, each with their scales); rotary frequencies are not persistent."""
+    held = {id(t): t for t in model.parameters()}
+    for module in model.modules():
+        held.update((id(buffer), buffer) for name, buffer in module.named_buffers(recurse=False)
+                    if name not in module._non_persistent_buffers_set)
+    return sum(t.numel() * t.element_size() for t in held.values())

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from tetrad.errors import ConfigError, check_choice, check_positive
 
 PREEMPTION_MODES = ("recompute", "swap")
+QUANTIZATIONS = ("none", "int8", "int4")  # weight-only, the planner's int8 / int4 serving
+KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp8")  # auto: the model's; fp8 is E4M3 storage
 DEFAULT_CPU_KV_MEMORY = 512 * 2**20  # --kv-memory on a CPU (on a GPU: the memory left free)
 
 
@@ -71,9 +73,16 @@ class ServeConfig(ServeLayout):
     seed: int = 0
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     compile: bool = False  # torch.compile the forward (and FlexAttention)
+    quantization: str = "none"  # none | int8 | int4: the blocks' projections, at load
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | bf16 | fp16 | fp8
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_choice("quantization", self.quantization, QUANTIZATIONS)
+        check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if self.quantization != "none" and self.dtype == "fp32":
+            raise ConfigError(f"--quantization {self.quantization} computes in 16 bits: use "
+                              f"--dtype bf16 or fp16 (or auto: bf16 for an fp32 checkpoint)")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             check_positive(name, getattr(self, name))
         for name in ("num_blocks", "max_model_len", "watermark"):

@@ -7,6 +7,11 @@ latent columns, as the value (the absorbed form, tetrad.models.mla). Keeping the
 tensor makes a block copy (copy-on-write, swap) one indexing operation for all layers. Under
 tensor parallelism each rank's pool holds only its own kv heads (ceil(kv_heads / tp): a kv head is
 replicated when there are fewer than ranks), with the same blocks on every rank.
+
+`--kv-cache-dtype` picks the pool's element: the model's dtype (auto), bf16, fp16, or fp8 (E4M3,
+one byte: K and V are rounded to it on write, saturating at +-448 with no scale, and the
+gathering backends upcast what they read to the query's dtype). The pool is sized with the
+planner's bytes per element of the same name.
 """
 
 from __future__ import annotations
@@ -20,10 +25,12 @@ import torch
 from tetrad.spec.model import ModelConfig
 from tetrad.errors import ConfigError
 from tetrad.planner.memory import kv_bytes_per_token, kv_token_layout
+from tetrad.planner.precision import element_bytes
 from tetrad.spec.serving import DEFAULT_CPU_KV_MEMORY
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+KV_TORCH_DTYPES = {**TORCH_DTYPES, "fp8": torch.float8_e4m3fn}
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30}
 # On a GPU the pool takes at most this share of the memory the weights leave free: activations
@@ -31,9 +38,11 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb
 DEVICE_MEMORY_FRACTION = 0.9
 
 
-def resolve_dtype(dtype: str, model: "str | Path | torch.nn.Module") -> str:
+def resolve_dtype(dtype: str, model: "str | Path | torch.nn.Module",
+                  quantization: str = "none") -> str:
     """The engine's dtype name: `dtype`, or with "auto" the checkpoint's (vLLM's --dtype auto),
-    a model object's parameters' for a model passed in."""
+    a model object's parameters' for a model passed in; bf16 for an fp32 one that is quantized
+    (int8 / int4 layers compute in 16 bits)."""
     if dtype != "auto":
         return dtype
     if isinstance(model, torch.nn.Module):
@@ -46,7 +55,12 @@ def resolve_dtype(dtype: str, model: "str | Path | torch.nn.Module") -> str:
     if stored not in names:
         raise ConfigError(f"{source} stores {stored}, which the engine does not run: pass "
                           f"--dtype {', '.join(TORCH_DTYPES)}")
-    return names[stored]
+    return "bf16" if quantization != "none" and names[stored] == "fp32" else names[stored]
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, dtype: str) -> str:
+    """The KV pool's element name: --kv-cache-dtype, or with "auto" the model's dtype."""
+    return dtype if kv_cache_dtype == "auto" else kv_cache_dtype
 
 
 def check_tokenizer_fits(tokenizer, vocab_size: int) -> None:
@@ -107,9 +121,10 @@ def plan_kv_pool(config: ModelConfig, dtype: str, device: torch.device, block_si
                  num_layers: int = 0) -> KVPlan:
     """Blocks that fit the budget: --kv-memory, capped on a GPU by what the weights leave free.
     With tp > 1 the budget is one rank's, for the bytes per token of its own kv heads; with
-    num_layers > 0 (a pipeline stage) for that many layers."""
+    num_layers > 0 (a pipeline stage) for that many layers. `dtype`: the pool's element
+    (resolve_kv_dtype)."""
     # The planner's formula, so `tetrad plan serve` and the engine size the same pool.
-    per_token = int(kv_bytes_per_token(config, DTYPE_BYTES[dtype], tp, num_layers or None))
+    per_token = int(kv_bytes_per_token(config, element_bytes(dtype), tp, num_layers or None))
     budget = kv_memory if kv_memory is not None else DEFAULT_CPU_KV_MEMORY
     if device.type == "cuda":
         free = int(torch.cuda.mem_get_info(device)[0] * DEVICE_MEMORY_FRACTION)
@@ -155,9 +170,11 @@ class KVCache:
         """slots: [tokens] flat slot ids (block * block_size + offset); k, v: [tokens, kv_heads,
         head_dim] (with MLA, v is the first columns of k and is not stored again)."""
         k_slots, v_slots = self.slot_views[index]
-        k_slots.index_copy_(0, slots, k)
-        if not self.latent:
-            v_slots.index_copy_(0, slots, v)
+        for pool, new in ((k_slots, k),) if self.latent else ((k_slots, k), (v_slots, v)):
+            new = new.to(pool.dtype)
+            if pool.dtype == torch.float8_e4m3fn:  # torch copies no fp8 by index: its bytes
+                pool, new = pool.view(torch.uint8), new.view(torch.uint8)
+            pool.index_copy_(0, slots, new)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: (source block, destination block) in the device pool."""

@@ -21,9 +21,10 @@ from torch import nn
 from tetrad.inference.worker.attention import (BACKENDS, DeviceStep, HostStep, StepContext,
                                                resolve_backend)
 from tetrad.inference.worker.cuda_graphs import DecodeGraphs
-from tetrad.inference.worker.kv_cache import (TORCH_DTYPES, KVCache, KVPlan, parse_bytes,
-                                       plan_kv_pool)
+from tetrad.inference.worker.kv_cache import (KV_TORCH_DTYPES, TORCH_DTYPES, KVCache, KVPlan,
+                                              parse_bytes, plan_kv_pool, resolve_kv_dtype)
 from tetrad.inference.core.scheduler import ScheduledBatch
+from tetrad.models.quant_model import quantize_model
 
 if TYPE_CHECKING:
     from tetrad.inference.worker.config import EngineConfig, RankShare
@@ -203,8 +204,10 @@ def load_runner(model: nn.Module, config: "EngineConfig", max_model_len: int,
     dtype = TORCH_DTYPES[config.dtype]
     for param in model.parameters():  # buffers (rotary frequencies) stay fp32
         param.data = param.data.to(dtype)
+    model = quantize_model(model, config.quantization)  # this rank's share, on its device
+    kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, config.dtype)
     tp = 1 if ranks is None else ranks.size
-    plan = plan_kv_pool(model.config, config.dtype, device, config.block_size,
+    plan = plan_kv_pool(model.config, kv_dtype, device, config.block_size,
                         None if config.kv_memory is None else parse_bytes(config.kv_memory),
                         parse_bytes(config.swap_memory) if config.preemption == "swap" else 0,
                         max_model_len, tp, len(model.layers))  # a pipeline stage's own
@@ -212,8 +215,8 @@ def load_runner(model: nn.Module, config: "EngineConfig", max_model_len: int,
         plan = plan.with_blocks(config.num_blocks)
     if ranks is not None:
         plan = ranks.agree(plan)
-    runner = ModelRunner(model, KVCache(model.config, plan, dtype, device), plan.block_size,
-                         config.attention, config.compile)
+    runner = ModelRunner(model, KVCache(model.config, plan, KV_TORCH_DTYPES[kv_dtype], device),
+                         plan.block_size, config.attention, config.compile)
     # Graphs fix the tables' width at the longest context: only in-place attention reads no
     # more for it.
     if (device.type == "cuda" and not config.enforce_eager and ranks is None

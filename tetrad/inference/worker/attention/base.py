@@ -83,6 +83,8 @@ class AttentionBackend(ABC):
     # A CUDA graph may replay it: it reads the pool in place with shapes fixed at capture, so
     # tables as wide as the longest context cost nothing.
     capturable: ClassVar[bool] = False
+    # It reads an fp8 pool (--kv-cache-dtype fp8), upcasting what it reads.
+    reads_fp8: ClassVar[bool] = False
 
     def __init__(self, kv_cache: KVCache, block_size: int, compile: bool = False):
         self.kv_cache, self.block_size = kv_cache, block_size

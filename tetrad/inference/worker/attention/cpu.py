@@ -62,6 +62,7 @@ class CpuKernelBackend(SizedGatheringBackend):
     name = "cpu"
     devices = ("cpu",)
     automatic = True
+    reads_fp8 = False  # the kernel reads the pool in the model's dtype
 
     @classmethod
     def refusal(cls, device, block_size, latent, dtype=None) -> str | None:

@@ -47,6 +47,14 @@ def register(backend: type[AttentionBackend]) -> type[AttentionBackend]:
     return backend
 
 
+def _refusal(backend: type[AttentionBackend], device: torch.device, block_size: int,
+             latent: bool, dtype: torch.dtype | None) -> str | None:
+    if dtype == torch.float8_e4m3fn and not backend.reads_fp8:
+        return (f"--attention {backend.name} reads no fp8 KV cache (--kv-cache-dtype fp8): use "
+                f"--attention sdpa, tiled or auto")
+    return backend.refusal(device, block_size, latent, dtype)
+
+
 def resolve_backend(attention: str, device: torch.device, block_size: int, latent: bool = False,
                     dtype: torch.dtype | None = None) -> str:
     """The name of the backend that runs: `attention` itself when it can run here (else one
@@ -55,13 +63,13 @@ def resolve_backend(attention: str, device: torch.device, block_size: int, laten
     if attention not in BACKENDS:
         raise ConfigError(f"attention must be one of {', '.join(BACKENDS)}, got {attention!r}")
     if attention != FALLBACK.name:
-        reason = BACKENDS[attention].refusal(device, block_size, latent, dtype)
+        reason = _refusal(BACKENDS[attention], device, block_size, latent, dtype)
         if reason:
             raise ConfigError(reason)
         return attention
     candidates = [backend for backend in BACKENDS.values()
                   if backend.automatic and device.type in backend.devices]
-    reasons = [backend.refusal(device, block_size, latent, dtype) for backend in candidates]
+    reasons = [_refusal(backend, device, block_size, latent, dtype) for backend in candidates]
     for backend, reason in zip(candidates, reasons):
         if reason is None:
             return backend.name

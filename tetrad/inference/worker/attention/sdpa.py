@@ -30,8 +30,8 @@ def sdpa_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          block_tables: torch.Tensor, query_positions: torch.Tensor,
                          mask: torch.Tensor | None = None) -> torch.Tensor:
     """`mask`: visible_keys(block_tables, query_positions, block size), when already made."""
-    k = k_cache[block_tables].flatten(1, 2)  # [batch, max_blocks * block_size, kv_heads, head_dim]
-    v = v_cache[block_tables].flatten(1, 2)
+    k = k_cache[block_tables].flatten(1, 2).to(q.dtype)  # [batch, blocks * size, kv_heads, dim]
+    v = v_cache[block_tables].flatten(1, 2).to(q.dtype)
     if mask is None:
         mask = visible_keys(block_tables, query_positions, k_cache.shape[1])
     out = F.scaled_dot_product_attention(
@@ -94,6 +94,7 @@ class GatheringStep:
 
 class SdpaBackend(AttentionBackend):
     name = "sdpa"
+    reads_fp8 = True
 
     def gathered(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  tables: torch.Tensor, positions: torch.Tensor, make_mask=None) -> torch.Tensor:

@@ -39,8 +39,8 @@ def tiled_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     acc = torch.zeros((batch, num_kv_heads, rows, value_dim), device=q.device)
     for first in range(0, block_tables.shape[1], blocks_per_tile):
         tile = block_tables[:, first:first + blocks_per_tile]  # [batch, tile_blocks]
-        k = k_cache[tile].flatten(1, 2).transpose(1, 2)  # [batch, kv_heads, tile_tokens, head_dim]
-        v = v_cache[tile].flatten(1, 2).transpose(1, 2)
+        k = k_cache[tile].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [b, kv_heads, tile, dim]
+        v = v_cache[tile].flatten(1, 2).transpose(1, 2).to(q.dtype)
         key_positions = torch.arange(first * block_size, first * block_size + k.shape[2],
                                      device=q.device)
         visible = key_positions <= query_positions.unsqueeze(-1)  # [batch, queries, tile_tokens]
