@@ -295,7 +295,10 @@ class FullyShardedDataParallel(ShardedEngine):
             unit, grads, handle = self.pending
             handle.wait()
             lo, hi = unit.shard.shard_range
-            unit.grad_shard.add_(grads[lo:hi].to(unit.grad_shard.device))  # offloaded: to host
+            reduced = grads[lo:hi]
+            if self.offload.params:  # device -> host (a copy on a CPU too, as on a GPU)
+                reduced = reduced.to(unit.grad_shard.device, copy=True)
+            unit.grad_shard.add_(reduced)
             self.pending = None
 
     # ShardedEngine.

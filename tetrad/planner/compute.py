@@ -209,13 +209,17 @@ def stage_times(config: ModelConfig, gpu: GPU, num_stages: int, stage: int, micr
 
 
 def optimizer_time(gpu: GPU, num_params: float, grad_bytes: float, param_bytes: float,
-                   state_bytes: float, offload: bool, host_bandwidth: float) -> float:
+                   state_bytes: float, offload: bool, host_bandwidth: float,
+                   shards_on_host: bool = False) -> float:
     """Adam over this GPU's shard: read the gradient, read and write master weights and moments,
     write the 16-bit parameter. With offload the update runs from CPU memory and the gradient and
-    parameter cross PCIe."""
+    parameter cross PCIe, unless the shards live on the host (parameter offload: they cross it
+    at each gather and reduction instead, tetrad.planner.offload_time)."""
     moved = num_params * (grad_bytes + 2 * state_bytes + param_bytes)
+    streaming = gpu.efficiency.optimizer_memory or gpu.efficiency.memory
     if not offload:
-        streaming = gpu.efficiency.optimizer_memory or gpu.efficiency.memory
         return moved / (gpu.memory_bandwidth * streaming) + gpu.efficiency.kernel_overhead_s
+    if shards_on_host:  # at the rate the optimizer streams (on a CPU: its own memory's)
+        return moved / (host_bandwidth * streaming)
     transfer = num_params * (grad_bytes + param_bytes) / gpu.pcie_bandwidth
     return moved / host_bandwidth + transfer

@@ -67,6 +67,7 @@ from tetrad.planner.eager_overlap import hidden_communication
 from tetrad.planner.eager_params import (block_params, rank_parameters, rank_stages,
                                          stage_blocks)
 from tetrad.planner.model_stats import norm_params
+from tetrad.planner.offload_time import offload_time
 from tetrad.planner.layout import TrainLayout
 from tetrad.planner.precision import TrainingPrecision
 from tetrad.planner.timeline import StepTime, pipeline_bubble_ratio
@@ -218,7 +219,8 @@ def rank_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, seq_le
         elements /= layout.zero_group
     optimizer = (optimizer_time(gpu, elements, precision.grad_bytes, precision.param_bytes,
                                 precision.optimizer_state_bytes,
-                                layout.offload, gpu.host_memory_bandwidth)
+                                layout.offload, gpu.host_memory_bandwidth, layout.offload_params)
+                 + offload_time(config, layout, precision, gpu, pp_rank)
                  + tensors * (profile.optimizer_tensor_s + 2 * profile.op_forward_s))
     ledger = pipeline_ranks(config, layout, seq_len, precision)[pp_rank].comm
     scale = profile.step_scale or 1.0
