@@ -282,9 +282,8 @@ def test_sync_resumes_from_another_layouts_checkpoint(configs, spawn_b):
 
 
 def test_sync_equals_zero0(spawn_a, spawn_b):
-    ps_losses = spawn_a[0][0]["losses"]
-    for worker in spawn_b[:2]:
-        assert worker[2]["losses"] == pytest.approx(ps_losses, rel=1e-5)
+    # Rank 0 logs the loss (the mean is reduced to it); rank 1 reports its own half's.
+    assert spawn_b[0][2]["losses"] == pytest.approx(spawn_a[0][0]["losses"], rel=1e-5)
 
 
 def test_async_converges_with_unbounded_staleness(configs, spawn_b):

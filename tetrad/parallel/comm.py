@@ -3,11 +3,13 @@
 Counting uses the ring-algorithm volumes (tetrad.spec.runtime_rules.ring_share, which the
 planner prices too) for a full tensor of S bytes over a group of N ranks:
 all-reduce 2(N-1)/N*S, reduce-scatter and all-gather (N-1)/N*S, all-to-all (N-1)/N*S (the share a
-rank keeps for itself is not sent), broadcast (N-1)/N*S (a pipelined chain: every rank but the
-last forwards S; averaged over the ranks), point-to-point S. Group-of-one calls send nothing.
+rank keeps for itself is not sent), broadcast and reduce (N-1)/N*S (a pipelined chain: every rank
+but the last forwards S; averaged over the ranks), point-to-point S. Gather and scatter move
+chunks straight to and from the root: a gather's sender S/N, its root nothing; a scatter's root
+(N-1)/N*S, its receivers nothing. Group-of-one calls send nothing.
 
 With `algorithm="ring"` all-reduce, reduce-scatter and all-gather run on tetrad's own ring over
-send/recv, and the counter records the bytes at each send call instead of the formula, which is
+send/recv (tetrad.parallel.ring), and the counter records the bytes at each send call instead of the formula, which is
 how the tests check that the formula is what a ring really sends.
 
 Each count carries a tag (what the traffic is for: "grads", "params", "metrics", ...). Tags in
@@ -40,7 +42,9 @@ import torch
 import torch.distributed as dist
 
 from tetrad.parallel.mesh import Group
-from tetrad.spec.runtime_rules import COLLECTIVE_KINDS, ring_share
+from tetrad.parallel.ring import (exchange_, ring_all_gather_, ring_all_reduce_,
+                                  ring_reduce_scatter_)
+from tetrad.spec.runtime_rules import COLLECTIVE_KINDS, ring_share, rooted_share
 
 # torch 2.13 (requirements.txt) renamed all_gather_into_tensor / reduce_scatter_tensor; older
 # releases, such as the 2.11 of the GPU machines the benchmarks run on, have only the old names.
@@ -278,6 +282,50 @@ class Comm:
         self._issued(dist.broadcast(tensor, group=group.handle, group_src=src, async_op=True),
                      "broadcast", tag, async_op=False)
 
+    def _count_rooted(self, kind: str, nbytes: int, root: int, group: Group, tag: str) -> None:
+        share = rooted_share(kind, group.size, group.index == root)
+        self.counter.record(kind, share * nbytes, tag)
+
+    @eager_collective
+    def reduce(self, tensor: torch.Tensor, dst: int, group: Group, tag: str,
+               op: str = "sum") -> None:
+        """Sum (or max) `tensor` over the group into group rank `dst`'s copy; the other ranks'
+        copies are scratch afterwards (for what only `dst` reads: a logged loss)."""
+        if group.size == 1:
+            return
+        self._count_rooted("reduce", _nbytes(tensor), dst, group, tag)
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        self._issued(dist.reduce(tensor, op=reduce_op, group=group.handle, group_dst=dst,
+                                 async_op=True), "reduce", tag, async_op=False)
+
+    @eager_collective
+    def gather(self, output: torch.Tensor | None, input: torch.Tensor, dst: int, group: Group,
+               tag: str) -> None:
+        """Every rank's `input` concatenated into `output` on group rank `dst` (N times its
+        size; None on the other ranks)."""
+        assert (output is None) == (group.index != dst), (group.index, dst)
+        if group.size == 1:
+            output.copy_(input.view_as(output))
+            return
+        self._count_rooted("gather", _nbytes(input) * group.size, dst, group, tag)
+        chunks = list(output.view(group.size, -1)) if output is not None else None
+        self._issued(dist.gather(input.view(-1), chunks, group=group.handle, group_dst=dst,
+                                 async_op=True), "gather", tag, async_op=False)
+
+    @eager_collective
+    def scatter(self, output: torch.Tensor, input: torch.Tensor | None, src: int, group: Group,
+                tag: str) -> None:
+        """Chunk i of group rank `src`'s `input` (N times `output`'s size; None on the other
+        ranks) into group rank i's `output`."""
+        assert (input is None) == (group.index != src), (group.index, src)
+        if group.size == 1:
+            output.copy_(input.view_as(output))
+            return
+        self._count_rooted("scatter", _nbytes(output) * group.size, src, group, tag)
+        chunks = list(input.view(group.size, -1)) if input is not None else None
+        self._issued(dist.scatter(output.view(-1), chunks, group=group.handle, group_src=src,
+                                  async_op=True), "scatter", tag, async_op=False)
+
     @eager_collective
     def send(self, tensor: torch.Tensor, dst: int, group: Group, tag: str) -> Handle:
         """Send to group rank `dst` (async: wait before reusing `tensor`)."""
@@ -315,56 +363,19 @@ class Comm:
         return values
 
 
+    def gather_object(self, value, dst: int, group: Group, tag: str) -> list | None:
+        """Every rank's picklable `value` in group order on group rank `dst`, None elsewhere
+        (what only `dst` reads: the run report's rank entries)."""
+        if group.size == 1:
+            return [value]
+        # A sender's pickle is its share: the gather's formula with S = N times it.
+        self._count_rooted("gather", len(pickle.dumps(value)) * group.size, dst, group, tag)
+        values = [None] * group.size if group.index == dst else None
+        started = time.perf_counter()
+        dist.gather_object(value, values, group=group.handle, group_dst=dst)
+        self.counter.record_wait("gather", time.perf_counter() - started, tag)
+        return values
+
+
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-# The ring algorithms. Ranks sit on a ring (index i sends to i+1, receives from i-1); a tensor is
-# cut into N chunks. Reduce-scatter: at step s, rank r passes its running sum of chunk r-s-1 to
-# the right and adds what arrives from the left into chunk r-s-2; after N-1 steps chunk r holds
-# the full sum on rank r. All-gather: rank r forwards chunk r-s at step s, so after N-1 steps every
-# rank has every chunk. Each step moves S/N bytes per rank, hence the (N-1)/N*S volumes.
-
-def exchange_(outgoing: torch.Tensor, dst: int, incoming: torch.Tensor, src: int,
-              group: Group) -> list:
-    """Comm.exchange's batch, uncounted: the works to wait on."""
-    return dist.batch_isend_irecv([
-        dist.P2POp(dist.isend, outgoing, group=group.handle, group_peer=dst),
-        dist.P2POp(dist.irecv, incoming, group=group.handle, group_peer=src)])
-
-
-def _exchange(outgoing: torch.Tensor, incoming: torch.Tensor, group: Group, sent) -> None:
-    right, left = (group.index + 1) % group.size, (group.index - 1) % group.size
-    # Both in one batch before waiting: with blocking sends every rank would wait on its left
-    # neighbour, and on NCCL two ranks would each wait on the other's send (Comm.exchange).
-    works = exchange_(outgoing, right, incoming, left, group)
-    sent(outgoing)
-    for work in works:
-        work.wait()
-
-
-def ring_reduce_scatter_(chunks: list[torch.Tensor], group: Group, sent) -> None:
-    """In place: afterwards chunks[group.index] is the sum of that chunk over the group (the
-    other chunks hold partial sums). `sent(tensor)` is called for every tensor sent."""
-    size, index = group.size, group.index
-    scratch = torch.empty_like(max(chunks, key=torch.numel))
-    for step in range(size - 1):
-        outgoing = chunks[(index - step - 1) % size]
-        target = chunks[(index - step - 2) % size]
-        incoming = scratch[:target.numel()]
-        _exchange(outgoing, incoming, group, sent)
-        target.add_(incoming)
-
-
-def ring_all_gather_(chunks: list[torch.Tensor], group: Group, sent) -> None:
-    """In place: chunks[group.index] is this rank's; afterwards every chunk is filled."""
-    size, index = group.size, group.index
-    for step in range(size - 1):
-        _exchange(chunks[(index - step) % size], chunks[(index - step - 1) % size], group, sent)
-
-
-def ring_all_reduce_(tensor: torch.Tensor, group: Group, sent) -> None:
-    """Sum over the group in place: a ring reduce-scatter, then a ring all-gather of the sums."""
-    chunks = list(tensor.view(-1).tensor_split(group.size))
-    ring_reduce_scatter_(chunks, group, sent)
-    ring_all_gather_(chunks, group, sent)

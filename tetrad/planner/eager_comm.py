@@ -28,7 +28,7 @@ residual stream's dtype (the parameters') and S_a of the compute dtype:
   the whole backward) each backward collective, and the recomputation, run twice.
 
 Per pipeline step (--grad-accum of them): the loss and load-balance loss summed over pp (two
-fp32). Per optimizer step: the logged loss (and load-balance loss) averaged over dp * cp, the
+fp32). Per optimizer step: the logged loss (and load-balance loss) reduced over dp * cp, the
 gradient norm's partial sums over ZeRO's group, ep (experts), tp and pp (one fp64 each where the
 group has more than one rank); a tied embedding's gradient all-reduced between its two pipeline
 ranks after the last backward (ZeRO-2/3: their 1/N shard of it); the gradients (DDP: all-reduce
@@ -175,7 +175,7 @@ def _scalars(ledger: CommLedger, config: ModelConfig, layout: TrainLayout,
     """Losses and norms, and the tied embedding's gradient between its two pipeline ranks."""
     params = rank_parameters(config, layout, pp_rank)
     dp_cp = layout.dp * layout.cp
-    ledger.add("all_reduce", dp_cp, SCALAR, 2 if config.is_moe else 1)
+    ledger.add("reduce", dp_cp, SCALAR, 2 if config.is_moe else 1)  # to rank 0, which logs
     if layout.zero >= 1:
         ledger.add("all_reduce", dp_cp, SCALAR)
     if any(p.expert for p in params):

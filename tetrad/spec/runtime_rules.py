@@ -26,7 +26,8 @@ from typing import Callable, Sequence, TypeVar
 Item = TypeVar("Item")
 
 COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast",
-                    "p2p")
+                    "reduce", "gather", "scatter", "p2p")
+ROOTED_KINDS = ("broadcast", "reduce", "gather", "scatter")
 
 BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
 FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket, torch's too (dist._DEFAULT_FIRST_BUCKET_BYTES)
@@ -39,18 +40,32 @@ FP8_BLOCK = 128  # DeepSeek-V3's groups: 128x128 weight blocks, 1x128 activation
 
 @lru_cache(maxsize=None)
 def ring_share(kind: str, size: int) -> Fraction:
-    """The share of a collective's full tensor (the input of reduce-scatter, the output of
-    all-gather) one rank of a group of `size` sends: all-reduce 2(N-1)/N; reduce-scatter,
-    all-gather and all-to-all (N-1)/N (the share a rank keeps is not sent); broadcast (N-1)/N (a
-    pipelined chain: every rank but the last forwards it, averaged over the ranks);
-    point-to-point the whole message. A group of one sends nothing."""
+    """The share of a collective's full tensor (the input of reduce-scatter and scatter, the
+    output of all-gather and gather) one rank of a group of `size` sends: all-reduce 2(N-1)/N;
+    reduce-scatter, all-gather and all-to-all (N-1)/N (the share a rank keeps is not sent);
+    broadcast and reduce (N-1)/N (a pipelined chain: every rank but the last forwards it,
+    averaged over the ranks); point-to-point the whole message. Gather and scatter go straight
+    to and from the root, so ranks differ: this is the fullest rank's share (a gather's senders
+    1/N, a scatter's root (N-1)/N; rooted_share has each rank's). A group of one sends nothing."""
     if kind not in COLLECTIVE_KINDS:
         raise ValueError(f"unknown collective kind {kind!r}")
     if size <= 1:
         return Fraction(0)
     if kind == "p2p":
         return Fraction(1)
+    if kind == "gather":
+        return Fraction(1, size)
     return Fraction(2 * (size - 1) if kind == "all_reduce" else size - 1, size)
+
+
+def rooted_share(kind: str, size: int, is_root: bool) -> Fraction:
+    """The share of a rooted collective's full tensor that one rank sends: gather's root and
+    scatter's other ranks send nothing; broadcast and reduce send ring_share on every rank."""
+    if kind not in ROOTED_KINDS:
+        raise ValueError(f"{kind!r} has no root (rooted kinds: {', '.join(ROOTED_KINDS)})")
+    if (kind == "gather" and is_root) or (kind == "scatter" and not is_root):
+        return Fraction(0)
+    return ring_share(kind, size)
 
 
 def fill_buckets(items: Sequence[Item], nbytes: Callable[[Item], int], bucket_bytes: int,

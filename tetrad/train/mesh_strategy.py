@@ -73,7 +73,7 @@ class MeshStrategy:
     def forward_backward(self, batch: torch.Tensor) -> tuple[float, float | None]:
         pipeline = self.parallel.pipeline
         if pipeline is None:
-            return self.loop.run(self.local_batch(batch), self.global_mean)
+            return self.loop.run(self.local_batch(batch), self.logged_mean)
         # The executor runs its own microbatches; --grad-accum repeats whole pipeline steps.
         chunks = self.local_batch(batch).to(self.device).chunk(self.config.grad_accum)
         loss_sum = aux_sum = 0.0
@@ -84,8 +84,8 @@ class MeshStrategy:
             aux_sum += (stats.aux_loss or 0.0) / len(chunks)
             self.pipeline_peak = max(self.pipeline_peak, stats.peak_activation_bytes)
             self.idle_fractions.append(stats.idle_fraction)
-        aux_mean = self.global_mean(aux_sum) if self.parallel.config.is_moe else None
-        return self.global_mean(loss_sum), aux_mean
+        aux_mean = self.logged_mean(aux_sum) if self.parallel.config.is_moe else None
+        return self.logged_mean(loss_sum), aux_mean
 
     def local_batch(self, batch: torch.Tensor) -> torch.Tensor:
         dp = self.mesh["dp"]
@@ -108,8 +108,19 @@ class MeshStrategy:
         self.collectives.all_reduce(total, self.mesh["dp_cp"], "metrics")
         return total.item() / self.mesh["dp_cp"].size
 
+    def logged_mean(self, value: float) -> float:
+        """global_mean where only the dp x cp group's first rank needs it (global rank 0, which
+        logs and reports the loss, is one): a reduce to it. Every other rank gets its own
+        `value` back, which is what its non-finite check needs."""
+        total = torch.tensor([value], dtype=torch.float64, device=self.device)
+        group = self.mesh["dp_cp"]
+        self.collectives.reduce(total, 0, group, "metrics")
+        return total.item() / group.size if group.index == 0 else value
+
     def gather(self, value: Any) -> list[Any]:
-        return self.collectives.all_gather_object(value, self.mesh["world"], "report")
+        """Every rank's entry on rank 0, which alone writes the report; elsewhere only its
+        own."""
+        return self.collectives.gather_object(value, 0, self.mesh["world"], "report") or [value]
 
     def finish_gradients(self) -> None:
         """Gradients reduced and unscaled, and their global norm (which also decides, with fp16,

@@ -50,7 +50,8 @@ class Strategy(Protocol):
 
     def forward_backward(self, batch: torch.Tensor) -> tuple[float, float | None]:
         """One step's forward and backward on this rank's share of the global batch
-        [batch_size, seq_len + 1]: the global batch's mean loss (and MoE load-balance loss)."""
+        [batch_size, seq_len + 1]: the global batch's mean loss (and MoE load-balance loss) on
+        rank 0, which logs it (a parallel rank elsewhere may return its own share's)."""
 
     def finish_gradients(self) -> None:
         """Gradients final (reduced, unscaled) and their global norm known."""
@@ -65,7 +66,8 @@ class Strategy(Protocol):
         """Bytes of the tensors this rank holds, by kind. Called while gradients are live."""
 
     def gather(self, value: Any) -> list[Any]:
-        """Every rank's `value`, in rank order (collective): the run report's per-rank entries."""
+        """Every rank's `value`, in rank order, on rank 0 (collective): the run report's
+        per-rank entries (a rank that writes no report may get only its own)."""
 
     def whole_model(self) -> nn.Module:
         """The model with every parameter whole on this rank (collective)."""
