@@ -1,12 +1,15 @@
 """Pipeline step time: tetrad's executor against torch.distributed.pipelining on the same stages.
 
     .venv/bin/python benchmarks/bench_pipeline.py [--pp 2] [--microbatches 8] [--steps 6]
+        [--schedules gpipe,1f1b,zbv,dualpipe]
 
 Each rank builds the same Transformer, cuts it with tetrad's partitioner, and runs one forward
 and backward of the global batch per step (no optimizer step: both would run the same AdamW),
 once with tetrad's PipelineExecutor and once with torch's PipelineStage and ScheduleGPipe /
-Schedule1F1B on the very same stage modules, alternating step by step so load from other
-processes hits both alike. A step is timed between two barriers; the median of --steps timed
+Schedule1F1B / ScheduleZBVZeroBubble / ScheduleDualPipeV on the very same stage modules (the V
+schedules: two per rank, placed in a V), alternating step by step so load from other processes
+hits both alike. Next to each rank's measured idle fraction, the simulator's bubble fraction for
+the same schedule (forward 1, backward 2, split evenly into B and W). A step is timed between two barriers; the median of --steps timed
 steps follows --warmup untimed ones. Before timing, the first losses are checked to agree.
 Ranks are gloo processes with --threads threads each (on a GPU machine: NCCL, one GPU per rank).
 """
@@ -26,9 +29,12 @@ from tetrad.parallel.comm import Comm
 from tetrad.parallel.launch import spawn
 from tetrad.parallel.mesh import build_mesh
 from tetrad.parallel.pipeline import PipelineExecutor
+from tetrad.schedules import simulate
+from tetrad.schedules.generate import V_SHAPED
 from timing import timed
 
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zbv": "ScheduleZBVZeroBubble",
+             "dualpipe": "ScheduleDualPipeV"}
 
 
 def parse_args() -> argparse.Namespace:
@@ -45,7 +51,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
-    return parser.parse_args()
+    parser.add_argument("--schedules", default=",".join(SCHEDULES),
+                        help=f"comma-separated, of {', '.join(SCHEDULES)}")
+    args = parser.parse_args()
+    args.schedules = args.schedules.split(",")
+    unknown = set(args.schedules) - set(SCHEDULES)
+    if unknown:
+        parser.error(f"unknown schedules {sorted(unknown)}: choose from {', '.join(SCHEDULES)}")
+    return args
 
 
 def bench_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
@@ -60,21 +73,27 @@ def bench_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     tokens = torch.randint(args.vocab, (args.batch, args.seq + 1), generator=generator)
     inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     results = {}
-    for name, torch_name in SCHEDULES.items():
+    for name in args.schedules:
         torch.manual_seed(0)
+        vpp = 2 if name in V_SHAPED else 1
         executor = PipelineExecutor.from_model(Transformer(config), mesh, Comm(), name,
-                                               args.microbatches, seq_len=args.seq)
-        module = executor.stages[rank]
-        stage = pipelining.PipelineStage(module, rank, world_size, executor.device,
-                                         group=mesh["pp"].handle)
+                                               args.microbatches, vpp, seq_len=args.seq)
+        plan = executor.schedule
+        stages = [pipelining.PipelineStage(module, index, plan.num_stages, executor.device,
+                                           group=mesh["pp"].handle)
+                  for index, module in sorted(executor.stages.items())]
         loss_fn = lambda logits, target: F.cross_entropy(logits.flatten(0, 1), target.flatten())  # noqa: E731
-        schedule = getattr(pipelining, torch_name)(stage, args.microbatches, loss_fn=loss_fn)
+        schedule = getattr(pipelining, SCHEDULES[name])(
+            stages if vpp > 1 else stages[0], args.microbatches, loss_fn=loss_fn)
+        first, last = rank == plan.rank_of(0), rank == plan.rank_of(plan.num_stages - 1)
 
         def torch_step() -> float:
             losses: list = []
-            if rank == 0:
+            if first and last:
+                schedule.step(inputs, target=targets, losses=losses)
+            elif first:
                 schedule.step(inputs)
-            elif rank == world_size - 1:
+            elif last:
                 schedule.step(target=targets, losses=losses)
             else:
                 schedule.step()
@@ -86,9 +105,8 @@ def bench_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
             seconds, stats = timed(lambda: executor.step(tokens))
             executor.module.zero_grad(set_to_none=True)
             torch_seconds, torch_loss = timed(torch_step)
-            module.zero_grad(set_to_none=True)
-            if step == 0 and rank == world_size - 1 and abs(torch_loss - stats.loss) > 1e-4 * abs(
-                    stats.loss):
+            executor.module.zero_grad(set_to_none=True)
+            if step == 0 and last and abs(torch_loss - stats.loss) > 1e-4 * abs(stats.loss):
                 raise AssertionError(f"{name}: losses differ, tetrad {stats.loss} vs torch "
                                      f"{torch_loss}")
             if step >= args.warmup:
@@ -97,7 +115,8 @@ def bench_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
                 idle.append(stats.idle_fraction)
         results[name] = {"tetrad_s": statistics.median(times["tetrad"]),
                          "torch_s": statistics.median(times["torch"]),
-                         "idle_fraction": statistics.median(idle)}
+                         "idle_fraction": statistics.median(idle),
+                         "simulated": simulate(plan).bubble_fraction}
     return results
 
 
@@ -109,13 +128,14 @@ def main() -> None:
           f"hidden={args.hidden} layers={args.layers} vocab={args.vocab} "
           f"threads/rank={args.threads}; forward+backward per step, median of {args.steps}")
     print(f"{'schedule':<9}{'tetrad s':>10}{'torch s':>10}{'tetrad/torch':>14}{'tok/s tetrad':>14}"
-          f"  idle fraction per rank (tetrad)")
-    for name in SCHEDULES:
+          f"  idle fraction: measured per rank (tetrad), mean, simulated")
+    for name in args.schedules:
         tetrad = max(r[name]["tetrad_s"] for r in per_rank)
         reference = max(r[name]["torch_s"] for r in per_rank)
-        idle = " ".join(f"{r[name]['idle_fraction']:.2f}" for r in per_rank)
+        idle = [r[name]["idle_fraction"] for r in per_rank]
         print(f"{name:<9}{tetrad:>10.3f}{reference:>10.3f}{tetrad / reference:>14.2f}"
-              f"{tokens / tetrad:>14,.0f}  {idle}")
+              f"{tokens / tetrad:>14,.0f}  {' '.join(f'{x:.2f}' for x in idle)}, "
+              f"{statistics.mean(idle):.3f}, {per_rank[0][name]['simulated']:.3f}")
 
 
 if __name__ == "__main__":

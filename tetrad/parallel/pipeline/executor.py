@@ -21,8 +21,10 @@ the whole gradients of the two copies.
 The split backward is exact but not free: W walks the retained graph from the stage output
 again, so the activation gradients inside a stage are computed twice (B + W cost about 1.5 fused
 backwards). torch.distributed.pipelining's stage_backward_weight avoids that by capturing the
-gradients at the nodes where weights enter; tetrad keeps the simple form until it is measured to
-matter.
+gradients at the nodes where weights enter (and accumulating into .grad by hand, past the hooks
+a data-parallel engine relies on). So where a W comes next after its own B in the list (sends and
+receives aside), as in ZB-V's steady state, DualPipeV's pairs and ZB-H1's rank 0, nothing could
+run between the two: B runs the whole backward at once and W only marks the gradients complete.
 """
 
 from __future__ import annotations
@@ -68,6 +70,13 @@ class StepStats:
         return max(0.0, 1.0 - self.compute_s / self.step_s) if self.step_s > 0 else 0.0
 
 
+def _whole_backwards(actions: Sequence[Action]) -> set[tuple[int, int]]:
+    """(stage, microbatch) of every B whose W is the next compute in the list."""
+    computes = [a for a in actions if a.is_compute]
+    return {(a.stage, a.microbatch) for a, after in zip(computes, computes[1:])
+            if a.kind == "B" and after == Action("W", a.stage, a.microbatch)}
+
+
 def whole_sequences(window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A microbatch window [batch, seq + 1] -> inputs and targets [batch, seq], positions [seq].
     Copies, not views of the batch: what a microbatch saves for backward (its ids, its targets)
@@ -111,6 +120,7 @@ class PipelineExecutor:
         self.embedding_group, self.partition, self.autocast = embedding_group, partition, autocast
         self.shard = shard
         self.actions = schedule.actions[pp_group.index]
+        self.whole_backwards = _whole_backwards(self.actions) if schedule.split_backward else set()
         self.module = nn.ModuleList(stages[s] for s in sorted(stages))
         self.config = self.module[0].config
         self.device = next(self.module.parameters()).device
@@ -236,10 +246,14 @@ class PipelineExecutor:
             grads.append(None)  # a scalar: d objective / d objective = 1
         x = state.inputs.get(key)  # None on the first stage: token ids have no gradient
         started = self._clock()
-        if not self.schedule.split_backward:
+        whole = key in self.whole_backwards
+        if not self.schedule.split_backward or whole:
             torch.autograd.backward(outputs, grads)
             state.inputs.pop(key, None)
-            self._release(key)
+            if whole:
+                state.deferred[key] = None  # W marks the gradients complete
+            else:
+                self._release(key)
         else:
             if x is not None:
                 (x.grad,) = torch.autograd.grad(outputs, [x], grads, retain_graph=True)
@@ -253,12 +267,14 @@ class PipelineExecutor:
 
     def _weight(self, action: Action, state: _Step) -> None:
         key = (action.stage, action.microbatch)
-        outputs, grads = state.deferred.pop(key)
-        started = self._clock()
-        params = [p for p in self.stages[action.stage].parameters() if p.requires_grad]
-        # An expert that no token of this microbatch reached is left alone, as by B.
-        torch.autograd.backward(outputs, grads, inputs=params)
-        self._compute_s += self._clock() - started
+        deferred = state.deferred.pop(key)
+        if deferred is not None:
+            outputs, grads = deferred
+            started = self._clock()
+            params = [p for p in self.stages[action.stage].parameters() if p.requires_grad]
+            # An expert that no token of this microbatch reached is left alone, as by B.
+            torch.autograd.backward(outputs, grads, inputs=params)
+            self._compute_s += self._clock() - started
         self._release(key)
         self._stage_gradients_done(action.stage)
 
