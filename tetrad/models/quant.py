@@ -30,6 +30,13 @@ def _check_dtype(dtype: torch.dtype) -> None:
         raise ValueError(f"quantized linears compute in bf16 or fp16, got {dtype}")
 
 
+def int8_scales(weight: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """One scale per row of a float weight [out, in]: max |w| of the row / 127, rounded to
+    `dtype`; an all-zero row gets 1."""
+    amax = weight.detach().float().abs().amax(dim=1)
+    return torch.where(amax > 0, amax / 127, torch.ones_like(amax)).to(dtype)
+
+
 class Int8Linear(nn.Module):
     """y = x @ w.T + bias with w[n, k] = scales[n] * values[n, k]: `values` int8 [N, K] (the
     quantizer keeps them in -127..127, symmetric), `scales` [N] in the activation dtype."""
@@ -63,15 +70,15 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 dtype: torch.dtype = torch.bfloat16, packed: bool = True) -> "Int8Linear":
-        """Round a float weight [out, in]: scale = max |w| of the row / 127 (in `dtype`), value =
-        round(w / scale). An all-zero row gets scale 1."""
+                 dtype: torch.dtype = torch.bfloat16, packed: bool = True,
+                 scales: torch.Tensor | None = None) -> "Int8Linear":
+        """Round a float weight [out, in]: value = round(w / scale) in -127..127, with `scales`
+        given (a row-parallel shard's: its whole rows') or int8_scales(weight)."""
         _check_dtype(dtype)
-        w = weight.detach().float()
-        amax = w.abs().amax(dim=1)
-        scales = torch.where(amax > 0, amax / 127, torch.ones_like(amax)).to(dtype)
-        values = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
-        return cls(values, scales, bias, packed)
+        scales = (int8_scales(weight, dtype) if scales is None
+                  else scales.to(device=weight.device, dtype=dtype))
+        values = torch.round(weight.detach().float() / scales.float()[:, None])
+        return cls(values.clamp(-127, 127).to(torch.int8), scales, bias, packed)
 
     @property
     def weight(self) -> torch.Tensor:

@@ -4,9 +4,11 @@ tetrad.models.quant's layers, on whatever share of the model this rank holds.
 Quantized: every projection of a block (attention, MLPs, routed and shared experts), as the
 planner counts them (tetrad/planner/quantized.py); the router's gate, embeddings, norms and the
 LM head stay in 16 bits. A tensor-parallel rank quantizes its own shard after the split: a
-column-parallel shard's rows keep their own scales, and a row-parallel shard's column groups are
-whole groups of the full matrix when its width is a multiple of the group (the planner's rule),
-so every rank holds exactly the values one process would, cut the same way."""
+column-parallel shard's rows keep their own scales; a row-parallel shard, which holds whole rows
+but only some of their columns, takes int8's row scales from the whole model (row_scales, before
+the split), and its int4 column groups are whole groups of the full matrix (the planner's rule:
+widths a multiple of the group). So every rank holds exactly the values one process would, cut
+the same way."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 from torch import nn
 
 from tetrad.models.fp8_weights import FP8WeightLinear
-from tetrad.models.quant import INT4_GROUP, SCALE_DTYPES, Int4Linear, Int8Linear
+from tetrad.models.quant import INT4_GROUP, SCALE_DTYPES, Int4Linear, Int8Linear, int8_scales
 
 
 
@@ -31,10 +33,21 @@ def _is_projection(name: str, module: nn.Module) -> bool:
             and weight.dim() == 2)
 
 
+def row_scales(model: nn.Module, method: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """int8's scales of every projection of the whole model, by name, taken before a
+    tensor-parallel split: a row-parallel shard holds every row but only some of its columns,
+    and takes its rows' scales from here, so it holds the values one process would. (int4's
+    groups are whole inside a shard: nothing to take.)"""
+    if method != "int8":
+        return {}
+    return {name: int8_scales(module.weight.to(dtype), dtype)
+            for name, module in model.named_modules() if _is_projection(name, module)}
+
+
 def _quantized(weight: torch.Tensor, bias: torch.Tensor | None, method: str,
-               dtype: torch.dtype, packed: bool) -> nn.Module:
+               dtype: torch.dtype, packed: bool, scales: torch.Tensor | None) -> nn.Module:
     if method == "int8":
-        return Int8Linear.quantize(weight, bias, dtype, packed)
+        return Int8Linear.quantize(weight, bias, dtype, packed, scales)
     return Int4Linear.quantize(weight, bias, INT4_GROUP, dtype, packed)
 
 
@@ -50,10 +63,13 @@ def _shard_product(layer: nn.Module):
     return product
 
 
-def quantize_model(model: nn.Module, method: str) -> nn.Module:
+def quantize_model(model: nn.Module, method: str,
+                   whole_rows: dict[str, torch.Tensor] | None = None) -> nn.Module:
     """Swap `model`'s projections, in place, for int8 or int4 ones on the device and in the
-    16-bit dtype they hold now. MLA's kv_up keeps the reference layout: its absorbed attention
+    16-bit dtype they hold now. `whole_rows`: row_scales of the model before its split, for the
+    shards that hold whole rows. MLA's kv_up keeps the reference layout: its absorbed attention
     reads the dequantized weight every step, which that layout gives with one multiply."""
+    whole_rows = whole_rows or {}
     if method == "none":
         return model
     for name, module in list(model.named_modules()):
@@ -65,6 +81,9 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
             raise ValueError(f"--quantization {method} serves 16-bit activations: {name} is "
                              f"{dtype}")
         packed = not name.endswith("attn.kv_up")
+        scales = whole_rows.get(name)
+        if scales is not None and len(scales) != weight.shape[0]:
+            scales = None  # a column-parallel shard: its own rows' scales are the same
         # A shard that takes no collective (MLA's heads enter before it) is a plain linear, and
         # replaced like one, so that absorbed attention reads its `weight`.
         whole = type(module) in (nn.Linear, FP8WeightLinear)
@@ -72,9 +91,9 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
             bias = getattr(module, "bias", None)
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child,
-                    _quantized(weight, bias, method, dtype, packed))
+                    _quantized(weight, bias, method, dtype, packed, scales))
         else:  # a tensor-parallel shard: its weight goes, its bias and collectives stay
-            layer = _quantized(weight, None, method, dtype, packed)
+            layer = _quantized(weight, None, method, dtype, packed, scales)
             del module.weight
             module.quantized = layer
             module.weight = None

@@ -1,0 +1,83 @@
+"""`--quantization` under tensor parallelism: tp=2 against tp=1 quantized, on the model families
+of test_quantization.py. One spawn of 2 ranks (tests/dist.py; the LLM on rank 0, ServingWorker on
+rank 1) serves each case. Each rank's quantized shard, dequantized, is exactly the rows (column-
+parallel) or columns (row-parallel) of the one-process quantized weight: int8's scales shard with
+the rows and a row-parallel shard keeps its whole rows' scales, int4's groups shard with the
+columns. Each rank holds exactly the weight and KV bytes the planner predicts for tp=2, and the
+greedy tokens are the one-process quantized model's argmaxes (up to bf16 rounding; with a 16-bit
+KV cache)."""
+
+import copy
+
+import pytest
+import torch
+from dist import run_ranks
+from test_quantization import FAMILIES, PROMPTS, GREEDY, assert_greedy, random_model
+
+from tetrad.inference.engine import LLM
+from tetrad.inference.ranks.driver import ServingWorker
+from tetrad.inference.ranks.rank_share import held_bytes
+from tetrad.models.quant_model import quantize_model
+from tetrad.planner.memory import kv_bytes_per_token
+from tetrad.planner.precision import element_bytes
+from tetrad.planner.serving import weight_bytes_per_gpu
+from tetrad.spec.serving import ServeLayout
+from tetrad.tokenizer import ByteTokenizer
+
+TP = 2
+# (family, quantization, KV dtype): int4 needs every shard's input a multiple of 128, which the
+# MoE shapes' shared expert (128 / 2 = 64) is not.
+CASES = [("llama", "int8", "auto"), ("llama", "int4", "fp8"), ("gpt2", "int4", "auto"),
+         ("moe", "int8", "auto"), ("mla", "int8", "auto")]
+
+
+def shards(model: torch.nn.Module, rank: int) -> dict:
+    """Each tensor-parallel shard's dequantized weight, with the dimension it was cut along and
+    the rows or columns of the whole weight it holds."""
+    return {name: (module.quantized.weight, module.dim, module.indices[rank])
+            for name, module in model.named_modules() if hasattr(module, "quantized")}
+
+
+def rank_main(rank: int, world_size: int) -> list[dict]:
+    results = []
+    for family, method, kv in CASES:
+        model = random_model(FAMILIES[family])
+        if rank == 0:
+            llm = LLM(model, ByteTokenizer(), tp=TP, quantization=method, kv_cache_dtype=kv,
+                      attention="sdpa", device="cpu", block_size=4, log=None)
+            result = {"outputs": [o.token_ids for o in llm.generate(PROMPTS, GREEDY)],
+                      **held_bytes(llm.runner), "shards": shards(llm.runner.model, rank)}
+            llm.close()
+        else:
+            worker = ServingWorker(model)
+            result = {**held_bytes(worker.runner), "shards": shards(worker.runner.model, rank)}
+            while worker.step():
+                pass
+        results.append(result)
+    return results
+
+
+@pytest.fixture(scope="module")
+def per_rank():
+    return run_ranks(rank_main, TP, timeout_s=300)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=["-".join(c) for c in CASES])
+def test_tp2_holds_the_one_process_quantized_weights_cut_and_the_planned_bytes(per_rank, case):
+    family, method, kv = CASES[case]
+    config = FAMILIES[family]
+    whole = dict(quantize_model(copy.deepcopy(random_model(config)), method).named_modules())
+    for rank, results in enumerate(per_rank):
+        result = results[case]
+        assert result["shards"], "no tensor-parallel shard was quantized"
+        for name, (weight, dim, indices) in result["shards"].items():
+            assert torch.equal(weight, whole[name].weight.index_select(dim, indices)), (rank,
+                                                                                       name)
+        assert result["weights"] == weight_bytes_per_gpu(config, ServeLayout(tp=TP), method, 0)
+        element = "bf16" if kv == "auto" else kv
+        assert result["kv_per_token"] == kv_bytes_per_token(config, element_bytes(element), TP)
+    if kv == "fp8":  # K and V rounded to E4M3 move the logits past bf16's rounding
+        return
+    reference = quantize_model(copy.deepcopy(random_model(config)), method)
+    for prompt, tokens in zip(PROMPTS, per_rank[0][case]["outputs"]):
+        assert_greedy(reference, prompt, tokens)
