@@ -71,7 +71,7 @@ class ModelPool:
         keep = self.keep_alive_s if keep_alive is None else parse_keep_alive(keep_alive)
         if self.closed:
             raise ApiError(503, "the server is shutting down", "server_error")
-        name = self.catalog.resolve(name)
+        name = self.catalog.resolve(name, self.models)
         served = self.models.get(name)
         if served is None:
             self.waiting[name] = self.waiting.get(name, 0) + 1

@@ -43,9 +43,9 @@ class ModelCatalog:
     def names(self) -> list[str]:
         return sorted({*self.named, *(model.name for model in self.store.list())})
 
-    def resolve(self, name: str | None) -> str:
+    def resolve(self, name: str | None, loaded=()) -> str:
         """The served name a request's model field means; a 400 without one, a 404 for one
-        neither named at start nor stored."""
+        neither named at start nor stored. Names in `loaded` need no look in the store."""
         if name is None:
             raise ApiError(400, "this server holds many models: name one in the request's "
                                 "model field (GET /v1/models lists them)")
@@ -55,7 +55,8 @@ class ModelCatalog:
             full = parse_name(name)
         except ConfigError:
             full = None
-        if full in self.named or (full is not None and self.store.get(full) is not None):
+        if full in self.named or full in loaded or (full is not None and
+                                                    self.store.get(full) is not None):
             return full
         raise ApiError(404, f"model {name[:200]!r} is not in the store {self.store.root} "
                             f"(GET /v1/models lists the models; tetrad create adds one)",
