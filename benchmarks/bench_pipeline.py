@@ -9,7 +9,8 @@ once with tetrad's PipelineExecutor and once with torch's PipelineStage and Sche
 Schedule1F1B / ScheduleZBVZeroBubble / ScheduleDualPipeV on the very same stage modules (the V
 schedules: two per rank, placed in a V), alternating step by step so load from other processes
 hits both alike. Next to each rank's measured idle fraction, the simulator's bubble fraction for
-the same schedule (forward 1, backward 2, split evenly into B and W). A step is timed between two barriers; the median of --steps timed
+the same schedule (forward 1, backward 2, split evenly into B and W), ideal and as the executor
+runs it (a B whose W comes next takes the whole backward: simulate(..., as_executed=True)). A step is timed between two barriers; the median of --steps timed
 steps follows --warmup untimed ones. Before timing, the first losses are checked to agree.
 Ranks are gloo processes with --threads threads each (on a GPU machine: NCCL, one GPU per rank).
 """
@@ -116,7 +117,8 @@ def bench_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
         results[name] = {"tetrad_s": statistics.median(times["tetrad"]),
                          "torch_s": statistics.median(times["torch"]),
                          "idle_fraction": statistics.median(idle),
-                         "simulated": simulate(plan).bubble_fraction}
+                         "simulated": simulate(plan).bubble_fraction,
+                         "as_executed": simulate(plan, as_executed=True).bubble_fraction}
     return results
 
 
@@ -128,14 +130,15 @@ def main() -> None:
           f"hidden={args.hidden} layers={args.layers} vocab={args.vocab} "
           f"threads/rank={args.threads}; forward+backward per step, median of {args.steps}")
     print(f"{'schedule':<9}{'tetrad s':>10}{'torch s':>10}{'tetrad/torch':>14}{'tok/s tetrad':>14}"
-          f"  idle fraction: measured per rank (tetrad), mean, simulated")
+          f"  idle fraction: measured per rank (tetrad), mean; simulated, as executed")
     for name in args.schedules:
         tetrad = max(r[name]["tetrad_s"] for r in per_rank)
         reference = max(r[name]["torch_s"] for r in per_rank)
         idle = [r[name]["idle_fraction"] for r in per_rank]
         print(f"{name:<9}{tetrad:>10.3f}{reference:>10.3f}{tetrad / reference:>14.2f}"
               f"{tokens / tetrad:>14,.0f}  {' '.join(f'{x:.2f}' for x in idle)}, "
-              f"{statistics.mean(idle):.3f}, {per_rank[0][name]['simulated']:.3f}")
+              f"{statistics.mean(idle):.3f}; {per_rank[0][name]['simulated']:.3f}, "
+              f"{per_rank[0][name]['as_executed']:.3f}")
 
 
 if __name__ == "__main__":

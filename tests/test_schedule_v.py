@@ -17,6 +17,7 @@ from tetrad.planner.timeline import (paired_share, pipeline_bubble_ratio,
                                      pipeline_in_flight)
 from tetrad.planner.training import TrainWorkload, evaluate_training
 from tetrad.schedules import Durations, build_schedule, peak_in_flight, simulate, validate
+from tetrad.schedules.simulate import whole_backwards
 from tetrad.spec.model import ModelConfig
 
 TORCH = {"zbv": torch_schedules.ScheduleZBVZeroBubble, "dualpipe": torch_schedules.ScheduleDualPipeV}
@@ -160,3 +161,25 @@ def test_deepseek_v3_pretraining_with_dualpipe_comes_within_a_quarter_of_the_rep
     best = search_training(run.config, cluster(run.gpu, run.num_gpus), workload(run),
                            run.global_batch, TrainSpace(**open_schedule), top=1).ranked[0]
     assert best.layout.schedule == "dualpipe"
+
+
+def test_as_executed_gives_whole_backwards_their_w_and_delays_only_what_waits_on_them():
+    """The executor runs a B whose W comes next as one whole backward: the same work per rank,
+    its input gradient leaving later; a schedule without such pairs times as before."""
+    for name, vpp in (("zbv", 2), ("dualpipe", 2), ("zb", 1), ("1f1b", 1)):
+        schedule = build_schedule(name, 3, 6, vpp)
+        ideal, executed = simulate(schedule), simulate(schedule, as_executed=True)
+        assert ideal.idle_time - executed.idle_time == 3 * (ideal.makespan - executed.makespan)
+        whole = [whole_backwards(actions) for actions in schedule.actions]
+        if not any(whole):
+            assert executed.spans == ideal.spans
+            continue
+        assert executed.makespan >= ideal.makespan
+        for rank, spans in enumerate(executed.spans):
+            for span in spans:
+                backward = dataclasses.replace(span.action, kind="B")
+                if span.action in whole[rank]:
+                    assert span.end - span.start == Fraction(2, vpp)  # B and W together
+                elif span.action.kind == "W" and backward in whole[rank]:
+                    assert span.end == span.start
+    assert any(whole_backwards(a) for a in build_schedule("zbv", 3, 6, 2).actions)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Sequence
 
 from tetrad.errors import ConfigError
 from tetrad.schedules.actions import (Action, Schedule, ScheduleError, local_prerequisite,
@@ -123,18 +124,32 @@ def peak_in_flight(schedule: Schedule, release: str = "B") -> tuple[int, ...]:
     return tuple(peaks)
 
 
+def whole_backwards(actions: Sequence[Action]) -> set[Action]:
+    """The B's of a split schedule whose own W is the next compute in the list (sends and
+    receives aside): nothing can run between the two, so the executor runs the whole backward at
+    B and W only marks it done."""
+    computes = [a for a in actions if a.is_compute]
+    return {a for a, after in zip(computes, computes[1:])
+            if a.kind == "B" and after == Action("W", a.stage, a.microbatch)}
+
+
 def simulate(schedule: Schedule, durations: Durations = Durations(),
-             blocking: bool = False) -> Timeline:
-    """Time every compute; raise ScheduleError naming each rank's stuck action on deadlock."""
-    run = _Run(schedule, durations, blocking)
+             blocking: bool = False, as_executed: bool = False) -> Timeline:
+    """Time every compute; raise ScheduleError naming each rank's stuck action on deadlock.
+    `as_executed`: as the executor runs a split schedule, each B of `whole_backwards` taking
+    the whole backward (its input gradient leaves only then) and its W no time."""
+    run = _Run(schedule, durations, blocking, as_executed)
     run.go()
     return Timeline(schedule, tuple(tuple(spans) for spans in run.spans),
                     max(run.clock, default=Fraction(0)), peak_in_flight(schedule))
 
 
 class _Run:
-    def __init__(self, schedule: Schedule, durations: Durations, blocking: bool) -> None:
+    def __init__(self, schedule: Schedule, durations: Durations, blocking: bool,
+                 as_executed: bool) -> None:
         self.schedule, self.durations, self.blocking = schedule, durations, blocking
+        self.whole = (set().union(*map(whole_backwards, schedule.actions))
+                      if as_executed and schedule.split_backward else set())
         self.with_comm = schedule.has_communication
         self.pos = [0] * schedule.pp
         self.clock = [Fraction(0)] * schedule.pp
@@ -165,7 +180,7 @@ class _Run:
             return False
         if action.is_compute:
             start = max([self.clock[rank], *self.input_times(rank, action)])
-            end = start + self.durations.of(action.kind, self.schedule)
+            end = start + self.duration(action)
             self.spans[rank].append(Span(action, start, end))
             self.finished[action] = self.clock[rank] = end
         elif not self.blocking:
@@ -181,6 +196,15 @@ class _Run:
             self.pos[peer] += 1
         self.pos[rank] += 1
         return True
+
+    def duration(self, action: Action) -> Fraction:
+        if not self.whole:
+            return self.durations.of(action.kind, self.schedule)
+        if action.kind == "W" and Action("B", action.stage, action.microbatch) in self.whole:
+            return Fraction(0)
+        if action in self.whole:
+            return self.durations.of("B", self.schedule) + self.durations.of("W", self.schedule)
+        return self.durations.of(action.kind, self.schedule)
 
     def blocker(self, rank: int, action: Action) -> str | None:
         """Why the action cannot run yet, or None when it can."""

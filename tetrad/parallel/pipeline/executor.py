@@ -45,6 +45,7 @@ from tetrad.parallel.mesh import Group, Mesh
 from tetrad.planner.partition import Partition, partition
 from tetrad.parallel.pipeline.stage import PipelineStage, build_stages, embedding_group
 from tetrad.schedules import Action, Schedule, build_schedule
+from tetrad.schedules.simulate import whole_backwards
 from tetrad.spec.runtime_rules import rank_stages
 
 ACTIVATION_TAG = "activations"
@@ -68,13 +69,6 @@ class StepStats:
         """Share of the step this rank was not computing: the measured bubble (waits plus
         communication bookkeeping), next to the simulator's prediction."""
         return max(0.0, 1.0 - self.compute_s / self.step_s) if self.step_s > 0 else 0.0
-
-
-def _whole_backwards(actions: Sequence[Action]) -> set[tuple[int, int]]:
-    """(stage, microbatch) of every B whose W is the next compute in the list."""
-    computes = [a for a in actions if a.is_compute]
-    return {(a.stage, a.microbatch) for a, after in zip(computes, computes[1:])
-            if a.kind == "B" and after == Action("W", a.stage, a.microbatch)}
 
 
 def whole_sequences(window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -120,7 +114,8 @@ class PipelineExecutor:
         self.embedding_group, self.partition, self.autocast = embedding_group, partition, autocast
         self.shard = shard
         self.actions = schedule.actions[pp_group.index]
-        self.whole_backwards = _whole_backwards(self.actions) if schedule.split_backward else set()
+        self.whole_backwards = ({(a.stage, a.microbatch) for a in whole_backwards(self.actions)}
+                                if schedule.split_backward else set())
         self.module = nn.ModuleList(stages[s] for s in sorted(stages))
         self.config = self.module[0].config
         self.device = next(self.module.parameters()).device
