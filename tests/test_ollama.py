@@ -2,7 +2,9 @@
 streamed and not, against /v1's answers to the same prompts; `options` that change sampling, and
 those refused by name; Ollama's error shape."""
 
+import http.client
 import json
+import socket
 import time
 
 import pytest
@@ -19,11 +21,17 @@ GREEDY = {"temperature": 0, "num_predict": 12}
 
 
 @pytest.fixture(scope="module")
-def port(tmp_path_factory):
+def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-hf")
     save_tiny_model(folder)
-    with running(build_app(LLM(folder, **ENGINE), "tiny")) as port:
-        yield port
+    llm = LLM(folder, **ENGINE)  # the byte tokenizer has no end-of-text: answers run their length
+    with running(build_app(llm, "tiny")) as port:
+        yield llm, port
+
+
+@pytest.fixture(scope="module")
+def port(server):
+    return server[1]
 
 
 @pytest.fixture(scope="module")
@@ -180,8 +188,6 @@ def test_a_request_without_prompt_loads_or_unloads(port):
 
 
 def test_streams_are_ndjson_and_probes_answer(port):
-    import http.client
-
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     connection.request("POST", "/api/generate", json.dumps(
         {"model": "tiny", "prompt": "Hi", "options": GREEDY}).encode())
@@ -195,6 +201,37 @@ def test_streams_are_ndjson_and_probes_answer(port):
     for method in ("GET", "HEAD"):
         got, text, _ = request(port, method, "/")
         assert got == 200 and (method == "HEAD" or text.startswith("tetrad is running"))
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_has_its_request_aborted(server, stream, monkeypatch):
+    llm, port = server
+    step = llm.step
+
+    def slow_step():  # the tiny model would finish 100 tokens before the disconnect is seen
+        time.sleep(0.01)
+        return step()
+
+    monkeypatch.setattr(llm, "step", slow_step)
+    before = llm.metrics.num_generated_tokens
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    connection.request("POST", "/api/chat", json.dumps({
+        "model": "tiny", "messages": [{"role": "user", "content": "Once"}], "stream": stream,
+        "options": {"num_predict": 100}}).encode())  # with the chat prompt, within 128
+    if stream:
+        assert json.loads(connection.getresponse().readline())["done"] is False
+    else:
+        started = time.monotonic()
+        while not llm.has_unfinished():
+            assert time.monotonic() - started < 20, "the request never reached the engine"
+            time.sleep(0.005)
+    connection.sock.shutdown(socket.SHUT_RDWR)
+    connection.close()
+    deadline = time.monotonic() + 20
+    while llm.has_unfinished() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not llm.has_unfinished() and llm.block_manager.num_used_blocks == 0
+    assert llm.metrics.num_generated_tokens - before < 100  # aborted, not run to the end
 
 
 def test_the_servers_limits_answer_in_ollamas_shape(tmp_path, monkeypatch):
