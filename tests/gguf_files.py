@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import gguf
 from gguf import GGMLQuantizationType, GGUFWriter, quants
 
 # HF tensor suffix (in model.layers.N.) -> llama.cpp's (in blk.N.)
@@ -42,7 +43,7 @@ def gguf_name(hf_name: str) -> str:
 def write_gguf(path: Path, hf_model, kind: str = "F32", tokenizer: dict | None = None,
                template: str | None = TEMPLATE, arch: str | None = None) -> Path:
     """`hf_model` (llama or qwen2) as a GGUF file whose 2D weights are `kind` (F32, F16, BF16,
-    Q8_0, Q4_0; norms and biases stay F32, as llama.cpp keeps them). `tokenizer`: the
+    Q8_0, Q4_0; norms and biases stay F32, as llama.cpp keeps them; Q4_K: random blocks). `tokenizer`: the
     tokenizer.ggml.* values (tokenizer_values below)."""
     config = hf_model.config
     arch = arch or config.model_type
@@ -67,10 +68,15 @@ def write_gguf(path: Path, hf_model, kind: str = "F32", tokenizer: dict | None =
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             data = llama_cpp_permute(data, heads)
-        if data.ndim == 1:
+        block = gguf.GGML_QUANT_SIZES[qtype][0]
+        if kind == "Q4_K" and data.ndim == 2:  # no quantizer in gguf.quants: random blocks
+            writer.add_tensor(gguf_name(name), random_q4_k(*data.shape), raw_dtype=qtype)
+        elif data.ndim == 1:
             writer.add_tensor(gguf_name(name), data.astype(np.float32))
-        elif kind in ("F32", "F16"):
-            writer.add_tensor(gguf_name(name), quants.quantize(data, qtype))
+        elif kind in ("F32", "F16") or data.shape[1] % block:
+            # llama.cpp falls back too when a row is no whole number of blocks
+            writer.add_tensor(gguf_name(name), data.astype(np.float32 if kind == "F32"
+                                                           else np.float16))
         else:
             writer.add_tensor(gguf_name(name), quants.quantize(data, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
@@ -78,6 +84,16 @@ def write_gguf(path: Path, hf_model, kind: str = "F32", tokenizer: dict | None =
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def random_q4_k(rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Q4_K blocks of random bits (256 weights in 144 bytes) whose two fp16 scales, d and dmin,
+    are small finite numbers."""
+    blocks = np.random.default_rng(seed + rows * cols).integers(
+        0, 256, (rows, cols // 256, 144), dtype=np.uint8)
+    blocks[..., :4] = np.random.default_rng(seed).uniform(
+        1e-4, 1e-3, (rows, cols // 256, 2)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
 
 
 def add_tokenizer(writer: GGUFWriter, values: dict) -> None:

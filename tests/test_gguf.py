@@ -82,6 +82,34 @@ def test_f16_weights_are_the_hf_weights_rounded(models, tokenizer, tmp_path):
         assert torch.equal(state[name], tensor.half()), name
 
 
+def test_bf16_weights_are_the_hf_weights_rounded(models, tokenizer, tmp_path):
+    hf_model, hf_folder = models["qwen2"]
+    reference = load_pretrained(hf_folder).state_dict()
+    state = load_pretrained(gguf_model_folder(tmp_path, hf_model, "BF16", tokenizer)).state_dict()
+    for name, tensor in reference.items():
+        assert torch.equal(state[name], tensor.bfloat16()), name
+
+
+def test_q4_k_weights_are_the_files_blocks_dequantized(tokenizer, tmp_path):
+    """Q4_K (super-blocks of 256, a 6-bit scale and minimum per 32) is dequantized at load: each
+    weight equals gguf.quants' reading of the file's blocks, Q and K rows put back in HF order."""
+    from gguf_files import llama_cpp_permute
+
+    hf_model = hf_llama(tokenizer.vocab_size, hidden_size=256, intermediate_size=256)
+    folder = gguf_model_folder(tmp_path, hf_model, "Q4_K", tokenizer)
+    loaded = load_pretrained(folder, dtype=torch.float32).state_dict()
+    reader = gguf.GGUFReader(folder / "model.gguf")
+    stored = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in reader.tensors}
+    q, k, v = (stored[f"blk.1.attn_{p}.weight"] for p in "qkv")
+    # llama.cpp's permute applied to the loaded rows gives the file's rows back
+    qkv = loaded["layers.1.attn.qkv.weight"].numpy()
+    assert np.array_equal(llama_cpp_permute(qkv[:256], 4), q)
+    assert np.array_equal(llama_cpp_permute(qkv[256:384], 2), k)
+    assert np.array_equal(qkv[384:], v)
+    assert np.array_equal(loaded["layers.0.mlp.down.weight"].numpy(),
+                          stored["blk.0.ffn_down.weight"])
+
+
 def _block_amax(weight: torch.Tensor) -> torch.Tensor:
     """max |w| of each 32-weight block, repeated over the block."""
     rows, cols = weight.shape
