@@ -4,9 +4,11 @@ store, each one's greedy answer from its own engine, and a pool over the store."
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import threading
 import time
 
+import pytest
 import torch
 
 from tetrad.cli.generate import build_engine
@@ -51,6 +53,15 @@ def fill_store(root, sources) -> dict[str, str]:
     return expected
 
 
+def stored_models(tmp_path_factory):
+    """For a module's fixture: the store (as $TETRAD_HOME) while the module runs, and each
+    model's greedy answer from its own engine."""
+    home = tmp_path_factory.mktemp("home")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TETRAD_HOME", str(home))
+        yield fill_store(home / "models", tmp_path_factory.mktemp("sources"))
+
+
 def counted_bytes(name: str) -> int:
     """A stored model's bytes as its own engine holds them, counted on its tensors: parameters
     and KV pool."""
@@ -60,8 +71,8 @@ def counted_bytes(name: str) -> int:
             + pool.numel() * pool.element_size())
 
 
-def engine_args() -> argparse.Namespace:
-    return argparse.Namespace(path=[], tokenizer=None, **ENGINE)
+def engine_args(engine: dict = ENGINE) -> argparse.Namespace:
+    return argparse.Namespace(path=[], tokenizer=None, **engine)
 
 
 class LoadHook:
@@ -84,12 +95,12 @@ class LoadHook:
 
 
 def make_pool(budget: int = 2**34, keep_alive="5m", held: tuple[str, ...] = (),
-              config: ServerConfig | None = None) -> tuple[ModelPool, LoadHook, list[str]]:
+              engine: dict = ENGINE) -> tuple[ModelPool, LoadHook, list[str]]:
     """A pool over the store $TETRAD_HOME names; its load hook and the lines it logs."""
-    catalog = ModelCatalog(engine_args(), build_engine)
+    catalog = ModelCatalog(engine_args(engine), build_engine)
     hook = LoadHook(catalog, held)
     lines: list[str] = []
-    return ModelPool(catalog, config or ServerConfig(), budget, keep_alive, lines.append), \
+    return ModelPool(catalog, ServerConfig(), budget, keep_alive, lines.append), \
         hook, lines
 
 
@@ -103,3 +114,16 @@ def wait_until(condition, timeout_s: float = 60.0) -> None:
 
 def completion(name: str, **extra) -> dict:
     return {"model": name, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
+
+
+POOL_THREADS = ("tetrad-engine", "tetrad-model-load", "tetrad-tokenize")
+
+
+def assert_nothing_left_running() -> None:
+    wait_until(lambda: not [thread for thread in threading.enumerate()
+                            if thread.name.startswith(POOL_THREADS)], 30)
+    assert multiprocessing.active_children() == []
+
+
+def loaded(pool) -> set[str]:
+    return {served.name for served in pool.loaded()}

@@ -6,12 +6,11 @@ nothing left running after shutdown."""
 
 import asyncio
 import math
-import multiprocessing
 import threading
 
 import pytest
-from model_pool_helpers import (NAMES, completion, counted_bytes, fill_store, make_pool,
-                                wait_until)
+from model_pool_helpers import (NAMES, assert_nothing_left_running, completion, counted_bytes,
+                                loaded, make_pool, stored_models, wait_until)
 from serving import events, post, request, running
 
 from tetrad.inference.entrypoints.api import ApiError
@@ -20,31 +19,16 @@ from tetrad.inference.entrypoints.server import build_server
 
 pytest.importorskip("uvicorn")
 ALPHA, BETA, GAMMA = NAMES
-POOL_THREADS = ("tetrad-engine", "tetrad-model-load", "tetrad-tokenize")
 
 
 @pytest.fixture(scope="module")
 def expected(tmp_path_factory):
-    """The store (as $TETRAD_HOME) and each model's greedy answer from its own engine."""
-    home = tmp_path_factory.mktemp("home")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TETRAD_HOME", str(home))
-        yield fill_store(home / "models", tmp_path_factory.mktemp("sources"))
+    yield from stored_models(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def size(expected):
     return counted_bytes(ALPHA)
-
-
-def assert_nothing_left_running() -> None:
-    wait_until(lambda: not [thread for thread in threading.enumerate()
-                            if thread.name.startswith(POOL_THREADS)], 30)
-    assert multiprocessing.active_children() == []
-
-
-def loaded(pool) -> set[str]:
-    return {served.name for served in pool.loaded()}
 
 
 def test_stored_models_answer_alternately_each_as_its_own_engine(expected, size):

@@ -43,6 +43,10 @@ class ModelPool:
         self.waiting: dict[str, int] = {}  # requests waiting for a model's load
         self.counted: dict[str, int] = {}  # sizes counted at earlier loads: the next estimate
         self.reserved = 0  # what loads under way were given room for
+        self.under_way = 0  # loads given room and not finished
+        # torch.distributed has one default process group per process, which a multi-rank
+        # engine owns (ranks/driver.py): one such engine loaded at a time.
+        self.max_loaded = 1 if catalog.config.world_size > 1 else None
         self.unloading_bytes = 0  # models closing: their memory is not free yet
         self.admission = asyncio.Lock()  # one decision on room at a time
         self.timers: dict[str, asyncio.TimerHandle] = {}
@@ -124,13 +128,16 @@ class ModelPool:
                 if exact:
                     self._check_alone(name, needed)
                 # An estimate is only that: past what idle models free, the count decides.
-                if not await self._make_room(needed) and exact:
+                if not await self._make_room(needed) and (exact or
+                                                          not self._room_for_one_more()):
                     raise self._no_room(name, needed)
                 self.reserved += needed
+                self.under_way += 1
             try:
                 served = await self.loop.run_in_executor(self.threads, self._build, name)
             finally:
                 self.reserved -= needed
+                self.under_way -= 1
             self.counted[name] = served.size_bytes
             async with self.admission:
                 try:
@@ -176,6 +183,11 @@ class ModelPool:
                                 f"--kv-memory shrinks its KV cache)", "server_error")
 
     def _no_room(self, name: str, size: int) -> ApiError:
+        if self.max_loaded is not None and not self._room_for_one_more():
+            return ApiError(503, f"model {name} waits for the loaded model's requests to end: "
+                                 f"a server of multi-rank engines (--tp, --pp, --dp) holds one "
+                                 f"model at a time (torch.distributed has one process group per "
+                                 f"process); retry", "server_error", {"Retry-After": "1"})
         busy = sum(served.size_bytes for served in self.models.values() if not self._idle(served))
         return ApiError(503, f"model {name} takes {mib(size)}; the models in use hold "
                              f"{mib(busy)} of the {mib(self.budget_bytes)} loaded models may "
@@ -188,13 +200,16 @@ class ModelPool:
         return (sum(served.size_bytes for served in self.models.values()) + self.reserved
                 + self.unloading_bytes)
 
+    def _room_for_one_more(self) -> bool:
+        return self.max_loaded is None or len(self.models) + self.under_way < self.max_loaded
+
     def _idle(self, served: ServedModel) -> bool:
         return served.pins == 0 and not self.waiting.get(served.name)
 
     async def _make_room(self, size: int) -> bool:
         """Unload the least recently used idle models until `size` more fits; False when the
         models in use leave too little."""
-        while self._used() + size > self.budget_bytes:
+        while self._used() + size > self.budget_bytes or not self._room_for_one_more():
             if self.unloads:  # a model closing frees its memory when it is closed
                 await asyncio.wait(set(self.unloads))
                 continue
