@@ -78,3 +78,15 @@ def events(port, path: str, body: dict) -> list:
     lines = connection.getresponse().read().decode().splitlines()
     data = [line[len("data: "):] for line in lines if line.startswith("data: ")]
     return [json.loads(item) if item != "[DONE]" else item for item in data]
+
+
+def slow_steps(llm, monkeypatch, seconds: float) -> None:
+    """Each engine step takes `seconds` longer: a request outlives a deadline or a disconnect
+    whatever the machine's speed."""
+    step = llm.step
+
+    def slow_step():
+        time.sleep(seconds)
+        return step()
+
+    monkeypatch.setattr(llm, "step", slow_step)

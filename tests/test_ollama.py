@@ -8,7 +8,7 @@ import socket
 import time
 
 import pytest
-from serving import post, request, running, save_tiny_model
+from serving import post, request, running, save_tiny_model, slow_steps
 
 from tetrad.inference.engine import LLM
 from tetrad.inference.entrypoints.server import build_app
@@ -206,13 +206,7 @@ def test_streams_are_ndjson_and_probes_answer(port):
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_disconnects_has_its_request_aborted(server, stream, monkeypatch):
     llm, port = server
-    step = llm.step
-
-    def slow_step():  # the tiny model would finish 100 tokens before the disconnect is seen
-        time.sleep(0.01)
-        return step()
-
-    monkeypatch.setattr(llm, "step", slow_step)
+    slow_steps(llm, monkeypatch, 0.01)  # else 100 tokens come before the disconnect is seen
     before = llm.metrics.num_generated_tokens
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     connection.request("POST", "/api/chat", json.dumps({
@@ -248,13 +242,7 @@ def test_the_servers_limits_answer_in_ollamas_shape(tmp_path, monkeypatch):
         with pytest.raises(ollama.ResponseError) as error:
             keyed.generate(model="tiny", prompt="x" * 5000)
         assert error.value.status_code == 413 and "exceeds 4096 bytes" in error.value.error
-        step = llm.step
-
-        def slow_step():  # past the request timeout whatever the machine's speed
-            time.sleep(0.05)
-            return step()
-
-        monkeypatch.setattr(llm, "step", slow_step)
+        slow_steps(llm, monkeypatch, 0.05)
         long = {"temperature": 0, "num_predict": 100}
         with pytest.raises(ollama.ResponseError) as error:
             keyed.generate(model="tiny", prompt="Once", raw=True, options=long)
