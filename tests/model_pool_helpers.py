@@ -97,7 +97,7 @@ class LoadHook:
 def make_pool(budget: int = 2**34, keep_alive="5m", held: tuple[str, ...] = (),
               engine: dict = ENGINE) -> tuple[ModelPool, LoadHook, list[str]]:
     """A pool over the store $TETRAD_HOME names; its load hook and the lines it logs."""
-    catalog = ModelCatalog(engine_args(engine), build_engine)
+    catalog = ModelCatalog(engine_args(engine), build_engine, (), ModelStore())
     hook = LoadHook(catalog, held)
     lines: list[str] = []
     return ModelPool(catalog, ServerConfig(), budget, keep_alive, lines.append), \

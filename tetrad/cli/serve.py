@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import os
 import sys
+from pathlib import Path
 
 from tetrad.cli.generate import add_engine_arguments, build_engine
 from tetrad.errors import ConfigError
@@ -101,16 +102,25 @@ def run_many(args: argparse.Namespace) -> int:
     from tetrad.inference.entrypoints.model_pool import ModelPool
     from tetrad.inference.entrypoints.model_pool_catalog import ModelCatalog
     from tetrad.inference.entrypoints.server import build_server
+    from tetrad.inference.worker.config import EngineConfig, serving_device
     from tetrad.inference.worker.kv_cache import parse_bytes
+    from tetrad.spec.model import from_dict
 
     for flag, value in (("--served-model-name", args.served_model_name),
                         ("--tokenizer", args.tokenizer)):
         if value is not None:
             raise ConfigError(f"{flag} goes with one model; with {len(args.path) or 'no'} "
                               f"models each is served by its name")
+    from tetrad.store.models import ModelStore
+
     config = server_config(args)
-    catalog = ModelCatalog(args, build_engine, args.path)
-    budget = (catalog.default_budget() if args.max_loaded_memory is None
+    engine = from_dict(EngineConfig, {key: value for key, value in vars(args).items()
+                                      if key in EngineConfig.__dataclass_fields__})
+    device = serving_device(engine.device, engine.world_size)
+    store = ModelStore()
+    catalog = ModelCatalog(args, build_engine, named_models(args.path, store), store,
+                           kv_bytes=kv_pool_bytes(engine, device))
+    budget = (default_budget(device, engine.world_size) if args.max_loaded_memory is None
               else parse_bytes(args.max_loaded_memory))
     pool = ModelPool(catalog, config, budget, args.keep_alive)
     names = catalog.names()
@@ -118,6 +128,45 @@ def run_many(args: argparse.Namespace) -> int:
            f"{len(names)} models ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''}) "
            f"within {budget / 2**30:.1f} GiB").run()
     return 0
+
+
+def named_models(arguments: list[str], store) -> dict[str, tuple[str, Path]]:
+    """The command line's models by the names they are served under (a stored model's, a
+    folder's or a GGUF file's): each one's argument and its model folder; checked at start."""
+    from tetrad.store.models import resolve_model_argument
+
+    named = {}
+    for argument in arguments:
+        folder, stored = resolve_model_argument(argument, store)
+        named[stored.name if stored else Path(folder).resolve().name] = (argument, Path(folder))
+    return named
+
+
+def kv_pool_bytes(engine, device) -> int:
+    """The KV pools the flags give each model over its ranks, before it loads; 0 where only a
+    load tells (a number of blocks without their size, a GPU's pool taking the memory free)."""
+    from tetrad.inference.worker.kv_cache import parse_bytes
+    from tetrad.spec.serving import DEFAULT_CPU_KV_MEMORY
+
+    if engine.num_blocks:
+        return 0
+    if engine.kv_memory is not None:
+        return parse_bytes(engine.kv_memory) * engine.world_size
+    return DEFAULT_CPU_KV_MEMORY * engine.world_size if device.type == "cpu" else 0
+
+
+def default_budget(device, world_size: int) -> int:
+    """--max-loaded-memory's default: the memory of the devices the ranks use, less the share
+    the KV-pool sizing leaves free (DEVICE_MEMORY_FRACTION)."""
+    from tetrad.inference.worker.kv_cache import DEVICE_MEMORY_FRACTION
+
+    if device.type == "cuda":
+        import torch
+
+        total = sum(torch.cuda.mem_get_info(index)[1] for index in range(world_size))
+    else:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(total * DEVICE_MEMORY_FRACTION)
 
 
 def run_one(args: argparse.Namespace) -> int:

@@ -46,7 +46,7 @@ class ModelPool:
         self.under_way = 0  # loads given room and not finished
         # torch.distributed has one default process group per process, which a multi-rank
         # engine owns (ranks/driver.py): one such engine loaded at a time.
-        self.max_loaded = 1 if catalog.config.world_size > 1 else None
+        self.max_loaded = 1 if catalog.world_size > 1 else None
         self.unloading_bytes = 0  # models closing: their memory is not free yet
         self.admission = asyncio.Lock()  # one decision on room at a time
         self.timers: dict[str, asyncio.TimerHandle] = {}
@@ -75,7 +75,7 @@ class ModelPool:
         keep = self.keep_alive_s if keep_alive is None else parse_keep_alive(keep_alive)
         if self.closed:
             raise ApiError(503, "the server is shutting down", "server_error")
-        name = self.catalog.resolve(name, self.models)
+        name = self.catalog.resolve(name)
         served = self.models.get(name)
         if served is None:
             self.waiting[name] = self.waiting.get(name, 0) + 1
@@ -87,12 +87,12 @@ class ModelPool:
                 self.waiting[name] -= 1
                 if not self.waiting[name]:
                     del self.waiting[name]
+        lease(self, served)  # first: outside a request it raises, and nothing holds the model
         served.pins += 1
         served.keep_alive_s = keep
         served.expires_at = None if keep == math.inf else time.time() + keep
         if (timer := self.timers.pop(name, None)) is not None:
             timer.cancel()
-        lease(self, served)
         return served
 
     def release(self, served: ServedModel) -> None:

@@ -27,8 +27,7 @@ from tetrad.inference.entrypoints.api import ApiError, ServerConfig, TokenText
 from tetrad.inference.entrypoints.async_engine import AsyncEngine
 from tetrad.inference.entrypoints.chat import ChatFormatter
 from tetrad.inference.entrypoints.front_end import FrontEnd
-from tetrad.inference.ranks.layout import planned_bytes
-from tetrad.inference.ranks.rank_share import held_bytes
+from tetrad.models.fp8_weights import weight_bytes
 
 # Ollama's keep_alive: seconds as a number, or a Go duration string ("5m", "1h30m", "-1s").
 DURATION_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|ms|s|m|h)")
@@ -68,20 +67,15 @@ def _duration_seconds(text: str) -> float:
 
 
 def engine_bytes(llm: LLM) -> int:
-    """What a loaded engine holds on its devices, over all its ranks: weight bytes and KV pools.
-    Counted on this process's tensors (rank_share.held_bytes); the other ranks' weights are the
-    planner's prediction for their place in the layout, which tests/test_engine_layouts.py
-    checks equal to what they hold, and their pools have this rank's block count (the ranks
-    agree on it) at their stage's bytes per token."""
-    held = held_bytes(llm.runner)
-    config = llm.config
-    if config.world_size == 1:
-        return held["weights"] + held["kv_pool"]
-    slots = held["kv_pool"] // held["kv_per_token"]
-    per_stage = [planned_bytes(config, llm.model_config, config.dtype, stage)
-                 for stage in range(config.pp)]
-    return int(config.tp * config.dp * sum(stage["weights"] + stage["kv_per_token"] * slots
-                                           for stage in per_stage))
+    """What a loaded engine holds on its devices: weight bytes (models.fp8_weights.weight_bytes:
+    parameters and quantized weight buffers) and KV pool, counted on this process's rank. A
+    multi-rank engine's other ranks run in processes of their own: its count is this rank's times
+    the ranks, exact where the ranks hold alike (tensor and data parallel ranks of a model whose
+    dimensions their number divides); a pipeline's first stage, this one, holds the embedding
+    besides its layers."""
+    pool = llm.runner.kv_cache.pool
+    return (weight_bytes(llm.runner.model) + pool.numel() * pool.element_size()) * \
+        llm.config.world_size
 
 
 @dataclass
