@@ -1,8 +1,9 @@
 """`--quantization int8|int4` and `--kv-cache-dtype` in one process: the bytes a quantized model
 holds equal the planner's serving prediction on every model family (counted on the tensors,
 not derived), the engine's greedy tokens are the argmaxes of a full forward of the same
-quantized model (up to bf16 rounding), an fp8 KV pool holds the bf16 pool's values rounded to E4M3 in the planner's bytes per
-token, and what cannot run is refused in one line. tp=2 against tp=1: test_quantization_tp.py."""
+quantized model (up to bf16 rounding), an fp8 KV pool holds the bf16 pool's values rounded to
+E4M3 in the planner's bytes per token, and what cannot run is refused in one line. tp=2 against
+tp=1: test_quantization_tp.py."""
 
 import copy
 
