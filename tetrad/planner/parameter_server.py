@@ -12,6 +12,11 @@ lasts as long as its busiest link:
 
     t_ps   = 2 latency + max(1, W/S) (push + pull bytes) / bandwidth
 
+With --ps-replicas 1 each server sends its standby its range's whole gradient after the pushes
+(the mean gradient of its dense range and of its rows of the table: (D + table) / S) and receives
+its primary's, before the pull: that much more on a server's link each way, and one more phase
+of latency + (D + table) / S / bandwidth.
+
 A ring all-reduce over the W workers moves the whole gradient (it cannot skip rows nobody
 touched) through 2(W-1) steps of 1/W of it each, every link equally loaded:
 
@@ -61,16 +66,27 @@ def _check(num_workers: int, num_servers: int, bandwidth: float) -> None:
 
 def parameter_server_step(num_workers: int, num_servers: int, dense_bytes: float,
                           bandwidth: float, latency_s: float, touched_rows: float = 0.0,
-                          row_bytes: float = 0.0) -> Traffic:
+                          row_bytes: float = 0.0, replicas: int = 0,
+                          table_bytes: float = 0.0) -> Traffic:
     """A sync step: every worker pushes its dense gradient and `touched_rows` rows of the sparse
-    table, then pulls the same back."""
+    table, then pulls the same back; with `replicas`, each server first sends its standby its
+    range's gradient (`table_bytes`: the whole sparse table)."""
     _check(num_workers, num_servers, bandwidth)
     worker_out = dense_bytes + touched_rows * (row_bytes + 2 * ID_BYTES)
     worker_in = dense_bytes + touched_rows * row_bytes
     share = num_workers / num_servers
+    replica = replica_bytes(num_servers, dense_bytes, table_bytes) if replicas else 0.0
     push = latency_s + max(worker_out, share * worker_out) / bandwidth
+    replicate = latency_s + replica / bandwidth if replica else 0.0
     pull = latency_s + max(worker_in, share * worker_in) / bandwidth
-    return Traffic(worker_out, worker_in, share * worker_out, share * worker_in, push + pull)
+    return Traffic(worker_out, worker_in, share * worker_out + replica,
+                   share * worker_in + replica, push + replicate + pull)
+
+
+def replica_bytes(num_servers: int, dense_bytes: float, table_bytes: float) -> float:
+    """What a server sends its standby per sync step (--ps-replicas 1): its share of the dense
+    gradient and of the table's, fp32 (ranges differ by at most one element or row)."""
+    return (dense_bytes + table_bytes) / num_servers
 
 
 def ring_all_reduce_step(num_workers: int, gradient_bytes: float, bandwidth: float,
@@ -86,11 +102,11 @@ def ring_all_reduce_step(num_workers: int, gradient_bytes: float, bandwidth: flo
 
 def compare(num_workers: int, num_servers: int, dense_bytes: float, bandwidth: float,
             latency_s: float, table_bytes: float = 0.0, touched_rows: float = 0.0,
-            row_bytes: float = 0.0) -> dict:
+            row_bytes: float = 0.0, replicas: int = 0) -> dict:
     """Both strategies on the same links, as one JSON-ready dict (what the benchmark prints
     beside its measurements). `table_bytes` is the sparse table, whole: what a ring moves."""
     ps = parameter_server_step(num_workers, num_servers, dense_bytes, bandwidth, latency_s,
-                               touched_rows, row_bytes)
+                               touched_rows, row_bytes, replicas, table_bytes)
     ring = ring_all_reduce_step(num_workers, dense_bytes + table_bytes, bandwidth, latency_s)
     return {"workers": num_workers, "servers": num_servers,
             "parameter_server": {"worker_link_bytes": {"out": ps.worker_out, "in": ps.worker_in},

@@ -129,8 +129,11 @@ def launch_training(config: TrainConfig):
     job = prepare_for_ranks(config, config.nproc, device)
     parallel = job.config.parallel
     # Asynchronous parameter servers drop a dead worker and go on; rank 0 writes the report.
+    # Replicated servers (--ps-replicas 1) but the scheduler may die: their standbys take over.
     expendable = (frozenset(range(1, parallel.dp))
                   if parallel.strategy == "ps" and parallel.ps_mode != "sync" else frozenset())
+    if parallel.strategy == "ps" and parallel.ps_replicas:
+        expendable |= frozenset(range(parallel.dp + 1, parallel.dp + parallel.servers))
     return spawn(train_worker, config.nproc, (job,), expendable=expendable,
                  device_type=device.type, forward_signals=True)[0]
 

@@ -41,7 +41,7 @@ def ps_options(config: TrainConfig):
 
     parallel = config.parallel
     return PSOptions(num_servers=parallel.servers, mode=parallel.ps_mode,
-                     staleness=parallel.staleness)
+                     staleness=parallel.staleness, replicas=parallel.ps_replicas)
 
 
 def ps_rank(rank: int, world_size: int, job: PreparedJob, device: torch.device):

@@ -11,9 +11,11 @@ split by rows. A tied embedding is dense (the output projection touches every ro
 untied lm_head: its gradient is a product with the softmax over the whole vocabulary, so every
 row of it changes every step.
 
-A message is a header (int64[8]: kind, sender rank, clock, count, two float64s stored as bits)
-then the payload tensors its kind implies; `payload_spec` is the one place both sides read the
-payload shapes from, so a sender and its receiver cannot disagree.
+A message is a header (int64[8]: kind, sender rank, clock, count, two float64s stored as bits,
+the key range it is about, flags) then the payload tensors its kind implies; `payload_spec` is the
+one place both sides read the payload shapes from, so a sender and its receiver cannot disagree.
+The key range matters once a server stands in for a dead one (--ps-replicas 1): it then serves two
+ranges, its own and the one it kept a replica of.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class PSOptions:
     staleness: int | None = None
     heartbeat_s: float = 120.0
     reply_timeout_s: float = 600.0
+    replicas: int = 0  # 1: each server's key range replicated on the next server (its standby)
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_servers, int) or self.num_servers < 1:
@@ -62,6 +65,14 @@ class PSOptions:
                 object.__setattr__(self, "staleness", DEFAULT_STALENESS)
             if not isinstance(self.staleness, int) or self.staleness < 0:
                 raise ConfigError(f"--staleness must be an integer >= 0, got {self.staleness!r}")
+        if self.replicas not in (0, 1):
+            raise ConfigError(f"--ps-replicas must be 0 or 1, got {self.replicas!r}")
+        if self.replicas and self.num_servers < 2:
+            raise ConfigError("--ps-replicas 1 keeps each server's key range on the next server: "
+                              "it needs --servers 2 or more")
+        if self.replicas and self.mode != "sync":
+            raise ConfigError(f"--ps-replicas 1 runs with --ps-mode sync only (got --ps-mode "
+                              f"{self.mode}): an asynchronous update has no step to replay")
         if not 0 < self.heartbeat_s < self.reply_timeout_s:
             # A worker held by the ssp gate waits for the scheduler to drop a hung worker.
             raise ConfigError(f"the worker reply timeout ({self.reply_timeout_s} s) must exceed "
@@ -96,6 +107,13 @@ class Roles:
 
     def server_index(self, rank: int) -> int:
         return rank - self.num_workers
+
+    def server_rank(self, index: int) -> int:
+        return self.num_workers + index % self.num_servers
+
+    def standby(self, index: int) -> int:
+        """The server rank that keeps key range `index`'s replica (--ps-replicas 1)."""
+        return self.server_rank(index + 1)
 
     def describe(self, rank: int) -> str:
         if self.is_server(rank):
@@ -188,11 +206,17 @@ class Kind(IntEnum):
     FINISH = 15  # scheduler -> server: the workers are done; which died
     SERVER_ENTRY = 16  # server -> scheduler: its run-report entry (its last message)
     DROPPED = 17  # scheduler -> worker: the answer to anything from a worker it dropped
+    REPLICATE = 18  # server -> its standby: one applied update (mean gradient; lr, clip scale)
+    REPLICATED = 19  # standby -> server: applied to the replica (the workers may have it now)
 
 
 # After these a peer sends nothing more: its receiving thread ends.
 LAST_KINDS = (Kind.BYE, Kind.FINISH, Kind.SERVER_ENTRY)
 OBJECT_KINDS = (Kind.DONE, Kind.FINISHED, Kind.FINISH, Kind.SERVER_ENTRY)
+
+
+# Message flags.
+HAS_NORM = 1  # a replayed PUSH whose sender already has this step's norm of the range: no NORM
 
 
 @dataclass
@@ -203,18 +227,22 @@ class Message:
     count: int = 0
     values: tuple[float, float] = (0.0, 0.0)
     payload: tuple[torch.Tensor, ...] = ()
+    key_range: int = -1  # the server index whose key range this is about; -1: the receiver's
+    flags: int = 0
 
     def header(self) -> torch.Tensor:
         header = torch.zeros(HEADER_LEN, dtype=torch.int64)
         header[:4] = torch.tensor([int(self.kind), self.sender, self.clock, self.count])
         header[4:6] = torch.tensor(self.values, dtype=torch.float64).view(torch.int64)
+        header[6:] = torch.tensor([self.key_range, self.flags])
         return header
 
     @classmethod
     def from_header(cls, header: torch.Tensor) -> "Message":
         kind, sender, clock, count = header[:4].tolist()
         values = tuple(header[4:6].clone().view(torch.float64).tolist())
-        return cls(Kind(kind), sender, clock, count, values)
+        key_range, flags = header[6:].tolist()
+        return cls(Kind(kind), sender, clock, count, values, key_range=key_range, flags=flags)
 
     @classmethod
     def carrying(cls, kind: Kind, sender: int, value) -> "Message":
@@ -243,6 +271,8 @@ def payload_spec(kind: Kind, count: int, dense_numel: int, row_numel: int,
     tables = [((table_rows, row_numel), f32)] if table_rows else []  # no empty messages
     if kind == Kind.STATE:
         return [((dense_numel,), f32)] * 3 + tables * 3
+    if kind == Kind.REPLICATE:
+        return [((dense_numel,), f32)] + [((table_rows * row_numel,), f32)] * bool(table_rows)
     if kind == Kind.ALL_PARAMS:
         return [((dense_numel,), f32)] + tables
     if kind in OBJECT_KINDS:
@@ -255,7 +285,8 @@ def payload_tags(kind: Kind, num_tensors: int) -> tuple[str, ...]:
     "report") stay out of the run report's per-step numbers."""
     tags = {Kind.PUSH: ("grads", "row_ids", "grad_rows"), Kind.PARAMS: ("params",),
             Kind.PULL_ROWS: ("row_ids",), Kind.ROWS: ("param_rows",),
-            Kind.STATE: ("checkpoint",) * 6, Kind.ALL_PARAMS: ("report",) * 2}
+            Kind.STATE: ("checkpoint",) * 6, Kind.ALL_PARAMS: ("report",) * 2,
+            Kind.REPLICATE: ("replica",) * 2}
     return tags.get(kind, ("report",) if kind in OBJECT_KINDS else ())[:num_tensors]
 
 

@@ -17,6 +17,13 @@ all, computed from the global norm) and applies one AdamW step: data-parallel SG
 async applies each push on arrival with the learning rate and clipping of the worker that made
 it; ssp does the same, but the scheduler answers a push only while the worker stays within K
 steps of the slowest live worker (clock.py).
+
+With --ps-replicas 1 (sync) each server's key range has a standby, the next server, which keeps
+a replica: after applying an update the server sends it the update (the mean gradient, learning
+rate and clip coefficient: the standby's AdamW step is the same arithmetic on the same numbers)
+and answers the workers only once the standby has applied it. When a server dies its standby
+serves the range too (standby.py has the range's state; the workers replay their step's messages
+to it, docs/parameter_server.md).
 """
 
 from __future__ import annotations
@@ -33,10 +40,12 @@ from tetrad.errors import TetradError
 from tetrad.parallel.comm import Comm, CommCounter
 from tetrad.parallel.mesh import Group
 from tetrad.parallel.ps.clock import Scheduler
-from tetrad.parallel.ps.protocol import (FOREVER_S, LAST_KINDS, Kind, KeyLayout, Message,
-                                         PSOptions, allocate, empty_entry, payload_spec,
-                                         per_step_by_tag, receive, record_received, send)
+from tetrad.parallel.ps.protocol import (FOREVER_S, HAS_NORM, LAST_KINDS, Kind, KeyLayout,
+                                         Message, PSOptions, allocate, payload_spec, receive,
+                                         record_received, send)
 from tetrad.parallel.ps.keys import OwnedKeys
+from tetrad.parallel.ps.report import run_report, server_entry
+from tetrad.parallel.ps.standby import Served, StandbyRole
 
 
 @dataclass
@@ -56,18 +65,19 @@ class ParameterServer:
         self.roles = options.roles(world.size)
         assert self.roles.is_server(self.rank), self.rank
         self.index = self.roles.server_index(self.rank)
-        self.keys = OwnedKeys(model, param_groups, KeyLayout.from_model(model, options.num_servers),
-                              self.index, betas, eps)
+        layout = KeyLayout.from_model(model, options.num_servers)
+        self.keys = OwnedKeys(model, param_groups, layout, self.index, betas, eps)
+        self.served = {self.index: Served(self.keys, self.index)}  # key ranges it answers for
+        self.standby = StandbyRole(self, model, param_groups, layout, betas, eps)
         self.received = CommCounter()
         self.workers = list(self.roles.workers)
         self.is_scheduler = self.rank == self.roles.scheduler
         self.book = Scheduler(self.workers, options.mode, options.staleness)
         self.inbox: queue.Queue = queue.Queue()
+        self.outgoing: list = []  # (worker, handle) of replies not yet known to be out
         self.updates = self.steps_seen = 0
         self.idle_s = 0.0
         self.started = time.perf_counter()
-        self.pushed: set[int] = set()  # sync: workers whose push of this step arrived
-        self.step_args: dict[int, tuple[float, float]] = {}  # sync: STEP values by worker
         self.metrics: dict[int, float] = {}  # sync: METRIC values of this round
         self.done: dict[int, dict] = {}  # worker -> its run-report entry
         self.byes: set[int] = set()
@@ -80,8 +90,11 @@ class ParameterServer:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        """Resume from a checkpoint of any layout (whole tensors by name, as ZeRO's)."""
+        """Resume from a checkpoint of any layout (whole tensors by name, as ZeRO's); the
+        replica it keeps for its previous server too."""
         self.keys.load_state_dict(state)
+        if self.standby.replica is not None:
+            self.standby.replica.keys.load_state_dict(state)
 
     def bytes_held(self) -> dict[str, int]:
         return {**self.keys.bytes_held(), "activations_peak": 0}
@@ -96,6 +109,7 @@ class ParameterServer:
             peers += [s for s in self.roles.servers if s != self.rank]
         else:
             peers.append(self.roles.scheduler)
+        peers += [p for p in self.standby.peers() if p not in peers]
         for peer in peers:
             threading.Thread(target=self._listen, args=(peer,), daemon=True).start()
         self.started = time.perf_counter()
@@ -103,7 +117,9 @@ class ParameterServer:
                     Kind.PULL_ROWS: self._on_pull_rows, Kind.METRIC: self._on_metric,
                     Kind.SAVE: self._on_save, Kind.DONE: self._on_done,
                     Kind.PULL_ALL: self._on_pull_all, Kind.BYE: self._on_bye,
-                    Kind.FINISH: self._on_finish, Kind.SERVER_ENTRY: self._on_server_entry}
+                    Kind.FINISH: self._on_finish, Kind.SERVER_ENTRY: self._on_server_entry,
+                    Kind.REPLICATE: self.standby.on_replicate,
+                    Kind.REPLICATED: self.standby.on_replicated}
         self.next_check = time.monotonic() + self.options.heartbeat_s / 4
         while not self._complete():
             item = self._next()
@@ -116,12 +132,14 @@ class ParameterServer:
             elif self.is_scheduler and item.kind != Kind.BYE:
                 # A hung worker came back after it was dropped: tell it, it is not readmitted.
                 self._send(item.sender, Message(Kind.DROPPED, self.rank))
+        self.drain()
         return self.result
 
     def _listen(self, peer: int) -> None:
         def buffers_for(message: Message) -> list[torch.Tensor]:
-            return allocate(payload_spec(message.kind, message.count,
-                                         self.keys.grads[0].numel(), self.keys.layout.row_numel, 0))
+            keys = self.standby.keys_of(message)
+            return allocate(payload_spec(message.kind, message.count, keys.grads[0].numel(),
+                                         keys.layout.row_numel, keys.table_rows))
         while True:
             try:
                 message = receive(self.comm, self.world, peer, buffers_for, FOREVER_S)
@@ -167,8 +185,24 @@ class ParameterServer:
             self._on_lost(peer, str(error).splitlines()[0])
 
     def _reply(self, worker: int, message: Message) -> None:
-        if worker not in self.book.dead:
-            self._send(worker, message)
+        """Post a message to a worker and go on: waiting here could close a cycle (this server
+        waits for a worker that waits for another server that waits for this one's standby
+        duties). What it sends stays untouched until `_drain`, which every update calls first."""
+        if worker in self.book.dead:
+            return
+        try:
+            self.outgoing += [(worker, h) for h in send(self.comm, self.world, worker, message)]
+        except RuntimeError as error:
+            self._on_lost(worker, str(error).splitlines()[0])
+
+    def drain(self) -> None:
+        """Wait until every reply posted is out (a worker that died meanwhile is lost)."""
+        outgoing, self.outgoing = self.outgoing, []
+        for worker, handle in outgoing:
+            try:
+                handle.wait(self.options.reply_timeout_s)
+            except RuntimeError as error:
+                self._on_lost(worker, str(error).splitlines()[0])
 
     def _tick(self, clock: int) -> None:
         """Per-step byte counts: one step per step of the fastest worker."""
@@ -179,31 +213,48 @@ class ParameterServer:
 
     # Training messages ----------------------------------------------------------------------
 
-    def _accumulate(self, message: Message) -> None:
-        self.keys.accumulate(*message.payload)
+    def _range(self, message: Message) -> Served:
+        """The key range a worker's message is about (its own, or one this standby took over)."""
+        index = self.index if message.key_range < 0 else message.key_range
+        if index not in self.served:  # a worker saw the range's server die before we did
+            self.standby.take_over()
+        return self.served[index]
 
-    def _apply(self, lr: float, scale: float) -> None:
-        self.keys.apply(lr, scale)
+    def _apply(self, served: Served, lr: float, scale: float) -> None:
+        self.drain()
+        served.keys.apply(lr, scale)
+        served.applied += 1
         self.updates += 1
 
-    def _params(self) -> Message:
-        return Message(Kind.PARAMS, self.rank, payload=(self.keys.ranges[0].master,))
+    def _params(self, served: Served | None = None) -> Message:
+        served = served or self.served[self.index]
+        return Message(Kind.PARAMS, self.rank, payload=(served.keys.ranges[0].master,),
+                       key_range=served.index)
 
     def _on_push(self, message: Message) -> None:
-        worker = message.sender
-        self._tick(message.clock)
-        if self.is_scheduler:
-            self.book.push(worker, message.clock)
-        self._accumulate(message)
+        worker, served = message.sender, self._range(message)
+        if served.index == self.index:
+            self._tick(message.clock)
+            if self.is_scheduler:
+                self.book.push(worker, message.clock)
         if self.options.mode == "sync":
-            self.pushed.add(worker)
-            if len(self.pushed) == len(self.workers):
+            if message.clock < served.applied:  # a replay of an update the replica has
+                return
+            served.keys.accumulate(*message.payload)
+            served.pushed.add(worker)
+            if not message.flags & HAS_NORM:
+                served.want_norm.add(worker)
+            if len(served.pushed) == len(self.workers):
                 mean = 1.0 / len(self.workers)
-                square = sum(float(g.mul_(mean).double().square().sum()) for g in self.keys.grads)
-                for w in self.workers:
-                    self._reply(w, Message(Kind.NORM, self.rank, values=(square, 0.0)))
+                square = sum(float(g.mul_(mean).double().square().sum())
+                              for g in served.keys.grads)
+                for w in sorted(served.want_norm):
+                    self._reply(w, Message(Kind.NORM, self.rank, values=(square, 0.0),
+                                           key_range=served.index))
+                served.want_norm.clear()
             return
-        self._apply(lr=message.values[0], scale=1.0)  # the worker clipped its own gradient
+        served.keys.accumulate(*message.payload)
+        self._apply(served, lr=message.values[0], scale=1.0)  # the worker clipped its own
         if not self.is_scheduler:
             self._reply(worker, self._params())
             return
@@ -217,24 +268,36 @@ class ParameterServer:
             self._reply(ready, self._params())
 
     def _on_step(self, message: Message) -> None:
-        self.step_args[message.sender] = message.values
-        if len(self.step_args) < len(self.workers):
+        served = self._range(message)
+        if message.clock < served.applied:  # the replica applied it before its server died
+            self._reply(message.sender, self._params(served))
             return
-        values = set(self.step_args.values())
+        served.step_args[message.sender] = message.values
+        if len(served.step_args) < len(self.workers):
+            return
+        values = set(served.step_args.values())
         assert len(values) == 1, values  # every worker got the same norms and learning rate
         (lr, scale), = values
-        self._apply(lr, scale)
-        self.pushed.clear()
-        self.step_args.clear()
-        self.book.applied(self.workers)
+        replicated = self.standby.replicate(served, message.clock, lr, scale)
+        self._apply(served, lr, scale)
+        served.pushed.clear()
+        served.step_args.clear()
+        if served.index == self.index:
+            self.book.applied(self.workers)
+            for worker in self.workers:
+                self.book.may_start(worker)
+        if not replicated:  # else once the standby has it (StandbyRole.on_replicated)
+            self.send_params(served)
+
+    def send_params(self, served: Served) -> None:
         for worker in self.workers:
-            self.book.may_start(worker)
-            self._reply(worker, self._params())
+            self._reply(worker, self._params(served))
 
     def _on_pull_rows(self, message: Message) -> None:
-        rows = self.keys.rows(message.payload[0])
+        served = self._range(message)
+        rows = served.keys.rows(message.payload[0])
         self._reply(message.sender, Message(Kind.ROWS, self.rank, count=message.count,
-                                            payload=(rows,)))
+                                            payload=(rows,), key_range=served.index))
 
     def _on_metric(self, message: Message) -> None:
         self.metrics[message.sender] = message.values[0]
@@ -245,23 +308,27 @@ class ParameterServer:
                 self._reply(worker, Message(Kind.METRIC, self.rank, values=(mean, 0.0)))
 
     def _on_save(self, message: Message) -> None:
-        dense, table = self.keys.ranges
+        keys = self._range(message).keys
+        dense, table = keys.ranges
         self._reply(message.sender, Message(
-            Kind.STATE, self.rank, clock=self.keys.optimizer.step_count,
+            Kind.STATE, self.rank, clock=keys.optimizer.step_count,
             payload=(dense.master, dense.exp_avg, dense.exp_avg_sq,
-                     *self.keys.tables(table.master, table.exp_avg, table.exp_avg_sq))))
+                     *keys.tables(table.master, table.exp_avg, table.exp_avg_sq)),
+            key_range=keys.index))
 
     def _on_pull_all(self, message: Message) -> None:
-        dense, table = self.keys.ranges
+        keys = self._range(message).keys
+        dense, table = keys.ranges
         self._reply(message.sender, Message(
-            Kind.ALL_PARAMS, self.rank, payload=(dense.master, *self.keys.tables(table.master))))
+            Kind.ALL_PARAMS, self.rank, payload=(dense.master, *keys.tables(table.master)),
+            key_range=keys.index))
 
     # Membership and the end of the run --------------------------------------------------------
 
     def _owes(self, worker: int) -> bool:
         """Whether the worker is waiting on this server (so its silence means nothing)."""
-        return (worker in self.pushed or worker in self.step_args or worker in self.metrics
-                or worker in self.book.held or worker in self.done)
+        return (any(worker in s.pushed or worker in s.step_args for s in self.served.values())
+                or worker in self.metrics or worker in self.book.held or worker in self.done)
 
     def _check_heartbeats(self) -> None:
         now = time.monotonic()
@@ -274,7 +341,11 @@ class ParameterServer:
 
     def _on_lost(self, peer: int, error: str) -> None:
         if self.roles.is_server(peer):
-            raise TetradError(f"{self.roles.describe(peer)} is gone ({error}): the job stops")
+            if not self.standby.server_lost(peer):
+                raise TetradError(f"{self.roles.describe(peer)} is gone ({error}): the job stops")
+            if self.is_scheduler:
+                self._maybe_finish()
+            return
         if peer in self.book.dead or peer in self.byes:
             return
         if self.options.mode == "sync" and peer not in self.done:
@@ -295,24 +366,17 @@ class ParameterServer:
         send every live worker the report and the summary."""
         if not all(w in self.done or w in self.book.dead for w in self.workers):
             return
+        live_servers = [s for s in self.roles.servers
+                        if s != self.rank and s not in self.standby.dead_servers]
         if not self.finish_sent:
             self.finish_sent = True
-            for server in self.roles.servers:
-                if server != self.rank:
-                    self._send(server, Message.carrying(Kind.FINISH, self.rank,
-                                                                  self.book.dead))
-        if self.finished or len(self.server_entries) < self.roles.num_servers - 1:
+            for server in live_servers:
+                self._send(server, Message.carrying(Kind.FINISH, self.rank, self.book.dead))
+        if self.finished or any(s not in self.server_entries for s in live_servers):
             return
         self.finished = True
-        entries = {rank: {**entry, "role": "worker"} for rank, entry in self.done.items()}
-        for worker in self.book.dead:
-            entries[worker] = {**empty_entry(worker, "worker"), "dead": True}
-        entries.update(self.server_entries)
-        entries[self.rank] = self._entry()
-        summary = {**self.book.summary(), "num_servers": self.roles.num_servers}
-        self.result = {"entry": entries[self.rank], "summary": summary}
-        report = {"ranks": [entries[rank] for rank in range(self.world.size)],
-                  "summary": summary}
+        report = run_report(self)
+        self.result = {"entry": report["ranks"][self.rank], "summary": report["summary"]}
         for worker in self.done:
             self._reply(worker, Message.carrying(Kind.FINISHED, self.rank, report))
 
@@ -320,7 +384,7 @@ class ParameterServer:
         for worker in message.object():
             self.book.drop(worker)
         self.finish_sent = True
-        self.result = {"entry": self._entry(), "summary": None}
+        self.result = {"entry": server_entry(self), "summary": None}
         self._send(self.roles.scheduler,
                              Message.carrying(Kind.SERVER_ENTRY, self.rank, self.result["entry"]))
 
@@ -330,14 +394,3 @@ class ParameterServer:
 
     def _on_bye(self, message: Message) -> None:
         self.byes.add(message.sender)
-
-    def _entry(self) -> dict:
-        entry = empty_entry(self.rank, "server")
-        entry["server"] = self.index
-        entry["bytes"] = self.bytes_held()
-        entry["comm_bytes"].update(self.comm.counter.totals_per_step())
-        entry["idle_fraction"] = self.idle_s / max(time.perf_counter() - self.started, 1e-9)
-        entry["parameter_server"] = {"sent_per_step": per_step_by_tag(self.comm.counter),
-                                     "received_per_step": per_step_by_tag(self.received),
-                                     "updates_applied": self.updates}
-        return entry

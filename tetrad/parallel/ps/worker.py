@@ -15,6 +15,12 @@ Per step (sync):  pull_rows  PULL_ROWS -> ROWS          mean  METRIC -> METRIC
 Per step (async, ssp): the worker clips its own gradient (it is the whole update), and step
 pushes it with its learning rate; the PARAMS reply is the pull (held back in ssp while the
 worker is K steps ahead of the slowest).
+
+Messages to the servers are addressed by key range (`route`: range -> the server answering for
+it). With --ps-replicas 1, a server that fails mid-conversation hands its range to its standby:
+the worker sends the standby what the dead server had from it in this step (`_replay`: the push,
+marked HAS_NORM once the worker has that range's norm) and the message it was sending, and takes
+the answer from the standby.
 """
 
 from __future__ import annotations
@@ -28,9 +34,9 @@ from torch import nn
 from tetrad.errors import TetradError
 from tetrad.parallel.comm import Comm, CommCounter
 from tetrad.parallel.mesh import Group
-from tetrad.parallel.ps.protocol import (FOREVER_S, Kind, KeyLayout, Message, PSOptions,
-                                         allocate, payload_spec, per_step_by_tag, receive,
-                                         record_received, send)
+from tetrad.parallel.ps.protocol import (FOREVER_S, HAS_NORM, Kind, KeyLayout, Message,
+                                         PSOptions, allocate, payload_spec, per_step_by_tag,
+                                         receive, record_received, send)
 from tetrad.sharded_tensors import CHECKPOINT_KINDS, Piece, whole_pieces
 
 
@@ -45,6 +51,9 @@ class WorkerClient:
         self.rank = world.ranks[world.index]
         assert not self.roles.is_server(self.rank), self.rank
         self.servers = list(self.roles.servers)
+        self.route = {self.roles.server_index(s): s for s in self.servers}
+        self.dead_servers: set[int] = set()
+        self.pushes: dict[int, Message] = {}  # this step's push of each range (for replays)
         self.layout = KeyLayout.from_model(model, options.num_servers)
         self.clock = 0
         self.touched: torch.Tensor | None = None  # sorted ids of the rows this step reads
@@ -66,10 +75,24 @@ class WorkerClient:
         try:
             yield
         except RuntimeError as error:
-            raise TetradError(
-                f"{self.roles.describe(server)} failed to answer ({str(error).splitlines()[0]}): "
-                f"it holds the only copy of its key range, so training stops; restart from the "
-                f"last checkpoint with --resume") from None
+            raise self._lost(server, error) from None
+
+    def _lost(self, server: int, error: Exception) -> TetradError:
+        detail = str(error).splitlines()[0]
+        if self.options.replicas and server == self.roles.scheduler:
+            return TetradError(
+                f"{self.roles.describe(server)} failed to answer ({detail}): the scheduler "
+                f"(membership, clocks, the loss mean) has no standby, so training stops; restart "
+                f"from the last checkpoint with --resume")
+        if self.options.replicas:
+            return TetradError(
+                f"{self.roles.describe(server)} failed to answer ({detail}) after its standby "
+                f"did too: no copy of its key range is left, so training stops; restart from "
+                f"the last checkpoint with --resume")
+        return TetradError(
+            f"{self.roles.describe(server)} failed to answer ({detail}): it holds the only copy "
+            f"of its key range, so training stops; restart from the last checkpoint with "
+            f"--resume")
 
     def _post(self, messages: dict[int, Message]) -> None:
         """Send one message to each of several servers, then wait for all of them."""
@@ -85,12 +108,18 @@ class WorkerClient:
     def _receive(self, server: int, kind: Kind,
                  buffers_for: Callable[[Message], list[torch.Tensor]] | None = None,
                  timeout_s: float | None = None) -> Message:
+        with self._talking_to(server):
+            return self._receive_raw(server, kind, buffers_for, timeout_s)
+
+    def _receive_raw(self, server: int, kind: Kind,
+                     buffers_for: Callable[[Message], list[torch.Tensor]] | None = None,
+                     timeout_s: float | None = None) -> Message:
         def fresh(message: Message) -> list[torch.Tensor]:
             return allocate(payload_spec(message.kind, message.count, 0,
                                          self.layout.row_numel, 0))
-        with self._talking_to(server):
-            message = receive(self.collectives, self.world, server, buffers_for or fresh,
-                              timeout_s or self.options.reply_timeout_s)
+        message = receive(self.collectives, self.world, server,
+                          lambda m: (buffers_for and buffers_for(m)) or fresh(m),
+                          timeout_s or self.options.reply_timeout_s)
         if message.kind == Kind.DROPPED:
             raise TetradError(
                 f"worker rank {self.rank} was silent for more than {self.options.heartbeat_s:.0f}"
@@ -99,63 +128,137 @@ class WorkerClient:
         record_received(self.received, message)
         return message
 
-    def _index(self, server: int) -> int:
-        return self.roles.server_index(server)
+    def _converse(self, messages: dict[int, Message | None], reply: Kind | None,
+                  buffers_for: Callable[[int], list[torch.Tensor]] | None = None,
+                  replay: Callable[[int], list[Message]] = lambda r: []) -> dict[int, Message]:
+        """Send each key range's message (None: nothing, only the answer) to the server that
+        answers for it, then take each range's `reply` (its payload into `buffers_for(range)`).
+        A server that fails hands its ranges to its standby (_fail_over), which gets
+        `replay(range)` and the message again. Returns the replies by range."""
+        def into(message: Message) -> list[torch.Tensor] | None:
+            return buffers_for(message.key_range) if buffers_for else None
 
-    def _dense(self, flat: torch.Tensor, server: int) -> torch.Tensor:
-        lo, hi = self.layout.dense_range(self._index(server))
+        todo, replies, moved = dict(messages), {}, set()
+        while todo:
+            by_server: dict[int, list[int]] = {}
+            for key_range in todo:
+                by_server.setdefault(self.route[key_range], []).append(key_range)
+            failed: dict[int, RuntimeError] = {}
+            posted = {}
+            for server, ranges in by_server.items():
+                outgoing = [m for r in ranges
+                            for m in (replay(r) if r in moved else []) + [todo[r]] if m]
+                try:
+                    posted[server] = [h for m in outgoing
+                                      for h in send(self.collectives, self.world, server, m)]
+                except RuntimeError as error:
+                    failed[server] = error
+            for server, handles in posted.items():
+                try:
+                    for handle in handles:
+                        handle.wait(self.options.reply_timeout_s)
+                except RuntimeError as error:
+                    failed[server] = error
+            for server, ranges in by_server.items():
+                if server in failed:
+                    continue
+                if reply is None:
+                    for key_range in ranges:
+                        del todo[key_range]
+                    continue
+                try:
+                    for _ in ranges:  # in the order the server answers, each naming its range
+                        message = self._receive_raw(server, reply, into)
+                        replies[message.key_range] = message
+                        del todo[message.key_range]
+                except RuntimeError as error:
+                    failed[server] = error
+            for server, error in failed.items():
+                moved.update(self._fail_over(server, error))
+        return replies
+
+    def _fail_over(self, server: int, error: RuntimeError) -> list[int]:
+        """`server` died: its own range goes to its standby (which kept a replica). Returns the
+        ranges that moved; raises when no copy is left."""
+        index = self.roles.server_index(server)
+        standby = self.roles.standby(index)
+        if (not self.options.replicas or server == self.roles.scheduler
+                or standby in self.dead_servers):
+            raise self._lost(server, error)
+        self.dead_servers.add(server)
+        moved = [r for r, s in self.route.items() if s == server]
+        if moved != [index]:  # it had taken over a range already: that range has no copy left
+            raise self._lost(server, error)
+        self.route[index] = standby
+        return moved
+
+    def _dense(self, flat: torch.Tensor, key_range: int) -> torch.Tensor:
+        lo, hi = self.layout.dense_range(key_range)
         return flat[lo:hi]
 
-    def _rows_by_server(self, ids: torch.Tensor) -> dict[int, torch.Tensor]:
-        """Sorted row ids -> the ids each server owns (servers owning none left out)."""
-        starts = [self.layout.row_range(self._index(s))[0] for s in self.servers]
+    def _rows_by_range(self, ids: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Sorted row ids -> the ids each key range holds (ranges holding none left out)."""
+        starts = [self.layout.row_range(r)[0] for r in range(self.roles.num_servers)]
         cuts = torch.searchsorted(ids, torch.tensor(starts[1:] + [self.layout.num_rows]))
         pieces = torch.tensor_split(ids, cuts[:-1].tolist())
-        return {server: piece for server, piece in zip(self.servers, pieces) if piece.numel()}
+        return {r: piece for r, piece in enumerate(pieces) if piece.numel()}
 
     @torch.no_grad()
     def pull_rows(self, ids: torch.Tensor) -> None:
         """The rows `ids` (sorted) of the sparse table, from their servers; the push of this
         step carries exactly their gradients."""
         self.touched = ids
-        wanted = self._rows_by_server(ids)
-        self._post({s: Message(Kind.PULL_ROWS, self.rank, self.clock, len(piece),
-                               payload=(piece,)) for s, piece in wanted.items()})
-        for server, piece in wanted.items():
-            rows = self._receive(server, Kind.ROWS).payload[0]
-            self.embed.data.index_copy_(0, piece, rows)
+        wanted = self._rows_by_range(ids)
+        replies = self._converse(
+            {r: Message(Kind.PULL_ROWS, self.rank, self.clock, len(piece), payload=(piece,),
+                        key_range=r) for r, piece in wanted.items()}, Kind.ROWS)
+        for key_range, piece in wanted.items():
+            self.embed.data.index_copy_(0, piece, replies[key_range].payload[0])
 
     def push(self, lr: float) -> None:
-        """This step's gradient, each server its range (and its touched rows); `lr` in async and
-        ssp modes, where a push is an update."""
-        wanted = self._rows_by_server(self.touched) if self.embed is not None else {}
+        """This step's gradient, each key range its share (and its touched rows); `lr` in async
+        and ssp modes, where a push is an update."""
+        wanted = self._rows_by_range(self.touched) if self.embed is not None else {}
         grad = self.embed.grad if self.embed is not None else None
-        messages = {}
-        for server in self.servers:
-            payload = (self._dense(self.flat_grad, server),)
-            piece = wanted.get(server)
+        self.pushes = {}
+        for key_range in range(self.roles.num_servers):
+            payload = (self._dense(self.flat_grad, key_range),)
+            piece = wanted.get(key_range)
             if piece is not None:
                 payload += (piece, grad.index_select(0, piece))
-            messages[server] = Message(Kind.PUSH, self.rank, self.clock,
-                                       0 if piece is None else len(piece), (lr, 0.0), payload)
-        self._post(messages)
+            self.pushes[key_range] = Message(
+                Kind.PUSH, self.rank, self.clock, 0 if piece is None else len(piece),
+                (lr, 0.0), payload, key_range=key_range)
+        self._converse(dict(self.pushes), None)
 
     # The step ------------------------------------------------------------------------------
 
+    def _replay_push(self, has_norm: bool) -> Callable[[int], list[Message]]:
+        def replay(key_range: int) -> list[Message]:
+            push = self.pushes[key_range]
+            return [Message(push.kind, push.sender, push.clock, push.count, push.values,
+                            push.payload, key_range, HAS_NORM if has_norm else 0)]
+        return replay
+
     def squared_norm(self) -> float:
         """Sync: the mean gradient's squared norm, each server's range summed."""
-        return sum(self._receive(server, Kind.NORM).values[0] for server in self.servers)
+        replies = self._converse(dict.fromkeys(range(self.roles.num_servers)), Kind.NORM,
+                                 replay=self._replay_push(has_norm=False))
+        return sum(replies[r].values[0] for r in sorted(replies))
 
     def step(self, lr: float, clip_scale: float) -> None:
         """Sync: STEP (lr, clip coefficient) to every server; async and ssp: push this worker's
         gradient with its lr. Then pull the fresh parameters (PARAMS) and start the next step."""
+        ranges = range(self.roles.num_servers)
         if self.options.mode == "sync":
-            self._post({s: Message(Kind.STEP, self.rank, self.clock, values=(lr, clip_scale))
-                        for s in self.servers})
+            self._converse({r: Message(Kind.STEP, self.rank, self.clock, values=(lr, clip_scale),
+                                       key_range=r) for r in ranges}, Kind.PARAMS,
+                           lambda r: [self._dense(self.flat, r)],
+                           replay=self._replay_push(has_norm=True))
         else:
             self.push(lr)
-        for server in self.servers:
-            self._receive(server, Kind.PARAMS, lambda m, s=server: [self._dense(self.flat, s)])
+            self._converse(dict.fromkeys(ranges), Kind.PARAMS,
+                           lambda r: [self._dense(self.flat, r)])
         self.flat_grad.zero_()
         if self.embed is not None:
             self.embed.grad = None
@@ -181,21 +284,23 @@ class WorkerClient:
         self._post({scheduler: Message.carrying(Kind.DONE, self.rank, entry)})
         report = self._receive(scheduler, Kind.FINISHED, timeout_s=FOREVER_S).object()
         self._pull_all()
-        self._post({s: Message(Kind.BYE, self.rank, self.clock) for s in self.servers})
+        for server in self.servers:
+            if server in self.dead_servers or server in report["summary"].get("dead_servers", ()):
+                continue
+            self._post({server: Message(Kind.BYE, self.rank, self.clock)})
         return report
 
     @torch.no_grad()
     def _pull_all(self) -> None:
-        self._post({s: Message(Kind.PULL_ALL, self.rank, self.clock) for s in self.servers})
-        for server in self.servers:
-            tables = [self.embed.data] if self.embed is not None else []
-            self._receive(server, Kind.ALL_PARAMS,
-                          lambda m, s=server, t=tables: [self._dense(self.flat, s),
-                                                         *self._table_rows(s, t)])
+        tables = [self.embed.data] if self.embed is not None else []
+        self._converse({r: Message(Kind.PULL_ALL, self.rank, self.clock, key_range=r)
+                        for r in range(self.roles.num_servers)}, Kind.ALL_PARAMS,
+                       lambda r: [self._dense(self.flat, r), *self._table_rows(r, tables)])
 
-    def _table_rows(self, server: int, tables: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The rows `server` owns of each table; none when it owns no rows (nothing is sent)."""
-        lo, hi = self.layout.row_range(self._index(server))
+    def _table_rows(self, key_range: int, tables: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The rows range `key_range` holds of each table; none when it holds no rows (nothing
+        is sent)."""
+        lo, hi = self.layout.row_range(key_range)
         return [table[lo:hi] for table in tables] if hi > lo else []
 
     def fetch_state(self) -> tuple[list[Piece], int]:
@@ -203,11 +308,11 @@ class WorkerClient:
         the optimizer's step count."""
         dense = [torch.empty(self.layout.dense_numel) for _ in range(3)]
         tables = [torch.empty(self.layout.num_rows, self.layout.row_numel) for _ in range(3)]
-        self._post({s: Message(Kind.SAVE, self.rank, self.clock) for s in self.servers})
-        steps = []
-        for server in self.servers:
-            into = [self._dense(flat, server) for flat in dense] + self._table_rows(server, tables)
-            steps.append(self._receive(server, Kind.STATE, lambda m, into=into: into).clock)
+        replies = self._converse(
+            {r: Message(Kind.SAVE, self.rank, self.clock, key_range=r)
+             for r in range(self.roles.num_servers)}, Kind.STATE,
+            lambda r: [self._dense(flat, r) for flat in dense] + self._table_rows(r, tables))
+        steps = [replies[r].clock for r in sorted(replies)]
         shapes = {name: p.shape for name, p in self.model.named_parameters()}
 
         def by_name(flat: torch.Tensor, table: torch.Tensor) -> dict[str, torch.Tensor]:
