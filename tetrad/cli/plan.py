@@ -69,6 +69,9 @@ def add_parser(subparsers) -> None:
         train.add_argument(f"--overlap-{name}", action=argparse.BooleanOptionalAction,
                            default=None, help=f"overlap {what} (default: the stack's)")
     serve = modes.add_parser("serve", help="plan serving (inference)")
+    train.add_argument("--node-limited-dispatch", action="store_true",
+                       help="DeepSeek-V3's expert dispatch: a token crosses the network once "
+                            "per node holding its experts, at most topk_expert_groups nodes")
     _common(serve)
     serve.add_argument("--dtype", default="bf16",
                        choices=("fp32", "bf16", "fp16", "fp8", "int8", "int4"),
@@ -141,7 +144,8 @@ def _train(args, config, world) -> int:
     # A profile of eager PyTorch on this machine times tetrad's own runtime by default.
     eager = world.gpu.efficiency.op_forward_s > 0
     stack = args.stack or ("tetrad" if eager else DEFAULT_STACK)
-    workload = TrainWorkload(seq_len=seq_len, dtype=args.dtype, **stack_fields(
+    workload = TrainWorkload(seq_len=seq_len, dtype=args.dtype,
+                             node_limited_dispatch=args.node_limited_dispatch, **stack_fields(
         stack, flash_attention=args.flash_attention, dropout=args.dropout,
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather, overlap_tp_comm=args.overlap_tp_comm,
