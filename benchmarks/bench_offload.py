@@ -2,18 +2,22 @@
 without offload, next to what the planner predicts for it.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_offload.py [--profile PROFILE.json]
-        [--steps 10] [--rounds 3] [--modes params nvme]
+        [--pairs 12] [--modes params nvme]
 
 The host link's bandwidth is the calibrated profile's (`tetrad calibrate`: on a CPU the streaming
 bandwidth, a copy reading and writing every byte; tetrad.planner.offload_time), measured at the
-start unless --profile gives one. Each round trains the same model for --steps steps on dp 2
-ZeRO-3 (gloo, one thread per rank) with every offload mode in turn, so a drift of the machine's
-load falls on all modes alike. A mode's measured time is the median over the rounds of the slower
-rank's median step (the first step, warm-up, left out); its cost is that minus the no-offload
-time, set beside the run reports' predicted totals' difference (the same planner, the same
-profile). The model is wide and the batch small, so the shards' copies are a visible part of the
-step: 4 layers of width 512 (12.9M parameters), one sequence of 8 tokens per microbatch, two
-microbatches per rank.
+start unless --profile gives one. One spawned rank (gloo, one thread) builds the same model under
+ZeRO-3 once per mode and runs the trainer's step (microbatches, reduction, clipping, AdamW) on
+each in turn, --pairs times after a warm-up step: every offload step is timed right beside a
+step without offload, so a drift of the machine's load falls on both sides of each difference.
+A mode's cost is the median of its differences, set beside the planner's predicted step times'
+difference on the same profile; and as a share of the step without offload (measured: the
+median of each pair's ratio), which a machine slowed down as a whole by other jobs leaves as it
+is while it stretches every absolute time. One rank leaves out the gloo collectives, which on a
+CPU move each shard over loopback TCP far slower than the offload's copy within memory and
+would bury its cost in their noise. The model is wide and the batch small, so the shards'
+copies are a visible part of the step: 4 layers of width 512 (10.0M parameters), two
+microbatches of one sequence of 8 tokens.
 """
 
 from __future__ import annotations
@@ -25,77 +29,100 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.bench_time_prediction import calibrated
 from tetrad.spec.model import ParallelConfig, TrainConfig
 
-RUN = dict(model="tiny", model_overrides={"num_layers": 4, "hidden_size": 512,
-                                          "num_heads": 8, "num_kv_heads": 8,
-                                          "ffn_hidden_size": 1408},
-           batch_size=4, grad_accum=2, seq_len=8, warmup_steps=1, sample_tokens=0,
-           log_every=1000, nproc=2)
+MODEL = {"num_layers": 4, "hidden_size": 512, "num_heads": 8, "num_kv_heads": 8,
+         "ffn_hidden_size": 1408}
+SEQ, BATCH, ACCUM = 8, 2, 2
 
 
-def mode_config(mode: str, steps: int, profile: Path, folder: Path) -> TrainConfig:
-    parallel = ParallelConfig(dp=2, zero=3, offload_mode=mode,
-                              offload_dir=str(folder) if mode == "nvme" else "")
-    return TrainConfig(**RUN, steps=steps, hardware=str(profile),
-                       report=str(folder / "run.json"), parallel=parallel)
+def mode_config(mode: str, folder: str) -> TrainConfig:
+    return TrainConfig(model="tiny", model_overrides=MODEL, seq_len=SEQ, batch_size=BATCH,
+                       grad_accum=ACCUM, parallel=ParallelConfig(
+                           zero=3, offload_mode=mode,
+                           offload_dir=folder if mode == "nvme" else ""))
 
 
-def measured_and_predicted(config: TrainConfig) -> tuple[float, float]:
-    from tetrad.train.launch import launch_training
+def rank(rank_index: int, world_size: int, modes: list[str], pairs: int, folder: str) -> dict:
+    import torch
 
-    report = launch_training(config).report
-    return (max(entry["step_time_s"] for entry in report["ranks"]),
-            report["predicted"]["step_time_s"]["total"])
+    from tetrad.models.transformer import Transformer
+    from tetrad.parallel.comm import Comm, CommCounter
+    from tetrad.parallel.mesh import build_mesh
+    from tetrad.spec.presets import resolve_model
+    from tetrad.train.strategy import build_strategy
+
+    def strategy(mode: str):
+        config = mode_config(mode, folder)
+        torch.manual_seed(0)
+        model = Transformer(resolve_model("tiny", MODEL))
+        mesh = build_mesh(config.parallel, rank_index, world_size)
+        return build_strategy(model, config, torch.device("cpu"), mesh, Comm(CommCounter()))
+
+    def step(run) -> float:
+        batch = torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
+        started = time.perf_counter()
+        run.forward_backward(batch)
+        run.finish_gradients()
+        run.clip_grad_norm(1.0)
+        run.step(1e-4)
+        return time.perf_counter() - started
+
+    runs = {mode: strategy(mode) for mode in ["none", *modes]}
+    for run in runs.values():
+        step(run)  # warm-up
+    times: dict[str, list[float]] = {mode: [] for mode in runs}
+    for _ in range(pairs):
+        for mode, run in runs.items():
+            times[mode].append(step(run))
+    return times
 
 
-def calibrated(path: Path) -> Path:
-    from tetrad.calibrate import calibrate
-    from tetrad.hardware.profile import save_profile
+def predicted_totals(modes: list[str], profile: Path, folder: str) -> dict[str, float]:
+    from tetrad.hardware.profile import load_profile
+    from tetrad.planner import predict_training
+    from tetrad.spec.presets import resolve_model
 
-    started = time.perf_counter()
-    save_profile(calibrate("cpu"), path)
-    print(f"calibrated in {time.perf_counter() - started:.0f} s: {path}", file=sys.stderr)
-    return path
+    gpu = load_profile(profile)
+    config = resolve_model("tiny", MODEL)
+    return {mode: predict_training(config, mode_config(mode, folder).parallel, BATCH // ACCUM,
+                                   SEQ, num_microbatches=ACCUM, gpu=gpu)["step_time_s"]["total"]
+            for mode in ["none", *modes]}
 
 
 def main() -> int:
+    from tetrad.hardware.profile import load_profile
+    from tetrad.parallel.launch import spawn
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", type=Path, help="a profile from tetrad calibrate")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--pairs", type=int, default=12)
     parser.add_argument("--modes", nargs="*", default=["params", "nvme"],
                         choices=("optimizer", "params", "nvme"))
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="tetrad-offload-bench-"))
     profile = args.profile or calibrated(folder / "profile.json")
-    from tetrad.hardware.profile import load_profile
     bandwidth = load_profile(profile).host_memory_bandwidth
     print(f"host link: a copy at the profile's streaming bandwidth, {bandwidth / 1e9:.2f} GB/s",
           file=sys.stderr)
-    modes = ["none", *args.modes]
-    measured: dict[str, list[float]] = {mode: [] for mode in modes}
-    predicted: dict[str, list[float]] = {mode: [] for mode in modes}
-    for round_ in range(args.rounds):
-        for mode in modes:
-            seconds, total = measured_and_predicted(mode_config(mode, args.steps, profile,
-                                                                folder))
-            measured[mode].append(seconds)
-            predicted[mode].append(total)
-            print(f"round {round_ + 1}: {mode} {seconds * 1e3:.1f} ms (predicted "
-                  f"{total * 1e3:.1f})", file=sys.stderr)
-    base, base_predicted = (statistics.median(measured["none"]),
-                            statistics.median(predicted["none"]))
-    print("| offload | measured ms | predicted ms | cost measured ms | cost predicted ms | "
-          "cost error |")
-    print("|---|---|---|---|---|---|")
-    for mode in modes:
-        step, step_predicted = statistics.median(measured[mode]), statistics.median(
-            predicted[mode])
-        cost, cost_predicted = step - base, step_predicted - base_predicted
-        error = f"{(cost_predicted - cost) / cost:+.1%}" if mode != "none" else ""
-        print(f"| {mode} | {step * 1e3:.1f} | {step_predicted * 1e3:.1f} | "
-              f"{cost * 1e3:.1f} | {cost_predicted * 1e3:.1f} | {error} |")
+    times = spawn(rank, 1, (args.modes, args.pairs, str(folder)), timeout_s=3600)[0]
+    predicted = predicted_totals(args.modes, profile, str(folder))
+    print("| offload | step ms (median) | predicted ms | cost ms (median of pairs) | "
+          "predicted cost ms | error | cost / step | predicted | error |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for mode in args.modes:
+        steps, base = times[mode], times["none"]
+        cost = statistics.median(a - b for a, b in zip(steps, base))
+        share = statistics.median((a - b) / b for a, b in zip(steps, base))
+        cost_predicted = predicted[mode] - predicted["none"]
+        share_predicted = cost_predicted / predicted["none"]
+        print(f"| {mode} | {statistics.median(steps) * 1e3:.1f} | {predicted[mode] * 1e3:.1f} | "
+              f"{cost * 1e3:.1f} | {cost_predicted * 1e3:.1f} | "
+              f"{(cost_predicted - cost) / cost:+.1%} | {share:.1%} | {share_predicted:.1%} | "
+              f"{(share_predicted - share) / share:+.1%} |")
+    print(f"none: {statistics.median(times['none']) * 1e3:.1f} ms measured, "
+          f"{predicted['none'] * 1e3:.1f} ms predicted")
     return 0
 
 

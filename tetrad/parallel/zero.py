@@ -148,7 +148,9 @@ class ShardedEngine:
             return
         for shard, grad in zip(self.shards, self._grad_shards()):
             if len(shard.params) == 1 and shard.params[0] is tied:
-                self.comm.all_reduce(grad, self.pipelined.embedding_group, "grads")
+                on_device = grad.to(tied.device)  # an offloaded shard: NCCL reduces on the GPU
+                self.comm.all_reduce(on_device, self.pipelined.embedding_group, "grads")
+                grad.copy_(on_device)
 
     def grad_square(self, counted: Counted) -> torch.Tensor:
         """Each dp x cp rank holds its own shard of the gradients: the squares of what this rank
@@ -159,7 +161,8 @@ class ShardedEngine:
         for shard, pieces in zip(self.shards, self._segments):
             for start, end, mask in pieces:
                 grad = shard.main_grad[start:end]
-                square += (grad if mask is None else grad[mask]).double().square().sum()
+                square += (grad if mask is None else grad[mask.to(grad.device)]
+                           ).double().square().sum()
         square = square.to(self.shards[0].params[0].device)  # offloaded shards: from the host
         self.comm.all_reduce(square, self.group, NORM_TAG)
         return square
