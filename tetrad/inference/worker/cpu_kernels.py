@@ -1,5 +1,7 @@
-"""The engine's C++ CPU kernel (paged_decode.cpp: decode attention read in place from the paged
-pool), built with the machine's C++ compiler on first use and loaded as torch.ops.tetrad.*.
+"""The engine's C++ CPU kernels (paged_decode.cpp: decode attention read in place from the paged
+pool; decode_step.cpp: a Llama-family layer's decode step as one op, and the matmul that streams
+weights for a few rows), built into one library with the machine's C++ compiler on first use and
+loaded as torch.ops.tetrad.*.
 
 No build system is needed: one g++ call against torch's own headers and libraries. The library
 is cached under ~/.cache/tetrad/kernels (TETRAD_KERNEL_CACHE overrides) by a hash of the source,
@@ -23,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("paged_decode.cpp")
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("paged_decode.cpp", "decode_step.cpp"))
 # -march=native: the library is built on the machine that runs it (the cache is per machine);
 # -ffast-math lets the compiler vectorize exp and the dot products (the kernel keeps no inf).
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared",
@@ -58,7 +61,7 @@ def _build(target: Path) -> None:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     command = [compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
                f"-I{sysconfig.get_paths()['include']}",
-               *(f"-I{path}" for path in include_paths()), str(SOURCE),
+               *(f"-I{path}" for path in include_paths()), *map(str, SOURCES),
                *(f"-L{path}" for path in library_paths()),
                *(f"-Wl,-rpath,{path}" for path in library_paths()),
                "-lc10", "-ltorch_cpu", "-ltorch"]
@@ -69,7 +72,7 @@ def _build(target: Path) -> None:
         except OSError as error:
             raise KernelUnavailable(f"cannot run the C++ compiler {compiler}: {error}") from None
         if result.returncode:
-            raise KernelUnavailable(f"building {SOURCE.name} failed: "
+            raise KernelUnavailable(f"building {' and '.join(s.name for s in SOURCES)} failed: "
                                     f"{result.stderr.strip()[-2000:]}")
         os.replace(built, target)  # whole or absent, for a process that loads it meanwhile
 
@@ -77,7 +80,8 @@ def _build(target: Path) -> None:
 @cache
 def load_cpu_kernels() -> None:
     """Build (once per machine) and load the kernels; KernelUnavailable says why not."""
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()
+    key = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES)
+                         + torch.__version__.encode()
                          + " ".join(FLAGS).encode() + _cpu_identity().encode()).hexdigest()[:16]
     folder = _cache_dir()
     folder.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,8 @@
 // attends over its context through its block table, reading each cached K and V row once (the
 // query heads that share a KV head are served by the same read), with the flash-attention
 // running max and sum kept per head, so nothing is gathered, padded or masked.
-// Built and loaded by tetrad/inference/cpu_kernels.py as torch.ops.tetrad.paged_decode.
+// Built and loaded by tetrad/inference/worker/cpu_kernels.py as torch.ops.tetrad.paged_decode;
+// decode_step.cpp's fused layer calls it directly (tetrad::paged_decode).
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -42,6 +43,10 @@ void write_rows(const at::Tensor& new_rows, const at::Tensor& cache, const int64
       std::copy(from, from + width, to);
     }
 }
+
+}  // namespace
+
+namespace tetrad {
 
 // In the model's layout, one query per sequence: q [1, heads, seqs, dim] -> [1, heads, seqs,
 // value_dim]. k_cache [blocks, block_size, kv_heads, dim] and v_cache [blocks, block_size,
@@ -171,7 +176,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   return out.transpose(1, 2);
 }
 
-}  // namespace
+}  // namespace tetrad
 
 TORCH_LIBRARY(tetrad, m) {
   m.def("paged_decode(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor tables, "
@@ -179,4 +184,4 @@ TORCH_LIBRARY(tetrad, m) {
         "Tensor? slots=None, Tensor(c!)? rows_read=None) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tetrad, CPU, m) { m.impl("paged_decode", paged_decode); }
+TORCH_LIBRARY_IMPL(tetrad, CPU, m) { m.impl("paged_decode", tetrad::paged_decode); }

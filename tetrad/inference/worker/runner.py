@@ -20,6 +20,7 @@ from torch import nn
 
 from tetrad.inference.worker.attention import (BACKENDS, DeviceStep, HostStep, StepContext,
                                                resolve_backend)
+from tetrad.inference.worker.cpu_decode import FusedCpuDecode, fused_decode_refusal
 from tetrad.inference.worker.cuda_graphs import DecodeGraphs
 from tetrad.inference.worker.kv_cache import (KV_TORCH_DTYPES, TORCH_DTYPES, KVCache, KVPlan,
                                               parse_bytes, plan_kv_pool, resolve_kv_dtype)
@@ -138,6 +139,7 @@ class ModelRunner:
         # The forward, compiled on request (the model object stays the plain module).
         self.forward = torch.compile(model, dynamic=True) if compile else model
         self.graphs = None  # DecodeGraphs, when captured (cuda_graphs.py)
+        self.fused: FusedCpuDecode | None = None  # a CPU's one-op-per-layer decode step
 
     def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, StepContext]:
         """(input ids [tokens], positions [tokens], the step's context) for the forward pass."""
@@ -189,6 +191,8 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(plan):
             return self.graphs.run(plan)
         input_ids, positions, context = self.prepare(plan)
+        if self.fused is not None and self.fused.fits(context):
+            return self.fused.run(input_ids, positions, context)
         return self.forward(input_ids.unsqueeze(0), positions, cache=context)[0]
 
 
@@ -225,4 +229,8 @@ def load_runner(model: nn.Module, config: "EngineConfig", max_model_len: int,
             and runner.attention.capturable):
         runner.graphs = DecodeGraphs(runner, config.max_num_seqs, max_model_len)
         runner.graphs.capture()
+    if (device.type == "cpu" and not config.enforce_eager and not config.compile
+            and ranks is None and runner.backend == "cpu"
+            and fused_decode_refusal(runner.model, runner.kv_cache.pool.dtype) is None):
+        runner.fused = FusedCpuDecode(runner.model, runner.kv_cache)
     return runner, plan
