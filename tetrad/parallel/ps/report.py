@@ -4,15 +4,12 @@ server's rank entry, and the scheduler's assembly of every rank's entry and the 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 from tetrad.parallel.ps.protocol import empty_entry, per_step_by_tag
 
-if TYPE_CHECKING:
-    from tetrad.parallel.ps.server import ParameterServer
 
-
-def server_entry(server: "ParameterServer") -> dict:
+def server_entry(server) -> dict:
+    """A ParameterServer's run-report entry."""
     entry = empty_entry(server.rank, "server")
     entry["server"] = server.index
     entry["bytes"] = server.bytes_held()
@@ -26,8 +23,9 @@ def server_entry(server: "ParameterServer") -> dict:
     return entry
 
 
-def run_report(scheduler: "ParameterServer") -> dict:
-    """Every rank's entry, in rank order (dead ranks' zero, marked "dead"), and the summary."""
+def run_report(scheduler) -> dict:
+    """Every rank's entry, in rank order (dead ranks' zero, marked "dead"), and the summary:
+    what the scheduler (a ParameterServer) sends the workers at the end of the run."""
     entries = {rank: {**entry, "role": "worker"} for rank, entry in scheduler.done.items()}
     for worker in scheduler.book.dead:
         entries[worker] = {**empty_entry(worker, "worker"), "dead": True}

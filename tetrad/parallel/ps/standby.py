@@ -18,15 +18,11 @@ replays. The scheduler is not replicated: its death still stops the job.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from torch import nn
 
 from tetrad.parallel.ps.keys import OwnedKeys
 from tetrad.parallel.ps.protocol import Kind, KeyLayout, Message, nbytes
-
-if TYPE_CHECKING:
-    from tetrad.parallel.ps.server import ParameterServer
 
 
 @dataclass
@@ -42,7 +38,9 @@ class Served:
 
 
 class StandbyRole:
-    def __init__(self, server: "ParameterServer", model: nn.Module, param_groups: list[dict],
+    """`server` is the ParameterServer it belongs to (whose replies and state it shares)."""
+
+    def __init__(self, server, model: nn.Module, param_groups: list[dict],
                  layout: KeyLayout, betas: tuple[float, float], eps: float):
         self.server, self.roles = server, server.roles
         self.enabled = server.options.replicas > 0
