@@ -1,5 +1,6 @@
 """`--quantization` under tensor parallelism: tp=2 against tp=1 quantized, on the model families
-of test_quantization.py. One spawn of 2 ranks (tests/dist.py; the LLM on rank 0, ServingWorker on
+of test_quantization.py (and, in a second spawn, pipeline stages and experts over data-parallel
+ranks: the bytes each rank holds and the greedy tokens). One spawn of 2 ranks (tests/dist.py; the LLM on rank 0, ServingWorker on
 rank 1) serves each case. Each rank's quantized shard, dequantized, is exactly the rows (column-
 parallel) or columns (row-parallel) of the one-process quantized weight: int8's scales shard with
 the rows and a row-parallel shard keeps its whole rows' scales, int4's groups shard with the
@@ -81,3 +82,40 @@ def test_tp2_holds_the_one_process_quantized_weights_cut_and_the_planned_bytes(p
     reference = quantize_model(copy.deepcopy(random_model(config)), method)
     for prompt, tokens in zip(PROMPTS, per_rank[0][case]["outputs"]):
         assert_greedy(reference, prompt, tokens)
+
+
+# Two more layouts of 2 ranks: pipeline stages (each its layers, quantized) and experts spread
+# over attention data-parallel ranks (each its 2 of the 4 experts, quantized whole).
+LAYOUTS = [("llama", "int4", ServeLayout(pp=2)), ("moe", "int8", ServeLayout(ep=2, dp=2))]
+
+
+def layouts_main(rank: int, world_size: int) -> list[dict]:
+    results = []
+    for family, method, layout in LAYOUTS:
+        model = random_model(FAMILIES[family])
+        if rank == 0:
+            llm = LLM(model, ByteTokenizer(), quantization=method, device="cpu", block_size=4,
+                      log=None, **layout.to_dict())
+            outputs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+            results.append({"outputs": outputs, "stage": llm.driver.ranks.coords["pp"],
+                            **held_bytes(llm.runner)})
+            llm.close()
+        else:
+            worker = ServingWorker(model)
+            results.append({"stage": worker.ranks.coords["pp"], **held_bytes(worker.runner)})
+            while worker.step():
+                pass
+    return results
+
+
+def test_pipeline_stages_and_spread_experts_hold_the_planned_quantized_bytes():
+    per_rank = run_ranks(layouts_main, TP, timeout_s=300)
+    for case, (family, method, layout) in enumerate(LAYOUTS):
+        config = FAMILIES[family]
+        for results in per_rank:
+            result = results[case]
+            assert result["weights"] == weight_bytes_per_gpu(config, layout, method,
+                                                             result["stage"]), (family, layout)
+        reference = quantize_model(copy.deepcopy(random_model(config)), method)
+        for prompt, tokens in zip(PROMPTS, per_rank[0][case]["outputs"]):
+            assert_greedy(reference, prompt, tokens)
