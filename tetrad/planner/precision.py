@@ -1,9 +1,11 @@
 """Bytes per element of every number format, and the mixed-precision training recipes.
 
 Quantized weight formats carry scales: fp8 as DeepSeek-V3 ships it (e4m3 with one fp32 scale per
-128x128 block), int4 as GPTQ/AWQ ship it (one fp16 scale and one fp16 zero point per group of 128).
-Only the linear layers' weights are quantized; embeddings, norms, routers and the LM head stay bf16,
-as in those checkpoints.
+128x128 block), int4 as GPTQ/AWQ ship it (one 16-bit scale and one 16-bit zero point per group of
+128), int8 with one 16-bit scale per output channel. Only the linear layers' weights are
+quantized; embeddings, norms, routers and the LM head stay bf16, as in those checkpoints. The
+per-element overheads below price the matmuls' weight reads; serving's int8/int4 weight bytes are
+counted matrix by matrix as the engine holds them (planner/quantized.py).
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from tetrad.spec.runtime_rules import FP8_BLOCK
 
 ELEMENT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "fp8-e4m3": 1.0,
                  "fp8-e5m2": 1.0, "int8": 1.0, "int4": 0.5}
-# Scale overhead per element of a quantized weight matrix (int8 uses one scale per output
-# channel, a few bytes per row: negligible).
+# Scale overhead per element of a quantized weight matrix (int8's one scale per output channel
+# is a few bytes per row: left out of the per-element price, counted in planner/quantized.py).
 BLOCK_SCALE_BYTES = {"fp8": 4 / FP8_BLOCK**2, "fp8-e4m3": 4 / FP8_BLOCK**2,
                      "fp8-e5m2": 4 / FP8_BLOCK**2, "int4": 2 * 2 / 128}
 # The tensor-core format a matmul runs in for each storage format.
