@@ -251,7 +251,7 @@ def test_training_layout_refusals():
     check_training_layout(config, 8, TrainLayout(dp=2, tp=4, ep=4), 64, kv_replicas=True,
                           experts_over_tp=True)
     with pytest.raises(ConfigError, match="num_kv_heads"):
-        check_training_layout(config, 8, TrainLayout(dp=2, tp=4), 64)
+        check_training_layout(config, 8, TrainLayout(dp=2, tp=4), 64, kv_replicas=False)
     with pytest.raises(ConfigError, match="micro batch"):
         check_training_layout(config, 2, TrainLayout(dp=2, micro_batch=0), 64)
     assert microbatches_for(64, 4, 2) == 8

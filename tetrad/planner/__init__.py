@@ -61,8 +61,7 @@ def predict_training(model_config: ModelConfig, parallel_config: ParallelConfig,
     calibration. `parallel_config.stage_layers` cuts the pipeline (else evenly);
     microbatches beyond `parallel_config.microbatches` repeat whole pipeline steps
     (--grad-accum)."""
-    check_layout(model_config, parallel_config, seq_len, runtime=False,
-                 kv_replicas=runtime == "tetrad")
+    check_layout(model_config, parallel_config, seq_len, runtime=False)
     return predict_run(ResolvedLayout(model_config, parallel_config, seq_len), micro_batch,
                        num_microbatches, dtype, gpu, gpus_per_node, precision, flash_attention,
                        runtime)

@@ -104,11 +104,11 @@ def stage_first_layer(counts: tuple[int, ...], stage: int) -> int:
 
 
 def check_training_layout(config: ModelConfig, num_gpus: int, layout: TrainLayout,
-                          seq_len: int, kv_replicas: bool = False,
+                          seq_len: int, kv_replicas: bool = True,
                           experts_over_tp: bool = False) -> None:
     """Raise ConfigError naming the first constraint the layout breaks and how to fix it.
-    `kv_replicas`: tp may exceed the KV heads, as tetrad's trainer allows. `experts_over_tp`:
-    ep may span tensor ranks too (TrainLayout.expert_tp), which the planner models for
+    `kv_replicas`: tp may exceed the KV heads, each replicated (tetrad's trainer, Megatron).
+    `experts_over_tp`: ep may span tensor ranks too (TrainLayout.expert_tp), which the planner models for
     Megatron-Core's layouts and tetrad's runtime does not run."""
     check_layout(config, layout, seq_len, runtime=False, kv_replicas=kv_replicas)
     if layout.world_size != num_gpus:

@@ -19,8 +19,8 @@ from tetrad.spec.model import ModelConfig
 from tetrad.errors import ConfigError
 from tetrad.planner import eager
 from tetrad.planner.layout import TrainLayout, stage_first_layer, stage_layer_counts
-from tetrad.planner.model_stats import (embedding_params, head_params, layer_params,
-                                        norm_params, position_params)
+from tetrad.planner.model_stats import (embedding_params, head_params, kv_replica_params,
+                                        layer_params, norm_params, position_params)
 from tetrad.planner.precision import TrainingPrecision
 from tetrad.planner.timeline import pipeline_in_flight
 
@@ -111,7 +111,7 @@ def stage_params(config: ModelConfig, num_stages: int, stage: int, tp: int,
     dense = expert = 0.0
     for layer in range(first, first + counts[stage]):
         params = layer_params(config, layer)
-        dense += params.tp_sharded / tp + params.replicated
+        dense += params.tp_sharded / tp + params.replicated + kv_replica_params(config, tp)
         expert += params.experts / (ep * (tp if expert_tp is None else expert_tp))
     if stage == 0:
         dense += embedding_params(config) / tp + position_params(config)

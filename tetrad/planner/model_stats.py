@@ -62,6 +62,17 @@ def attention_params(config: ModelConfig) -> tuple[int, int]:
     return sharded, (h if config.bias else 0)
 
 
+def kv_replica_params(config: ModelConfig, tp: int) -> float:
+    """Parameters one rank holds beyond its even 1/tp share of a block's attention, because tp
+    exceeds the kv heads (multi-query attention under tp 8): each rank keeps whole K and V heads,
+    ceil(num_kv_heads / tp) of them (replicated, as Megatron and tetrad's runtime do)."""
+    if config.attention != "mha" or config.num_kv_heads % tp == 0:
+        return 0.0
+    bias = 1 if (config.qkv_bias or config.bias) else 0
+    per_head = 2 * config.head_dim * (config.hidden_size + bias)  # its K and V rows
+    return per_head * (-(-config.num_kv_heads // tp) - config.num_kv_heads / tp)
+
+
 def router_params(config: ModelConfig) -> int:
     """The gate, plus the aux-loss-free balancing bias of sigmoid routing (DeepSeek-V3)."""
     bias = config.num_experts if config.router_score == "sigmoid" else 0

@@ -3,8 +3,10 @@ the planner and the runtime, and the layout resolved once for a run.
 
 `ParallelConfig` checks what its degrees and knobs must satisfy on their own; `check_layout` adds
 what depends on the model. Some layouts can be planned but not run by tetrad's runtime: the
-planner evaluates Megatron-style runs too (its vocabulary padded, no dense FFN split rule, tp
-beyond the kv heads refused unless replicated as tetrad does). Those differences are the
+planner evaluates Megatron-style runs too (its vocabulary padded, no dense FFN split rule). Tensor
+parallelism beyond the kv heads (multi-query attention's one head over tp 8) replicates each kv
+head on tp / num_kv_heads ranks, as tetrad's runtime and Megatron's multi-query attention do,
+counted in memory, FLOPs and communication (tetrad.planner.flops, memory, training); `kv_replicas=False` is a stack that needs tp to divide the kv heads. Those differences are the
 `runtime` flag's, on top of the shared rules, never a second copy of them.
 
 `resolve_layout` is what a run does once, before any process starts: check the layout for the
@@ -67,7 +69,7 @@ def shared_expert_size(config: ModelConfig) -> int:
         if config.is_moe else 0
 
 
-def valid_tp_degrees(config: ModelConfig, training: bool = True, kv_replicas: bool = False,
+def valid_tp_degrees(config: ModelConfig, training: bool = True, kv_replicas: bool = True,
                      runtime: bool = False) -> list[int]:
     return [t for t in divisors(config.num_heads)
             if tp_fits(config, t, training, kv_replicas, runtime)]
@@ -110,13 +112,21 @@ def check_tensor_parallel(config: ModelConfig, tp: int, sequence_parallel: bool 
                       f"--sequence-parallel")
 
 
-def check_context_parallel(config: ModelConfig, cp: int, seq_len: int) -> None:
+def check_sequence_length(config: ModelConfig, seq_len: int, runtime: bool = True) -> None:
+    """One rule, with or without context parallelism: tetrad's runtime and learned positions
+    stop at the model's max_seq_len; the planner times a rope model beyond it (a run that
+    extends the context, as long-context training does), whatever cp is."""
+    if seq_len > config.max_seq_len and (runtime or config.position == "learned"):
+        raise ConfigError(f"sequence length {seq_len} is longer than the model's max_seq_len "
+                          f"{config.max_seq_len}: shorten --seq-len")
+
+
+def check_context_parallel(config: ModelConfig, cp: int, seq_len: int,
+                           runtime: bool = True) -> None:
     """What can be wrong with context parallelism for this model and sequence length."""
     if cp < 1:
         raise ConfigError(f"cp must be a positive integer, got {cp}")
-    if seq_len > config.max_seq_len:
-        raise ConfigError(f"sequence length {seq_len} is longer than the model's max_seq_len "
-                          f"{config.max_seq_len}: shorten --seq-len")
+    check_sequence_length(config, seq_len, runtime)
     if seq_len % (2 * cp):
         raise ConfigError(
             f"sequence length {seq_len} does not split into 2*cp = {2 * cp} equal chunks (the "
@@ -138,7 +148,7 @@ def check_expert_parallel(config: ModelConfig, ep: int,
 
 
 def check_degrees(config: ModelConfig, tp: int, pp: int, ep: int, training: bool = True,
-                  kv_replicas: bool = False, runtime: bool = False) -> None:
+                  kv_replicas: bool = True, runtime: bool = False) -> None:
     """The model-shape constraints of the degrees, whatever the GPU count."""
     check_tensor_parallel(config, tp, training=training, kv_replicas=kv_replicas,
                           runtime=runtime)
@@ -181,11 +191,9 @@ def check_layout(config: ModelConfig, parallel: ParallelConfig, seq_len: int,
     if runtime and parallel.sequence_parallel and parallel.tp == 1:
         raise ConfigError("--sequence-parallel splits the sequence over the tensor-parallel "
                           "ranks, but --tp is 1: add --tp 2 or more, or drop it")
-    if seq_len > config.max_seq_len and (runtime or config.position == "learned"):
-        raise ConfigError(f"--seq-len {seq_len} is longer than the model's max_seq_len "
-                          f"{config.max_seq_len}: lower --seq-len")
+    check_sequence_length(config, seq_len, runtime)
     if parallel.cp > 1:
-        check_context_parallel(config, parallel.cp, seq_len)
+        check_context_parallel(config, parallel.cp, seq_len, runtime)
     check_tensor_parallel(config, parallel.tp, parallel.sequence_parallel and runtime,
                           seq_len // parallel.cp, kv_replicas=kv_replicas, runtime=runtime)
     check_stages(config.num_layers, parallel.pp * parallel.vpp, parallel.stage_layers or None)

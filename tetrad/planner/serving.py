@@ -23,8 +23,9 @@ from tetrad.planner.compute import bandwidth_time, gemm_time, layer_times
 from tetrad.planner.flops import attention_head_dims, head_gemm, layer_gemms
 from tetrad.planner.layout import stage_first_layer, stage_layer_counts
 from tetrad.planner.memory import kv_bytes_per_token, stages_to_check
-from tetrad.planner.model_stats import (embedding_params, head_params, layer_params,
-                                        norm_params, position_params, unquantized_layer_params)
+from tetrad.planner.model_stats import (embedding_params, head_params, kv_replica_params,
+                                        layer_params, norm_params, position_params,
+                                        unquantized_layer_params)
 from tetrad.planner.precision import COMPUTE_DTYPE, element_bytes, unquantized_bytes, weight_bytes
 from tetrad.planner.quantized import QUANTIZED_DTYPES, check_quantizable, quantized_layer_bytes
 from tetrad.planner.rules import check_degrees
@@ -126,7 +127,8 @@ def weight_bytes_per_gpu(config: ModelConfig, layout: ServeLayout, dtype: str,
         params = layer_params(config, layer)
         small = unquantized_layer_params(config, layer)
         matmul_replicated = params.replicated - small
-        total += ((params.tp_sharded / layout.tp + matmul_replicated) * quantized
+        total += ((params.tp_sharded / layout.tp + matmul_replicated
+                   + kv_replica_params(config, layout.tp)) * quantized
                   + params.experts / _expert_split(layout) * quantized + small * kept)
     if stage == 0:
         total += (embedding_params(config) / layout.tp + position_params(config)) * kept
