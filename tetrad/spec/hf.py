@@ -1,7 +1,10 @@
 """HF `config.json` <-> ModelConfig, without torch (the planner reads HF configs too).
 
 Supported model types: llama, qwen2, mistral, mixtral, gpt2, deepseek_v3 (loaded, trained and
-served in one process; not yet exported). Also where a checkpoint path leads (`resolve_checkpoint`),
+served: tetrad.models.hf.RUNTIME_TYPES), and for the planner also deepseek_v2 (MLA and softmax
+routing), gpt_bigcode (GPT-2 with multi-query attention: StarCoder, SantaCoder) and gemma (its
+gated GELU MLP has SwiGLU's three matrices, so shapes, FLOPs and bytes are exact; its weights are
+not loaded: tetrad.models.hf.check_runtime_support refuses them). Also where a checkpoint path leads (`resolve_checkpoint`),
 so that torch-free readers (tokenizer, planner) and the model loader agree on it.
 """
 
@@ -15,8 +18,10 @@ from typing import Any
 from tetrad.spec.model import ModelConfig, parse_problem
 from tetrad.errors import ConfigError
 
-LLAMA_LIKE = ("llama", "qwen2", "mistral", "mixtral", "deepseek_v3")
-SUPPORTED = LLAMA_LIKE + ("gpt2",)
+LLAMA_LIKE = ("llama", "qwen2", "mistral", "mixtral", "deepseek_v3", "deepseek_v2", "gemma")
+GPT2_LIKE = ("gpt2", "gpt_bigcode")
+SUPPORTED = LLAMA_LIKE + GPT2_LIKE
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 
 
 # The HF keys the conversion reads, by the type it reads them as (null stands for "unset" in
@@ -29,10 +34,12 @@ HF_INTEGERS = ("vocab_size", "n_embd", "n_layer", "n_head", "n_inner", "n_positi
                "n_shared_experts", "moe_intermediate_size", "first_k_dense_replace",
                "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                "v_head_dim", "n_group", "topk_group", "original_max_position_embeddings")
+HF_STRINGS = ("topk_method", "scoring_func")
 HF_REALS = ("layer_norm_epsilon", "rms_norm_eps", "initializer_range", "rope_theta",
             "router_aux_loss_coef", "routed_scaling_factor", "factor", "beta_fast", "beta_slow",
-            "mscale", "mscale_all_dim")
-HF_BOOLS = ("tie_word_embeddings", "attention_bias", "use_sliding_window", "norm_topk_prob")
+            "mscale", "mscale_all_dim", "aux_loss_alpha")
+HF_BOOLS = ("tie_word_embeddings", "attention_bias", "use_sliding_window", "norm_topk_prob",
+            "multi_query")
 HF_TABLES = ("rope_scaling", "rope_parameters")
 
 
@@ -53,6 +60,8 @@ def check_hf_types(hf: dict[str, Any], name: str) -> None:
             wrong = "a finite number"
         elif key in HF_BOOLS and type(value) is not bool:
             wrong = "true or false"
+        elif key in HF_STRINGS and type(value) is not str:
+            wrong = "a string"
         else:
             continue
         raise ConfigError(f"HF config {name!r}: {key} must be {wrong}, got {value!r}")
@@ -77,11 +86,14 @@ def _model_config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
     if model_type not in SUPPORTED:
         raise ConfigError(f"HF model_type {model_type!r} is not supported "
                           f"(supported: {', '.join(SUPPORTED)})")
-    if model_type == "gpt2":
+    if model_type in GPT2_LIKE:
         hidden = hf["n_embd"]
+        # gpt_bigcode's multi_query (its default) is one key and value head for all queries.
+        multi_query = model_type == "gpt_bigcode" and hf.get("multi_query", True)
         return ModelConfig(
             name=name, vocab_size=hf["vocab_size"], hidden_size=hidden, num_layers=hf["n_layer"],
-            num_heads=hf["n_head"], ffn_hidden_size=hf.get("n_inner") or 4 * hidden,
+            num_heads=hf["n_head"], num_kv_heads=1 if multi_query else 0,
+            ffn_hidden_size=hf.get("n_inner") or 4 * hidden,
             max_seq_len=hf["n_positions"], norm="layernorm",
             norm_eps=hf.get("layer_norm_epsilon", 1e-5), position="learned", mlp="gelu",
             tie_embeddings=hf.get("tie_word_embeddings", True), bias=True,
@@ -94,7 +106,7 @@ def _model_config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
         max_seq_len=hf.get("max_position_embeddings", 2048), norm="rmsnorm",
         norm_eps=hf.get("rms_norm_eps", 1e-6), position="rope",
         rope_theta=_rope_theta(hf), mlp="swiglu",
-        tie_embeddings=hf.get("tie_word_embeddings", False),
+        tie_embeddings=hf.get("tie_word_embeddings", model_type == "gemma"),
         qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
         init_std=hf.get("initializer_range", 0.02))
     window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
@@ -106,7 +118,7 @@ def _model_config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
         fields.update(num_experts=hf["num_local_experts"],
                       num_experts_per_token=hf["num_experts_per_tok"],
                       router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.01))
-    if model_type == "deepseek_v3":
+    if model_type in DEEPSEEK:
         fields.update(
             num_experts=hf["n_routed_experts"], num_experts_per_token=hf["num_experts_per_tok"],
             num_shared_experts=hf.get("n_shared_experts", 0),
@@ -122,6 +134,16 @@ def _model_config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
             # DeepSeek-V3 balances its experts by the routing bias, not by an auxiliary loss
             # (its paper's update speed, 0.001 per step, for training from this config).
             router_aux_loss_coef=0.0, router_bias_update_rate=0.001)
+    if model_type == "deepseek_v2":
+        # DeepSeek-V2 scores experts by softmax and balances them by an auxiliary loss
+        # (aux_loss_alpha); its groups (topk_method group_limited_greedy) limit each token's
+        # devices, otherwise routing is over all experts.
+        grouped = hf.get("topk_method", "greedy") == "group_limited_greedy"
+        fields.update(router_score="softmax", norm_topk_prob=hf.get("norm_topk_prob", False),
+                      num_expert_groups=(hf.get("n_group") or 1) if grouped else 1,
+                      topk_expert_groups=(hf.get("topk_group") or 1) if grouped else 1,
+                      router_aux_loss_coef=float(hf.get("aux_loss_alpha", 0.001)),
+                      router_bias_update_rate=0.0)
     fields.update(_rope_scaling(hf, fields["max_seq_len"]))
     return ModelConfig(**fields)
 
