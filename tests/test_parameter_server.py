@@ -33,6 +33,7 @@ from tetrad.parallel.comm import Comm, CommCounter
 from tetrad.parallel.launch import HOST, WorkerFailed, init_worker
 from tetrad.parallel.mesh import Group, Mesh
 from tetrad.parallel.ps import KeyLayout, ParameterServer, PSOptions
+from tetrad.parallel.ps.protocol import FOREVER_S
 from tetrad.train import checkpoint as ckpt
 from tetrad.train.data import Dataset
 from tetrad.train.job import prepare
@@ -350,9 +351,11 @@ def test_dead_and_hung_workers_in_async_mode_do_not_stop_training(configs):
     # from its hang (2 s, after 3 steps) and sends again: the scheduler answers that it dropped it.
     config = replace(configs["converge"], steps=40)
     options = PSOptions(num_servers=1, mode="async", heartbeat_s=1.0, reply_timeout_s=6.0)
-    started = time.monotonic()
+    # A rank still running at the harness's deadline is killed and reported "died": a hang fails
+    # the statuses below, however loaded the machine is.
     outcomes = run_ranks_letting_some_die(
-        lossy_rank, 4, [Run(config, options, slow_rank=0, dying_worker=2, hanging_worker=1)])
+        lossy_rank, 4, [Run(config, options, slow_rank=0, dying_worker=2, hanging_worker=1)],
+        timeout_s=600.0)
     assert [status for status, _ in outcomes] == ["ok", "error", "died", "ok"], outcomes
     assert outcomes[2] == ("died", 0)
     assert "worker rank 1 was silent for more than 1 s and the scheduler dropped it" in \
@@ -366,16 +369,17 @@ def test_dead_and_hung_workers_in_async_mode_do_not_stop_training(configs):
     server = outcomes[3][1][0]
     assert server["summary"]["clocks"] == {"0": 40, "1": 3, "2": 3}
     assert server["summary"]["updates_applied"] == 40 + 3 + 3
-    assert time.monotonic() - started < 60
 
 
 def test_a_dead_server_stops_the_workers_with_its_name(configs):
-    started = time.monotonic()
+    # The workers must notice the death by their failed receive, not by a reply timeout: with
+    # none, a worker that waited for one would still wait when run_ranks gives up ("timed out
+    # waiting for ranks"), and the message checks below fail.
+    options = PSOptions(num_servers=1, reply_timeout_s=FOREVER_S)
     with pytest.raises(WorkerFailed) as failure:
-        run_ranks(ps_rank, 3, [Run(configs["converge"], PSOptions(num_servers=1),
-                                   dying_server=True)])
+        run_ranks(ps_rank, 3, [Run(configs["converge"], options, dying_server=True)],
+                  timeout_s=600.0)
     message = str(failure.value)
     assert "parameter scheduler and server rank 2" in message, message
     assert "training stops" in message and "--resume" in message, message
     assert "Traceback" not in message  # a TetradError: one clear line
-    assert time.monotonic() - started < 60
