@@ -22,7 +22,7 @@ from tetrad.parallel.comm import Comm
 from tetrad.parallel.compile import apply_compile
 from tetrad.parallel.mesh import Group
 from tetrad.parallel.ps.protocol import PSOptions, check_run, nbytes
-from tetrad.parallel.ps.worker import WorkerClient
+from tetrad.parallel.ps.worker import Admission, WorkerClient
 from tetrad.sharded_tensors import Piece
 from tetrad.train.microbatches import MicrobatchLoop, apply_precision, whole_sequences
 
@@ -31,16 +31,22 @@ class ParameterServerStrategy:
     idle_fraction = 0.0  # no pipeline, no bubble
 
     def __init__(self, model: nn.Module, config: TrainConfig, device: torch.device, world: Group,
-                 comm: Comm, options: PSOptions):
+                 comm: Comm, options: PSOptions, admission: Admission | None = None):
         """`config`: batch_size, grad_accum, dtype and fp8_recipe are read (the checks of
-        check_run)."""
+        check_run). `admission`: a spare joining a running job in a dead worker's place."""
         # Before the client flattens the parameters.
         apply_precision(model, config.dtype, config.fp8_recipe)
         self.model, self.config, self.device, self.options = model, config, device, options
         self.client = WorkerClient(model, world, comm, options)
+        self.joined = admission is not None
+        if self.joined:
+            self.client.take_over(admission)
+        # Steps past the start (or the checkpoint) the trainer skips: a spare's slot's clock.
+        self.first_step = self.client.clock
+        self.slot = self.client.slot
         self.comm, self.received = self.client.sent, self.client.received
         self.rank, self.world_size = self.client.rank, world.size
-        self.coords = {"dp": self.rank, "pp": 0, "cp": 0, "tp": 0, "ep": 0}
+        self.coords = {"dp": self.slot, "pp": 0, "cp": 0, "tp": 0, "ep": 0}
         self.num_workers = self.client.roles.num_workers
         check_run(config.batch_size, config.grad_accum, config.dtype, device, self.num_workers)
         self.clip_scale = 1.0
@@ -66,7 +72,7 @@ class ParameterServerStrategy:
     def local_batch(self, batch: torch.Tensor) -> torch.Tensor:
         """This worker's slice of the global batch; pulls the embedding rows it reads."""
         rows = batch.shape[0] // self.num_workers
-        local = batch[self.rank * rows:(self.rank + 1) * rows]
+        local = batch[self.slot * rows:(self.slot + 1) * rows]
         if self.client.embed is not None:
             self.client.pull_rows(torch.unique(local[:, :-1]))
         return local
@@ -127,7 +133,10 @@ class ParameterServerStrategy:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        """The replica's parameters; the servers load their own ranges and moments."""
+        """The replica's parameters; the servers load their own ranges and moments. A spare
+        that joined has the servers' current parameters already."""
+        if self.joined:
+            return
         for name, param in self.model.named_parameters():
             param.copy_(state["model"][name])
 

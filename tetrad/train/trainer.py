@@ -102,6 +102,7 @@ def train(job: PreparedJob | TrainConfig, make_strategy: Callable[..., Strategy]
     strategy = make_strategy(model, config, device)
     resume_from = job.resume_from
     start_step = resume(strategy, resume_from, model_config) if resume_from is not None else 0
+    start_step += getattr(strategy, "first_step", 0)  # a parameter-server spare joins mid-run
     if start_step > config.steps:
         raise ConfigError(f"the checkpoint in {config.checkpoint_dir} is at step {start_step}, "
                           f"past --steps {config.steps}: raise --steps to continue it")

@@ -72,6 +72,11 @@ class Scheduler:
             self.pulled[worker] = self.version
         return ready
 
+    def admit(self, worker: int, clock: int) -> None:
+        """A spare joins at `clock` (the slot's next step), with the parameters of now."""
+        self.clocks[worker] = clock
+        self.pulled[worker] = self.version
+
     def drop(self, worker: int) -> None:
         if worker not in self.dead:
             self.dead.append(worker)

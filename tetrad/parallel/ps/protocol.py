@@ -1,9 +1,10 @@
 """What the parameter server's ranks agree on: the options, who plays which role, how the
 parameters are cut into key ranges, and the messages on the wire.
 
-Roles: of N ranks, the first W = N - S are workers (so rank 0, which writes the run report, is a
-worker, as in every other layout) and the last S are servers; the first server is also the
-scheduler (membership, clocks, the staleness gate, the end of the run).
+Roles: of N ranks, the first W = N - S - J are workers (so rank 0, which writes the run report,
+is a worker, as in every other layout), then J spare workers (membership.py), and the last S are
+servers; the first server is also the scheduler (membership, clocks, the staleness gate, the end
+of the run).
 
 Keys: the parameters in model order, flattened into one dense key space that the servers split
 into S equal contiguous ranges, plus one sparse table (the untied input embedding) that they
@@ -51,6 +52,7 @@ class PSOptions:
     heartbeat_s: float = 120.0
     reply_timeout_s: float = 600.0
     replicas: int = 0  # 1: each server's key range replicated on the next server (its standby)
+    spares: int = 0  # worker ranks that wait to take a dead worker's place (async, ssp)
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_servers, int) or self.num_servers < 1:
@@ -73,43 +75,67 @@ class PSOptions:
         if self.replicas and self.mode != "sync":
             raise ConfigError(f"--ps-replicas 1 runs with --ps-mode sync only (got --ps-mode "
                               f"{self.mode}): an asynchronous update has no step to replay")
+        if not isinstance(self.spares, int) or self.spares < 0:
+            raise ConfigError(f"--ps-spares must be an integer >= 0, got {self.spares!r}")
+        if self.spares and self.mode == "sync":
+            raise ConfigError("--ps-spares joins a worker to a --ps-mode async or ssp run; a "
+                              "sync run cannot take a replacement worker yet (its dead "
+                              "worker's step is unfinished on the servers): use --ps-mode "
+                              "async or ssp, or restart the sync run from its checkpoint "
+                              "with --resume")
         if not 0 < self.heartbeat_s < self.reply_timeout_s:
             # A worker held by the ssp gate waits for the scheduler to drop a hung worker.
             raise ConfigError(f"the worker reply timeout ({self.reply_timeout_s} s) must exceed "
                               f"the heartbeat timeout ({self.heartbeat_s} s), both positive")
 
     def roles(self, world_size: int) -> "Roles":
-        if world_size <= self.num_servers:
+        if world_size <= self.num_servers + self.spares:
             raise ConfigError(f"{world_size} processes leave no worker beside {self.num_servers} "
-                              f"parameter server(s): make --nproc larger than --servers")
-        return Roles(world_size - self.num_servers, self.num_servers)
+                              f"parameter server(s) and {self.spares} spare(s): make --nproc "
+                              f"larger than --servers plus --ps-spares")
+        return Roles(world_size - self.num_servers - self.spares, self.num_servers, self.spares)
 
 
 @dataclass(frozen=True)
 class Roles:
+    """Ranks: the workers that start the run, the spares that wait to replace one, then the
+    servers."""
+
     num_workers: int
     num_servers: int
+    num_spares: int = 0
 
     @property
     def workers(self) -> range:
         return range(self.num_workers)
 
     @property
+    def spares(self) -> range:
+        return range(self.num_workers, self.first_server)
+
+    @property
+    def first_server(self) -> int:
+        return self.num_workers + self.num_spares
+
+    @property
     def servers(self) -> range:
-        return range(self.num_workers, self.num_workers + self.num_servers)
+        return range(self.first_server, self.first_server + self.num_servers)
 
     @property
     def scheduler(self) -> int:
-        return self.num_workers
+        return self.first_server
 
     def is_server(self, rank: int) -> bool:
-        return rank >= self.num_workers
+        return rank >= self.first_server
+
+    def is_spare(self, rank: int) -> bool:
+        return rank in self.spares
 
     def server_index(self, rank: int) -> int:
-        return rank - self.num_workers
+        return rank - self.first_server
 
     def server_rank(self, index: int) -> int:
-        return self.num_workers + index % self.num_servers
+        return self.first_server + index % self.num_servers
 
     def standby(self, index: int) -> int:
         """The server rank that keeps key range `index`'s replica (--ps-replicas 1)."""
@@ -119,7 +145,7 @@ class Roles:
         if self.is_server(rank):
             role = "scheduler and server" if rank == self.scheduler else "server"
             return f"parameter {role} rank {rank} ({self.server_index(rank)} of {self.num_servers})"
-        return f"worker rank {rank}"
+        return f"{'spare ' if self.is_spare(rank) else ''}worker rank {rank}"
 
 
 def check_run(batch_size: int, grad_accum: int, dtype: str, device: torch.device,
@@ -208,6 +234,8 @@ class Kind(IntEnum):
     DROPPED = 17  # scheduler -> worker: the answer to anything from a worker it dropped
     REPLICATE = 18  # server -> its standby: one applied update (mean gradient; lr, clip scale)
     REPLICATED = 19  # standby -> server: applied to the replica (the workers may have it now)
+    JOIN = 20  # spare -> scheduler: I can take a dead worker's place
+    ADMIT = 21  # scheduler -> spare: the slot (count; -1: not needed) and its clock
 
 
 # After these a peer sends nothing more: its receiving thread ends.

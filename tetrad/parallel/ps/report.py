@@ -31,9 +31,12 @@ def run_report(scheduler) -> dict:
         entries[worker] = {**empty_entry(worker, "worker"), "dead": True}
     for server in scheduler.standby.dead_servers:
         entries[server] = {**empty_entry(server, "server"), "dead": True}
+    for spare in scheduler.roles.spares:  # a spare that never joined
+        entries.setdefault(spare, empty_entry(spare, "spare"))
     entries.update(scheduler.server_entries)
     entries[scheduler.rank] = server_entry(scheduler)
     summary = {**scheduler.book.summary(), "num_servers": scheduler.roles.num_servers,
-               "dead_servers": sorted(scheduler.standby.dead_servers)}
+               "dead_servers": sorted(scheduler.standby.dead_servers),
+               "joined": {str(spare): slot for spare, slot in scheduler.members.joined.items()}}
     return {"ranks": [entries[rank] for rank in range(scheduler.world.size)],
             "summary": summary}

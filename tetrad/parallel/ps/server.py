@@ -5,11 +5,8 @@ ends the run.
 
 One thread per peer receives that peer's messages in order (header, then the payload the header
 implies) and queues them; the main thread handles them one at a time, so the state needs no lock
-and only the main thread sends. Why a thread per peer rather than one receive from any source:
-on gloo a receive from a specific peer fails at once when that peer's process dies (which is how
-a dead worker is noticed), while a receive from any source never hears of it and cannot be
-cancelled (a gloo wait that times out breaks the whole process group), and gloo's p2p work
-objects cannot be polled (is_completed only turns true inside wait).
+and only the main thread sends. (Not one receive from any source: on gloo only a receive from a
+specific peer fails when that peer dies; docs/parameter_server.md, "Receiving".)
 
 Modes: sync sums the pushes of every worker, sends each worker the squared norm of its range of
 the mean gradient, waits for every worker's STEP (learning rate, clip coefficient: the same on
@@ -23,7 +20,7 @@ a replica: after applying an update the server sends it the update (the mean gra
 rate and clip coefficient: the standby's AdamW step is the same arithmetic on the same numbers)
 and answers the workers only once the standby has applied it. When a server dies its standby
 serves the range too (standby.py has the range's state; the workers replay their step's messages
-to it, docs/parameter_server.md).
+to it, docs/parameter_server.md). Spare workers joining in a dead worker's place: membership.py.
 """
 
 from __future__ import annotations
@@ -44,6 +41,7 @@ from tetrad.parallel.ps.protocol import (FOREVER_S, HAS_NORM, LAST_KINDS, Kind, 
                                          Message, PSOptions, allocate, payload_spec, receive,
                                          record_received, send)
 from tetrad.parallel.ps.keys import OwnedKeys
+from tetrad.parallel.ps.membership import Membership
 from tetrad.parallel.ps.report import run_report, server_entry
 from tetrad.parallel.ps.standby import Served, StandbyRole
 
@@ -51,7 +49,6 @@ from tetrad.parallel.ps.standby import Served, StandbyRole
 @dataclass
 class Lost:
     """A peer's connection failed (its process died)."""
-
     peer: int
     error: str
 
@@ -73,6 +70,7 @@ class ParameterServer:
         self.workers = list(self.roles.workers)
         self.is_scheduler = self.rank == self.roles.scheduler
         self.book = Scheduler(self.workers, options.mode, options.staleness)
+        self.members = Membership(self)
         self.inbox: queue.Queue = queue.Queue()
         self.outgoing: list = []  # (worker, handle) of replies not yet known to be out
         self.updates = self.steps_seen = 0
@@ -90,8 +88,7 @@ class ParameterServer:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        """Resume from a checkpoint of any layout (whole tensors by name, as ZeRO's); the
-        replica it keeps for its previous server too."""
+        """Resume from a checkpoint of any layout (whole tensors by name); the replica too."""
         self.keys.load_state_dict(state)
         if self.standby.replica is not None:
             self.standby.replica.keys.load_state_dict(state)
@@ -104,11 +101,9 @@ class ParameterServer:
     def serve(self) -> dict:
         """Serve until every worker said goodbye (or died). Returns {"entry": this rank's
         run-report entry, "summary": the run summary (the scheduler's; None elsewhere)}."""
-        peers = list(self.workers)
-        if self.is_scheduler:
-            peers += [s for s in self.roles.servers if s != self.rank]
-        else:
-            peers.append(self.roles.scheduler)
+        servers = ([s for s in self.roles.servers if s != self.rank] if self.is_scheduler
+                   else [self.roles.scheduler])
+        peers = [*self.workers, *self.roles.spares, *servers]
         peers += [p for p in self.standby.peers() if p not in peers]
         for peer in peers:
             threading.Thread(target=self._listen, args=(peer,), daemon=True).start()
@@ -119,7 +114,8 @@ class ParameterServer:
                     Kind.PULL_ALL: self._on_pull_all, Kind.BYE: self._on_bye,
                     Kind.FINISH: self._on_finish, Kind.SERVER_ENTRY: self._on_server_entry,
                     Kind.REPLICATE: self.standby.on_replicate,
-                    Kind.REPLICATED: self.standby.on_replicated}
+                    Kind.REPLICATED: self.standby.on_replicated,
+                    Kind.JOIN: self.members.on_join}
         self.next_check = time.monotonic() + self.options.heartbeat_s / 4
         while not self._complete():
             item = self._next()
@@ -318,10 +314,9 @@ class ParameterServer:
 
     def _on_pull_all(self, message: Message) -> None:
         keys = self._range(message).keys
-        dense, table = keys.ranges
-        self._reply(message.sender, Message(
-            Kind.ALL_PARAMS, self.rank, payload=(dense.master, *keys.tables(table.master)),
-            key_range=keys.index))
+        payload = (keys.ranges[0].master, *keys.tables(keys.ranges[1].master))
+        self._reply(message.sender, Message(Kind.ALL_PARAMS, self.rank, payload=payload,
+                                            key_range=keys.index))
 
     # Membership and the end of the run --------------------------------------------------------
 
@@ -346,6 +341,9 @@ class ParameterServer:
             if self.is_scheduler:
                 self._maybe_finish()
             return
+        if peer not in self.workers:  # a spare not admitted (yet, or here: at FINISH)
+            self.members.spare_lost(peer)
+            return
         if peer in self.book.dead or peer in self.byes:
             return
         if self.options.mode == "sync" and peer not in self.done:
@@ -354,6 +352,8 @@ class ParameterServer:
                 f"at every step: the job stops (--ps-mode async or ssp trains on without it)")
         self.book.drop(peer)
         if self.is_scheduler:
+            if peer not in self.done:
+                self.members.vacate(peer)
             self._release_held()
             self._maybe_finish()
 
@@ -371,7 +371,9 @@ class ParameterServer:
         if not self.finish_sent:
             self.finish_sent = True
             for server in live_servers:
-                self._send(server, Message.carrying(Kind.FINISH, self.rank, self.book.dead))
+                self._send(server, Message.carrying(Kind.FINISH, self.rank,
+                                                    (self.workers, self.book.dead)))
+            self.members.dismiss()
         if self.finished or any(s not in self.server_entries for s in live_servers):
             return
         self.finished = True
@@ -381,12 +383,13 @@ class ParameterServer:
             self._reply(worker, Message.carrying(Kind.FINISHED, self.rank, report))
 
     def _on_finish(self, message: Message) -> None:
-        for worker in message.object():
+        self.workers, dead = message.object()  # with the spares that joined
+        for worker in dead:
             self.book.drop(worker)
         self.finish_sent = True
         self.result = {"entry": server_entry(self), "summary": None}
         self._send(self.roles.scheduler,
-                             Message.carrying(Kind.SERVER_ENTRY, self.rank, self.result["entry"]))
+                   Message.carrying(Kind.SERVER_ENTRY, self.rank, self.result["entry"]))
 
     def _on_server_entry(self, message: Message) -> None:
         self.server_entries[message.sender] = message.object()

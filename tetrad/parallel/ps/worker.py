@@ -26,6 +26,7 @@ the answer from the standby.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
@@ -37,7 +38,33 @@ from tetrad.parallel.mesh import Group
 from tetrad.parallel.ps.protocol import (FOREVER_S, HAS_NORM, Kind, KeyLayout, Message,
                                          PSOptions, allocate, payload_spec, per_step_by_tag,
                                          receive, record_received, send)
+from tetrad.parallel.ps.membership import NOT_NEEDED
 from tetrad.sharded_tensors import CHECKPOINT_KINDS, Piece, whole_pieces
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A spare's place in a running job: the slot of the worker it replaces (which slice of each
+    global batch it trains on) and that slot's clock (the step it continues at)."""
+
+    slot: int
+    clock: int
+
+
+def await_admission(world: Group, comm: Comm, options: PSOptions) -> Admission | None:
+    """A spare rank asks the scheduler to JOIN and waits, with no useful bound (a spare may wait
+    out the whole run), until it is admitted to a dead worker's slot; None when the run ended
+    without needing it."""
+    roles, rank = options.roles(world.size), world.ranks[world.index]
+    try:
+        for handle in send(comm, world, roles.scheduler, Message(Kind.JOIN, rank)):
+            handle.wait(options.reply_timeout_s)
+        answer = receive(comm, world, roles.scheduler, lambda message: [], FOREVER_S)
+    except RuntimeError as error:
+        raise TetradError(f"{roles.describe(rank)} could not join: "
+                          f"{roles.describe(roles.scheduler)} failed to answer "
+                          f"({str(error).splitlines()[0]})") from None
+    return None if answer.count == NOT_NEEDED else Admission(answer.count, answer.clock)
 
 
 class WorkerClient:
@@ -56,6 +83,7 @@ class WorkerClient:
         self.pushes: dict[int, Message] = {}  # this step's push of each range (for replays)
         self.layout = KeyLayout.from_model(model, options.num_servers)
         self.clock = 0
+        self.slot = self.rank  # which slice of each global batch it trains on
         self.touched: torch.Tensor | None = None  # sorted ids of the rows this step reads
         params = dict(model.named_parameters())
         self.flat = torch.empty(self.layout.dense_numel)
@@ -67,6 +95,12 @@ class WorkerClient:
             param.data = view
             param.grad = self.flat_grad[offset:offset + param.numel()].view_as(param)
         self.embed = params[self.layout.sparse] if self.layout.sparse else None
+
+    def take_over(self, admission: Admission) -> None:
+        """A spare admitted to a running job: the dead worker's slot and clock, the servers'
+        current parameters (every row)."""
+        self.slot, self.clock = admission.slot, admission.clock
+        self._pull_all()
 
     # Talking to the servers ----------------------------------------------------------------
 

@@ -1,0 +1,117 @@
+"""Spare workers joining a running parameter-server job (--ps-spares, async mode): a worker is
+SIGKILLed mid-run, a spare takes its slot at once and trains on from the slot's clock on the
+servers' current parameters; a second spare is never needed and goes home.
+
+One spawn: workers 0 and 1, spares 2 and 3, one server (rank 4). Worker 1 dies when it starts
+its step 3 (after 3 applied pushes); the spare that asked first is admitted to slot 1 at clock 3.
+"""
+
+import os
+import signal
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_parameter_server import run_ranks_letting_some_die
+
+from tetrad.errors import ConfigError
+from tetrad.parallel.comm import Comm, CommCounter
+from tetrad.parallel.mesh import Group
+from tetrad.parallel.ps import ParameterServer, PSOptions
+from tetrad.parallel.ps.worker import await_admission
+from tetrad.spec.model import TrainConfig
+from tetrad.train.job import prepare
+from tetrad.train.optim import build_optimizer, parameter_groups
+from tetrad.train.ps_strategy import ParameterServerStrategy
+from tetrad.train.trainer import build_model, train
+
+WORKERS, SPARES, SERVERS = 2, 2, 1
+STEPS, DIES_AT = 6, 3
+DYING = 1
+
+
+class MortalWorker(ParameterServerStrategy):
+    def local_batch(self, batch):
+        if self.rank == DYING and self.clock == DIES_AT:
+            os.kill(os.getpid(), signal.SIGKILL)
+        local = super().local_batch(batch)
+        self.batches.append((batch.tolist(), local.tolist()))
+        return local
+
+
+def join_rank(rank: int, world_size: int, config: TrainConfig, options: PSOptions) -> dict:
+    torch.set_num_threads(1)
+    world = Group("world", tuple(range(world_size)), rank, dist.group.WORLD)
+    comm = Comm(CommCounter())
+    roles = options.roles(world_size)
+    if roles.is_server(rank):
+        model_config, _, _ = prepare(config)
+        model = build_model(model_config, config)
+        defaults = build_optimizer([torch.empty(0)], config).defaults
+        server = ParameterServer(model, parameter_groups(model, config.weight_decay), world,
+                                 comm, options, defaults["betas"], defaults["eps"])
+        return {"summary": server.serve()["summary"], "updates": server.updates}
+    admission = await_admission(world, comm, options) if roles.is_spare(rank) else None
+    if roles.is_spare(rank) and admission is None:
+        return {"admitted": False}
+    made = []
+
+    def make(model, config, device):
+        made.append(MortalWorker(model, config, device, world, comm, options, admission))
+        made[0].batches = []
+        return made[0]
+
+    report = train(config, make, show_progress=False).report
+    worker = made[0]
+    return {"steps": [s["step"] for s in report["steps"]],
+            "losses": [s["loss"] for s in report["steps"]],
+            "batches": worker.batches, "slot": worker.slot, "ranks": report["ranks"], "summary": worker.summary}
+
+
+def test_a_spare_takes_a_dead_workers_place_in_async_mode(corpus_file):
+    config = TrainConfig(model="tiny", data=corpus_file, steps=STEPS, batch_size=8, seq_len=32,
+                         warmup_steps=2, sample_tokens=0)
+    options = PSOptions(num_servers=SERVERS, mode="async", spares=SPARES, heartbeat_s=60.0,
+                        reply_timeout_s=120.0)
+    outcomes = run_ranks_letting_some_die(join_rank, WORKERS + SPARES + SERVERS, config,
+                                          options, timeout_s=600.0)
+    assert [status for status, _ in outcomes] == ["ok", "died", "ok", "ok", "ok"], outcomes
+    assert outcomes[1][1] == -signal.SIGKILL
+    worker, server = outcomes[0][1], outcomes[4][1]
+    (joined, spare), = [(rank, outcomes[rank][1]) for rank in (2, 3)
+                        if outcomes[rank][1] != {"admitted": False}]
+    # The spare continues slot 1 where worker 1 stopped: its steps DIES_AT+1 .. STEPS (the
+    # trainer's 1-based numbers), on slot 1's rows of those global batches.
+    assert spare["slot"] == 1 and spare["steps"] == list(range(DIES_AT + 1, STEPS + 1))
+    assert worker["steps"] == list(range(1, STEPS + 1))
+    rows = config.batch_size // WORKERS
+    assert [whole for whole, _ in spare["batches"]] == [
+        whole for whole, _ in worker["batches"][DIES_AT:]]
+    assert [local for _, local in spare["batches"]] == [
+        whole[rows:2 * rows] for whole, _ in spare["batches"]]
+    summary = server["summary"]
+    assert summary["joined"] == {str(joined): 1} and summary["dead_workers"] == [1]
+    assert summary["clocks"] == {"0": STEPS, "1": DIES_AT, str(joined): STEPS}
+    # Every push of the spare's was applied: the server's updates count them.
+    assert summary["updates_applied"] == server["updates"] == STEPS + DIES_AT + STEPS - DIES_AT
+    # It started from the servers' parameters of the moment, not the seed's: its first loss is
+    # below the initial loss of the run (worker 0's first).
+    assert spare["losses"][0] < worker["losses"][0]
+    assert worker["summary"] == summary
+    roles = {joined: ("worker", False), 5 - joined: ("spare", False)}
+    assert [(e["role"], e.get("dead", False)) for e in worker["ranks"]] == [
+        ("worker", False), ("worker", True), roles[2], roles[3], ("server", False)]
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(spares=1), "cannot take a replacement worker yet"),
+    (dict(spares=-1, mode="async"), "--ps-spares must be an integer >= 0"),
+])
+def test_spares_refused_where_they_cannot_join(options, message):
+    with pytest.raises(ConfigError, match=message):
+        PSOptions(**options)
+
+
+def test_spares_need_a_worker_beside_them():
+    with pytest.raises(ConfigError, match="leave no worker beside 1 parameter server"):
+        PSOptions(mode="async", spares=2).roles(3)
