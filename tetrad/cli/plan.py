@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from tetrad.planner.stacks import DEFAULT_STACK, STACKS
+from tetrad.spec.layout import RECOMPUTE_MODES
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="preset name (llama3-70b, deepseek-r1, ...), HF config.json or folder")
     parser.add_argument("--gpu", required=True,
-                        help="GPU (h100-sxm, a100-80gb, rtx-4090, ...) or server (dgx-h100)")
+                        help="GPU (h100-sxm, a100-80gb, rtx-4090, ...), server (dgx-h100), "
+                             "profile file, or either with numbers replaced inline: "
+                             "h100,hbm=96GB,bw=2.4TB/s,price=2.5 (docs/planner.md)")
     parser.add_argument("--num-gpus", type=int, required=True)
     parser.add_argument("--gpus-per-node", type=int, default=None,
                         help="GPUs sharing NVLink/PCIe (default 8)")
@@ -22,6 +26,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int)
     parser.add_argument("--pp", type=int)
     parser.add_argument("--ep", type=int)
+    parser.add_argument("--price-per-gpu-hour", type=float, default=None, metavar="USD",
+                        help="rental price per GPU-hour for cost and tokens per dollar "
+                             "(default: the catalog's on-demand list price, docs/planner.md)")
     parser.add_argument("--top", type=int, default=5, help="how many layouts to show")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--png", metavar="PATH", help="save a memory-breakdown picture")
@@ -40,7 +47,7 @@ def add_parser(subparsers) -> None:
     train.add_argument("--vpp", type=int, help="model chunks per pipeline rank (interleaved)")
     train.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
     train.add_argument("--offload", action="store_true", help="optimizer state in CPU memory")
-    train.add_argument("--recompute", choices=("none", "selective", "full"))
+    train.add_argument("--recompute", choices=RECOMPUTE_MODES)
     train.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction,
                        default=None, help="default: on whenever tp > 1")
     train.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zb"))
@@ -68,10 +75,10 @@ def add_parser(subparsers) -> None:
                        ("p2p", "pipeline sends and receives behind compute")):
         train.add_argument(f"--overlap-{name}", action=argparse.BooleanOptionalAction,
                            default=None, help=f"overlap {what} (default: the stack's)")
-    serve = modes.add_parser("serve", help="plan serving (inference)")
     train.add_argument("--node-limited-dispatch", action="store_true",
                        help="DeepSeek-V3's expert dispatch: a token crosses the network once "
                             "per node holding its experts, at most topk_expert_groups nodes")
+    serve = modes.add_parser("serve", help="plan serving (inference)")
     _common(serve)
     serve.add_argument("--dtype", default="bf16",
                        choices=("fp32", "bf16", "fp16", "fp8", "int8", "int4"),
@@ -91,8 +98,9 @@ def _check_numbers(args: argparse.Namespace) -> None:
     number is bounded (tetrad.planner.limits) before any search, so none can make it run long or
     come back out as NaN."""
     from tetrad.hardware.catalog import MAX_GPUS
-    from tetrad.planner.limits import (MAX_GLOBAL_BATCH, MAX_NIC_GBPS, MAX_SEQ_LEN, MAX_TOKENS,
-                                       MIN_NIC_GBPS, check_count, check_number)
+    from tetrad.planner.limits import (MAX_GLOBAL_BATCH, MAX_NIC_GBPS, MAX_PRICE_PER_GPU_HOUR,
+                                       MAX_SEQ_LEN, MAX_TOKENS, MIN_NIC_GBPS, check_count,
+                                       check_number)
 
     cluster = (MAX_GPUS, "the largest cluster the planner is meant for")
     batch = (MAX_GLOBAL_BATCH, "8,000 times the largest published batch (Llama 3's 2,048)")
@@ -113,6 +121,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
             check_count(f"--{name.replace('_', '-')}", getattr(args, name), at_most, why)
     check_number("--nic-gbps", args.nic_gbps, MIN_NIC_GBPS, MAX_NIC_GBPS,
                  "60 times the fastest NIC (1.6 Tb/s)")
+    check_number("--price-per-gpu-hour", args.price_per_gpu_hour, 0, MAX_PRICE_PER_GPU_HOUR,
+                 "a hundred times the dearest on-demand GPU-hour", low_allowed=False)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -126,6 +136,9 @@ def run(args: argparse.Namespace) -> int:
         check_picture_path(args.png)
     config = resolve_model(args.model)
     world = cluster(args.gpu, args.num_gpus, args.gpus_per_node, args.nic_gbps)
+    if args.price_per_gpu_hour is not None:
+        world = world.replace(gpu=dataclasses.replace(world.gpu,
+                                                      price_per_hour=args.price_per_gpu_hour))
     if args.mode == "train":
         return _train(args, config, world)
     return _serve(args, config, world)

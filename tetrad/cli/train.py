@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from tetrad.spec.layout import OFFLOAD_MODES
+from tetrad.spec.layout import OFFLOAD_MODES, RECOMPUTE_MODES
 from tetrad.spec.model import DEVICES, DTYPES, FP8_RECIPES
 from tetrad.schedules import SCHEDULES
 
@@ -109,7 +109,7 @@ def add_parser(subparsers) -> None:
     distributed.add_argument("--stage-layers", type=layer_counts, metavar="N,N,...",
                              help="layers per pipeline stage, e.g. 3,4,4,3 (default: balanced "
                                   "by cost)")
-    distributed.add_argument("--recompute", choices=("none", "selective", "full"),
+    distributed.add_argument("--recompute", choices=RECOMPUTE_MODES,
                              help="activation recomputation")
     distributed.add_argument("--zero", type=int, choices=(0, 1, 2, 3),
                              help="0: DDP; 1: shard optimizer state; 2: and gradients; "
@@ -147,6 +147,9 @@ def add_parser(subparsers) -> None:
     ps.add_argument("--ps-replicas", type=int, choices=(0, 1),
                     help="1: each server's key range replicated on the next server, which takes "
                          "over when it dies (sync, --servers 2 or more; default 0)")
+    ps.add_argument("--ps-spares", type=int, metavar="N",
+                    help="async, ssp: N more worker processes that wait and take a dead worker's "
+                         "place in the running job (default 0)")
     parser.set_defaults(run=run)
 
 

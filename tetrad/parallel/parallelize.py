@@ -79,13 +79,13 @@ def parallelize(model: Transformer, mesh: Mesh, comm: Comm, parallel: ParallelCo
     stage_layers its pipeline cut), which parallelize trusts. `compile`: regional compilation
     (tetrad.parallel.compile)."""
     config = model.config
-    runs = range(config.num_layers)
+    stages = [range(config.num_layers)]
     cut = None
     if parallel.pp > 1:  # the blocks of this rank's stages (stage s lives on rank s % pp)
         cut = partition(config, parallel.pp * parallel.vpp, seq_len, parallel.stage_layers or None)
-        runs = [layer for stage in rank_stages(mesh.coords["pp"], cut.num_stages, parallel.pp,
-                                               parallel.schedule in V_SHAPED)
-                for layer in cut.layers(stage)]
+        stages = [cut.layers(stage) for stage in rank_stages(
+            mesh.coords["pp"], cut.num_stages, parallel.pp, parallel.schedule in V_SHAPED)]
+    runs = [layer for layers in stages for layer in layers]
     overlap = bool(parallel.overlap)  # None (not decided by a launcher) counts as off
     experts = (apply_expert_parallel(model, mesh, comm, layers=runs, overlap=overlap)
                if parallel.ep > 1 else None)
@@ -95,7 +95,7 @@ def parallelize(model: Transformer, mesh: Mesh, comm: Comm, parallel: ParallelCo
               if parallel.tp > 1 else None)
     if compile:
         apply_compile(model, parallel.pp > 1 and parallel.schedule in SPLIT_BACKWARD)
-    apply_recompute(model, parallel.recompute)
+    apply_recompute(model, parallel.recompute, stages)
     pipeline = None
     if parallel.pp > 1:
         pipeline = PipelineExecutor.from_model(

@@ -16,22 +16,31 @@ What selective saves depends on the attention kernel, measured by tests/test_rec
 - Ring attention (context parallelism) is already flash-style, and recomputing it would send its
   K/V around the ring again: selective leaves it alone.
 
-Full recomputation re-runs a block's communication too (ring attention's K/V hops, expert
+- sqrt (Chen et al. 2016, √N checkpointing): the N blocks of each pipeline stage (the whole
+  model without a pipeline) are cut into consecutive segments of k = ceil(sqrt(N)) blocks (the
+  last one shorter when k does not divide N; tetrad.spec.layout.sqrt_segments), and only each segment's input is
+  kept: ceil(N / k) hidden states. Backward runs one segment's forward again at a time, so at
+  its peak it also holds one segment's internals (its k blocks' saved tensors), where full holds
+  one block's: about 2 sqrt(N) hidden-state-sized sets in all instead of N. Every block's forward
+  runs once more, as under full.
+
+Full and sqrt recomputation re-run a block's communication too (ring attention's K/V hops, expert
 parallelism's all-to-alls) during backward; the byte counters see that traffic.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch import nn
+from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, checkpoint
 
 from tetrad.errors import ConfigError
+from tetrad.memory import storage_id
+from tetrad.spec.layout import RECOMPUTE_MODES as MODES, sqrt_segments
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.context_parallel import RingAttention
-
-MODES = ("none", "selective", "full")
 
 
 class RecomputedAttention:
@@ -61,12 +70,111 @@ class RecomputedBlock:
         return checkpoint(self.forward, x, rope, attend, use_reentrant=False)
 
 
-def apply_recompute(model: Transformer, mode: str) -> None:
-    """Recompute `mode` on every block of `model`. Apply after context parallelism (selective
-    recognizes ring attention), after expert parallelism and after compilation (full wraps the
-    compiled forward); losses and gradients are unchanged."""
+class CheckpointedSegment:
+    """Consecutive blocks under one checkpoint that only keeps the first block's inputs.
+
+    The blocks are still called one by one by the model's (or the pipeline stage's) loop, with
+    their module hooks (ZeRO-3's gathers): the first block's forward opens torch's non-reentrant
+    checkpoint region and the last one's closes it, so every tensor saved in between is dropped
+    and made again in backward by `rerun`, which calls the same modules on the kept input.
+
+    rerun_peak_bytes: the most bytes one rerun saved for the segment's backward (each storage
+    once, parameters not counted, the kept input included when the rerun saves it): what the
+    recomputation adds to what the forward kept, at most, while its backward runs."""
+
+    def __init__(self, blocks: Sequence[nn.Module]):
+        self.blocks = list(blocks)
+        self.forwards = [block.forward for block in self.blocks]
+        self.parameter_storages = {storage_id(p) for block in self.blocks
+                                   for p in block.parameters()}
+        self.region = None
+        self.rerunning = False
+        self.rerun_peak_bytes = 0
+
+    def rerun(self, x: torch.Tensor, rope, attend) -> None:
+        # torch's recomputation hook packs what the rerun saves; counting passes each tensor on
+        # to it, so the recomputation is unchanged.
+        pack, unpack = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        saved: dict[int, int] = {}
+
+        def counted(tensor: torch.Tensor):
+            key = storage_id(tensor)
+            if key not in self.parameter_storages:
+                saved[key] = tensor.untyped_storage().nbytes()
+            return pack(tensor)
+
+        self.rerunning = True
+        try:  # torch stops the rerun by an exception once the last saved tensor is made again
+            with torch.autograd.graph.saved_tensors_hooks(counted, unpack):
+                for block in self.blocks:
+                    x = block(x, rope, attend)
+        finally:
+            self.rerunning = False
+            self.rerun_peak_bytes = max(self.rerun_peak_bytes, sum(saved.values()))
+
+    def forward(self, index: int, x: torch.Tensor, rope, attend) -> torch.Tensor:
+        if self.rerunning or not torch.is_grad_enabled():
+            return self.forwards[index](x, rope, attend)
+        if index == 0:
+            self.region = _checkpoint_without_reentrant_generator(
+                self.rerun, True, *_DEFAULT_CHECKPOINT_FLAGS, x, rope, attend)
+            next(self.region)
+        out = self.forwards[index](x, rope, attend)
+        if index == len(self.blocks) - 1:
+            region, self.region = self.region, None
+            next(region, None)
+        return out
+
+
+class SegmentForward:
+    """The forward installed on a segment's block (parameter names stay the plain model's)."""
+
+    def __init__(self, segment: CheckpointedSegment, index: int):
+        self.segment = segment
+        self.index = index
+
+    def __call__(self, x: torch.Tensor, rope, attend=None) -> torch.Tensor:
+        return self.segment.forward(self.index, x, rope, attend)
+
+
+# torch.utils.checkpoint's defaults after preserve_rng_state: context_fn, determinism_check,
+# debug, early_stop.
+_DEFAULT_CHECKPOINT_FLAGS = (torch.utils.checkpoint.noop_context_fn,
+                             torch.utils.checkpoint._DEFAULT_DETERMINISM_MODE, False, True)
+
+
+def apply_sqrt_segments(blocks: Sequence[nn.Module]) -> list[CheckpointedSegment]:
+    """--recompute sqrt on one stage's blocks, in the order its forward calls them."""
+    segments, start = [], 0
+    for size in sqrt_segments(len(blocks)):
+        segment = CheckpointedSegment(blocks[start:start + size])
+        for index, block in enumerate(segment.blocks):
+            block.forward = SegmentForward(segment, index)
+        segments.append(segment)
+        start += size
+    return segments
+
+
+def recompute_peak_bytes(model: nn.Module) -> int:
+    """The most bytes one recomputed segment of `model` saved so far (0 without --recompute
+    sqrt)."""
+    return max((block.forward.segment.rerun_peak_bytes for block in model.modules()
+                if isinstance(block.__dict__.get("forward"), SegmentForward)), default=0)
+
+
+def apply_recompute(model: Transformer, mode: str,
+                    stages: Sequence[Sequence[int]] | None = None) -> None:
+    """Recompute `mode` on every block of `model`; `stages`: the layer indices of each pipeline
+    stage this rank runs (sqrt cuts each into its own segments; default one stage of every
+    layer). Apply after context parallelism (selective recognizes ring attention), after expert
+    parallelism and after compilation (full wraps the compiled forward); losses and gradients
+    are unchanged."""
     if mode not in MODES:
         raise ConfigError(f"--recompute must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "sqrt":
+        for layers in stages if stages is not None else [range(len(model.layers))]:
+            apply_sqrt_segments([model.layers[layer] for layer in layers])
+        return
     for block in model.layers:
         if mode == "full":
             block.forward = RecomputedBlock(block.forward)

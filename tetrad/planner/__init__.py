@@ -15,6 +15,8 @@ from tetrad.spec.model import ModelConfig, ParallelConfig
 from tetrad.hardware.catalog import GPU, Cluster
 from tetrad.hardware.profile import cluster as make_cluster
 from tetrad.planner import eager
+from tetrad.planner.eager_activations import recompute_bytes
+from tetrad.planner.eager_params import rank_stages
 from tetrad.planner.eager_time import rank_time
 from tetrad.planner.comm import CommLedger
 from tetrad.planner.layout import TrainLayout
@@ -111,6 +113,12 @@ def predict_run(resolved: ResolvedLayout, micro_batch: int, num_microbatches: in
             for rank in eager.pipeline_ranks(model_config, layout, seq_len, workload.precision)]
         for stage, seconds in zip(predicted["stages"], exposed or ()):
             stage["comm_exposed_s"] = seconds
+    if runtime == "tetrad" and layout.recompute == "sqrt":
+        for pp_rank, entry in ([(estimate.fullest_stage, predicted)]
+                               + list(enumerate(predicted.get("stages", ())))):
+            entry["bytes"]["recompute_peak"] = max(
+                recompute_bytes(model_config, layout, stage, seq_len, workload.precision)
+                for stage in rank_stages(layout, pp_rank))
     return predicted
 
 

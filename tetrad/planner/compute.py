@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from tetrad.spec.layout import FORWARD_AGAIN
 from tetrad.spec.model import ModelConfig
 from tetrad.hardware.catalog import GPU
 from tetrad.planner.flops import Gemm, attention_core_flops, attention_head_dims, head_gemm, \
@@ -153,7 +154,7 @@ def layer_times(config: ModelConfig, gpu: GPU, layer: int, micro_batch: int, seq
     elementwise = bandwidth_time(gpu, per_token * tokens, num_kernels)
     forward = matmul + attention_forward + elementwise
     backward = 2 * matmul + attention_backward + 2 * elementwise
-    if recompute == "full":
+    if recompute in FORWARD_AGAIN:
         again = forward
     elif recompute == "selective":
         again = attention_forward

@@ -10,8 +10,10 @@ and the vocabulary are 1/tp wide; MoE layers run whole on every tp rank.
 
 from __future__ import annotations
 
+import dataclasses
 from functools import lru_cache
 
+from tetrad.spec.layout import FORWARD_AGAIN, sqrt_segments
 from tetrad.spec.model import ModelConfig
 from tetrad.planner.eager_params import block_params, kv_heads_per_rank, stage_blocks
 from tetrad.planner.layout import TrainLayout
@@ -122,8 +124,9 @@ def block_bytes(config: ModelConfig, layout: TrainLayout, layer: int, seq_len: i
     """Bytes one block saves for backward, for one microbatch on one rank."""
     act, stream, h = precision.activation_bytes, precision.param_bytes, config.hidden_size
     t, stream_tokens = tokens(layout, seq_len)
-    if layout.recompute == "full":
-        return stream_tokens * h * stream  # the checkpoint keeps the block's input only
+    if layout.recompute in FORWARD_AGAIN:
+        # The checkpoint keeps the block's input only (sqrt: a segment's first block's).
+        return stream_tokens * h * stream
     heads = config.num_heads // layout.tp
     q, kv = heads * config.head_dim, kv_heads_per_rank(config, layout.tp) * config.head_dim
     fp8 = precision.compute_dtype == "fp8"
@@ -182,9 +185,13 @@ def stage_bytes(config: ModelConfig, layout: TrainLayout, stage: int, seq_len: i
                 precision: TrainingPrecision) -> float:
     """Bytes one microbatch of pipeline stage `stage` (the whole model without a pipeline)
     keeps until its backward."""
-    total = sum(block_bytes(config, layout, layer, seq_len, precision)
-                for layer in stage_blocks(config, layout, stage))
-    if layout.recompute != "full" and config.position == "rope":
+    blocks = stage_blocks(config, layout, stage)
+    if layout.recompute == "sqrt" and blocks:
+        kept = blocks[::sqrt_segments(len(blocks))[0]]  # the segments' first blocks
+    else:
+        kept = blocks
+    total = sum(block_bytes(config, layout, layer, seq_len, precision) for layer in kept)
+    if layout.recompute not in FORWARD_AGAIN and config.position == "rope":
         total += 2 * seq_len // layout.cp * config.head_dim * FP32  # cos and sin
     if stage == 0:
         total += _token_ids(layout, seq_len)
@@ -193,6 +200,23 @@ def stage_bytes(config: ModelConfig, layout: TrainLayout, stage: int, seq_len: i
     if stage == layout.pp * layout.vpp - 1:
         total += _head_and_loss(config, layout, seq_len, precision)
     return total
+
+
+@lru_cache(maxsize=1024)
+def recompute_bytes(config: ModelConfig, layout: TrainLayout, stage: int, seq_len: int,
+                    precision: TrainingPrecision) -> float:
+    """--recompute sqrt: the most bytes one segment of stage `stage` saves when backward runs its
+    forward again (its blocks' tensors as without recomputation, the rotary tables, and its
+    input, which the rerun saves again), on top of what the forward kept; 0 otherwise."""
+    blocks = stage_blocks(config, layout, stage)
+    if layout.recompute != "sqrt" or not blocks:
+        return 0.0
+    plain = dataclasses.replace(layout, recompute="none")
+    rope = 2 * seq_len // layout.cp * config.head_dim * FP32 if config.position == "rope" else 0
+    starts = range(0, len(blocks), sqrt_segments(len(blocks))[0])
+    return max(sum(block_bytes(config, plain, layer, seq_len, precision)
+                   for layer in blocks[start:start + size]) + rope
+               for start, size in zip(starts, sqrt_segments(len(blocks))))
 
 
 @lru_cache(maxsize=64)

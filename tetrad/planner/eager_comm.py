@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from tetrad.spec.layout import FORWARD_AGAIN, sqrt_segment_ends
 from tetrad.spec.model import ModelConfig
 from tetrad.planner.comm import CommLedger
 from tetrad.planner.eager_activations import tokens
@@ -63,19 +64,22 @@ SCALAR = 8  # the fp64 scalars all-reduced for the logs and the gradient norm
 
 def tensor_parallel_block(ledger: CommLedger, config: ModelConfig, layout: TrainLayout,
                            layer: int, s_p: float, s_a: float, count: int, backwards: int,
-                           reruns: int) -> None:
+                           reruns: int, whole_rerun: bool = False) -> None:
     """One block's f/g (or SP's gathers and scatters) over `count` microbatches, each with
     `backwards` backward passes through it and `reruns` recomputed forwards, which stop after
     the block's last saved tensor: before the MLP's closing g, unless overlap is on (the
-    overlapped row-parallel layer's saved tensors are packed when it returns, after its g)."""
+    overlapped row-parallel layer's saved tensors are packed when it returns, after its g), or
+    `whole_rerun` (a block before the last of a --recompute sqrt segment: the next block needs
+    its output)."""
     tp, moe = layout.tp, config.is_moe_layer(layer)
     pairs = 1 if moe else 2  # column-parallel entries and row-parallel exits per block
-    exits = pairs + reruns * (pairs if layout.overlap else 1)  # g (g_bar_seq), forwards
+    closes = layout.overlap or whole_rerun
+    exits = pairs + reruns * (pairs if closes else 1)  # g (g_bar_seq), forwards
     if moe and config.num_shared_experts:
         # The shared experts, split like a dense MLP inside the whole MoE layer: f and g over
         # all tokens, SP or overlap or not. A recomputed forward stops before their closing g,
         # unless overlap runs them behind expert parallelism's dispatch, mid-layer.
-        rerun = reruns if layout.overlap and layout.ep > 1 else 0
+        rerun = reruns if (layout.overlap and layout.ep > 1) or whole_rerun else 0
         ledger.add("all_reduce", tp, s_a, count * (1 + rerun))
         ledger.add("all_reduce", tp, s_p, count * backwards)
     if not layout.sequence_parallel:
@@ -102,11 +106,13 @@ def _activations(ledger: CommLedger, config: ModelConfig, layout: TrainLayout, s
     for stage in rank_stages(layout, pp_rank):
         # Zero bubble's W walks the stage's graph again (see the module doc).
         backwards = 2 if layout.schedule in SPLIT_BACKWARD and stage > 0 else 1
-        reruns = backwards if layout.recompute == "full" else 0
+        reruns = backwards if layout.recompute in FORWARD_AGAIN else 0
         forwards = 1 + reruns
-        for layer in stage_blocks(config, layout, stage):
+        blocks = stage_blocks(config, layout, stage)
+        ends = set(sqrt_segment_ends(blocks)) if layout.recompute == "sqrt" else set(blocks)
+        for layer in blocks:
             tensor_parallel_block(ledger, config, layout, layer, t * h * stream, t * h * act, m,
-                                   backwards, reruns)
+                                   backwards, reruns, whole_rerun=layer not in ends)
             ledger.add("p2p", 1, kv * act, m * (layout.cp - 1) * (forwards + backwards))
             ledger.add("p2p", 1, kv * FP32, m * (layout.cp - 1) * backwards)
             if config.is_moe_layer(layer):

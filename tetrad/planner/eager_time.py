@@ -56,6 +56,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from tetrad.spec.layout import FORWARD_AGAIN
 from tetrad.spec.model import ModelConfig
 from tetrad.hardware.efficiency import EfficiencyProfile
 from tetrad.hardware.catalog import Cluster
@@ -101,7 +102,7 @@ def block_operators(config: ModelConfig, layout: TrainLayout, layer: int) -> Ope
         # pace: 5 operators more per index than the first's)
         forward += 44 * layout.cp - 14
         backward += 77 * layout.cp + 9
-    if layout.recompute == "full":
+    if layout.recompute in FORWARD_AGAIN:
         backward += forward
     return Operators(forward, backward)
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from tetrad.spec.layout import FORWARD_AGAIN
 from tetrad.spec.model import ModelConfig
 from tetrad.planner.model_stats import active_parameters
 
-RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +129,7 @@ def training_flops_per_sequence(config: ModelConfig, seq_len: int,
     repeats only the attention core (Korthikanti et al. 2022)."""
     parts = forward_flops_per_sequence(config, seq_len)
     model = 3.0 * sum(parts.values())
-    if recompute == "full":
+    if recompute in FORWARD_AGAIN:
         extra = parts["matmuls"] + parts["attention"]
     elif recompute == "selective":
         extra = parts["attention"]

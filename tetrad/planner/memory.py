@@ -15,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
+from tetrad.spec.layout import FORWARD_AGAIN, sqrt_segments
 from tetrad.spec.model import ModelConfig
 from tetrad.errors import ConfigError
 from tetrad.planner import eager
@@ -178,8 +179,9 @@ def activation_bytes_per_layer(config: ModelConfig, layer: int, micro_batch: int
     tokens = micro_batch * seq_len / cp
     h = config.hidden_size
     replicated_split = tp if sequence_parallel else 1
-    if recompute == "full":
-        return tokens * h * act_bytes / replicated_split  # only the block's input
+    if recompute in FORWARD_AGAIN:
+        # Only the block's input (sqrt: only a segment's first block's; the stage counts them).
+        return tokens * h * act_bytes / replicated_split
     mask = 1.0 if options.dropout else 0.0
     # Inputs of the two norms and of the first matmul of each sub-block, two dropout masks.
     replicated = 4 * h * act_bytes + 2 * h * mask
@@ -233,6 +235,18 @@ def _stage_microbatch_activations(config: ModelConfig, num_stages: int, stage: i
     args = (micro_batch, seq_len, tp, cp, sequence_parallel)
     layers = range(first, first + counts[stage])
     kinds = {config.is_moe_layer(layer): layer for layer in layers}  # one dense, one MoE block
+    if recompute == "sqrt" and layers:
+        # Each segment keeps its input; the segment being recomputed holds its blocks' full
+        # activations during its backward.
+        segments = sqrt_segments(counts[stage])
+        stored = len(segments) * activation_bytes_per_layer(config, first, *args, recompute,
+                                                            options, act_bytes)
+        transient = max((sum(activation_bytes_per_layer(config, layer, *args, "none", options,
+                                                        act_bytes)
+                             for layer in layers[start:start + size])
+                         for start, size in zip(range(0, len(layers), segments[0]), segments)),
+                        default=0.0)
+        return stored, transient
     stored = sum(activation_bytes_per_layer(config, layer, *args, recompute, options, act_bytes)
                  * sum(1 for other in layers if config.is_moe_layer(other) == is_moe)
                  for is_moe, layer in kinds.items())

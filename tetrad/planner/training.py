@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from tetrad.spec.layout import FORWARD_AGAIN
 from tetrad.spec.model import ModelConfig
 from tetrad.errors import ConfigError
 from tetrad.hardware.catalog import Cluster
@@ -134,7 +135,7 @@ def _microbatch_comm(config: ModelConfig, cluster: Cluster, layout: TrainLayout,
     first = sum(counts[:stage])
     num_layers = counts[stage]
     num_moe = sum(1 for layer in range(first, first + num_layers) if config.is_moe_layer(layer))
-    passes = 3 if layout.recompute == "full" else 2  # forward, backward, forward again
+    passes = 3 if layout.recompute in FORWARD_AGAIN else 2  # forward, backward, forward again
     exposed = 0.0
     interference = cluster.gpu.efficiency.comm_interference
     if layout.tp > 1:
@@ -185,7 +186,7 @@ def _expert_all_to_all(config: ModelConfig, cluster: Cluster, layout: TrainLayou
     first = sum(counts[:stage])
     num_moe = sum(1 for layer in range(first, first + counts[stage])
                   if config.is_moe_layer(layer))
-    passes = 3 if layout.recompute == "full" else 2
+    passes = 3 if layout.recompute in FORWARD_AGAIN else 2
     token = workload.precision.activation_bytes * config.hidden_size
     size = tokens / layout.tp * config.num_experts_per_token * token
     # Over tensor ranks too (expert_tp 1), the group's members are adjacent ranks.
@@ -258,7 +259,7 @@ def _data_parallel(config: ModelConfig, cluster: Cluster, layout: TrainLayout,
             ledger.add("reduce_scatter", size, grads, m)
             ledger.add("all_gather", size, params)
         else:
-            backward_gathers = 2 if flat and layout.recompute == "full" else 1
+            backward_gathers = 2 if flat and layout.recompute in FORWARD_AGAIN else 1
             exposed += m * overlapped(gather_time, forward, workload.overlap_param_gather,
                                       interference)
             exposed += m * overlapped(backward_gathers * gather_time + reduce_time, backward,

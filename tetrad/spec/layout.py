@@ -23,13 +23,38 @@ replicated edp = dp*cp/ep times, and its gradients are reduced over that edp gro
 from __future__ import annotations
 
 import itertools
+import math
 import os
 from dataclasses import dataclass
+from typing import Sequence
 
 from tetrad.errors import ConfigError, check_choice, check_positive
 from tetrad.schedules.generate import SCHEDULES, V_SHAPED
 
-RECOMPUTE_MODES = ("none", "selective", "full")
+RECOMPUTE_MODES = ("none", "selective", "full", "sqrt")
+# The modes that run every block's forward again in backward (sqrt a segment at a time).
+FORWARD_AGAIN = ("full", "sqrt")
+
+
+def sqrt_segments(blocks: int) -> list[int]:
+    """--recompute sqrt's checkpointed segments of a stage of `blocks` blocks, in order:
+    ceil(sqrt(N)) consecutive blocks each, the last one the remainder (tetrad.parallel.recompute,
+    the planner's activation counts)."""
+    if blocks == 0:
+        return []
+    size = math.isqrt(blocks - 1) + 1  # ceil(sqrt(blocks))
+    return [min(size, blocks - start) for start in range(0, blocks, size)]
+
+
+def sqrt_segment_ends(blocks: Sequence[int]) -> list[int]:
+    """The last block of each --recompute sqrt segment of a stage running `blocks` in order."""
+    ends, start = [], 0
+    for size in sqrt_segments(len(blocks)):
+        start += size
+        ends.append(blocks[start - 1])
+    return ends
+
+
 # Where ZeRO's state lives (docs/distributed.md, "Offload"): optimizer state (fp32 master, moments,
 # fp32 gradient) on the host; "params" also ZeRO-3's parameter and gradient shards; "nvme" the
 # parameter shards and optimizer state in files under offload_dir (gradients on the host).
@@ -78,7 +103,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     schedule: str = "1f1b"  # naive | gpipe | 1f1b | interleaved | zb | zbv | dualpipe
     microbatches: int = 0  # per pipeline pass; 0 means pp (the fewest that keep every stage busy)
-    recompute: str = "none"  # none | selective | full
+    recompute: str = "none"  # none | selective | full | sqrt
     collectives: str = "backend"  # backend | ring (tetrad's own ring all-reduce on send/recv)
     # TP/SP and EP collectives hidden behind compute (chunked, async). None: the launcher decides
     # (on with NCCL; off on gloo, where the same CPU cores move the bytes and do the matmuls,
@@ -90,6 +115,7 @@ class ParallelConfig:
     ps_mode: str = "sync"  # sync | async | ssp
     staleness: int | None = None  # ssp's bound K; None: PSOptions' default
     ps_replicas: int = 0  # ps: 1 keeps each server's key range on the next server (a standby)
+    ps_spares: int = 0  # ps: idle worker ranks that take a dead worker's place (async, ssp)
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "cp", "tp", "ep", "vpp"):
@@ -168,7 +194,8 @@ class ParallelConfig:
             for flag, value, default in (("--servers", self.servers, 0),
                                          ("--ps-mode", self.ps_mode, "sync"),
                                          ("--staleness", self.staleness, None),
-                                         ("--ps-replicas", self.ps_replicas, 0)):
+                                         ("--ps-replicas", self.ps_replicas, 0),
+                                         ("--ps-spares", self.ps_spares, 0)):
                 if value != default:
                     raise ConfigError(f"{flag} configures the parameter server: add --strategy ps "
                                       f"or drop {flag}")
@@ -196,6 +223,11 @@ class ParallelConfig:
             raise ConfigError(f"--ps-replicas 1 keeps each server's key range on the next server "
                               f"and replays sync steps: it needs --servers 2 or more and --ps-mode "
                               f"sync (got --servers {self.servers}, --ps-mode {self.ps_mode})")
+        check_positive("ps_spares", self.ps_spares, allow_zero=True)
+        if self.ps_spares and self.ps_mode == "sync":
+            raise ConfigError("--ps-spares joins a worker to a --ps-mode async or ssp run; a sync "
+                              "run cannot take a replacement worker yet: use --ps-mode async or "
+                              "ssp, or restart the sync run from its checkpoint with --resume")
 
     @property
     def world_size(self) -> int:
@@ -203,8 +235,9 @@ class ParallelConfig:
 
     @property
     def num_processes(self) -> int:
-        """Processes the run needs: the world, plus the parameter servers with --strategy ps."""
-        return self.world_size + (self.servers if self.strategy == "ps" else 0)
+        """Processes the run needs: the world, plus the parameter servers and spare workers with
+        --strategy ps."""
+        return self.world_size + (self.servers + self.ps_spares if self.strategy == "ps" else 0)
 
     @property
     def edp(self) -> int:
