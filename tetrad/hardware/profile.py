@@ -12,6 +12,7 @@ from pathlib import Path
 from tetrad.errors import ConfigError, read_json_file
 from tetrad.hardware.efficiency import EfficiencyProfile
 from tetrad.hardware.catalog import GPU, Cluster, gpu
+from tetrad.hardware.custom import inline_gpu, is_inline_spec
 
 PROFILE_SCHEMA = 1
 # The EfficiencyProfile fields that are (ranks, value) points.
@@ -116,6 +117,10 @@ def is_profile_path(name: str) -> bool:
 
 
 def gpu_or_profile(name: str) -> GPU:
+    """A catalog name, a profile file, or either with datasheet numbers replaced inline
+    (tetrad.hardware.custom: `h100,hbm=96GB,bw=2.4TB/s`)."""
+    if is_inline_spec(name):
+        return inline_gpu(name, gpu_or_profile)
     return load_profile(name) if is_profile_path(name) else gpu(name)
 
 

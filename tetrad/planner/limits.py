@@ -21,6 +21,8 @@ MAX_SEQ_LEN = 2**24
 MAX_TOKENS = 1e18
 # Network bandwidth per GPU: from gigabit Ethernet to 100 Tb/s (60 times a 1.6 Tb/s NIC).
 MIN_NIC_GBPS, MAX_NIC_GBPS = 1.0, 1e5
+# Dollars per GPU-hour: a hundred times the dearest catalog price (B200's $8.64).
+MAX_PRICE_PER_GPU_HOUR = 1000.0
 
 
 def check_count(flag: str, value: int | None, at_most: int, why: str,

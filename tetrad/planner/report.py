@@ -29,7 +29,17 @@ def _round(value: float, digits: int = 4) -> float:
     return float(f"{value:.{digits}g}")
 
 
-def training_config_json(estimate: TrainingEstimate, tokens: float = 0.0) -> dict:
+def tokens_per_dollar(tokens_per_s: float, num_gpus: int,
+                      price_per_gpu_hour: float) -> float | None:
+    """Tokens bought by one dollar of `num_gpus` GPUs rented at `price_per_gpu_hour`; None
+    without a price."""
+    if not price_per_gpu_hour:
+        return None
+    return _round(tokens_per_s * 3600 / (num_gpus * price_per_gpu_hour))
+
+
+def training_config_json(estimate: TrainingEstimate, tokens: float = 0.0,
+                         price_per_gpu_hour: float = 0.0) -> dict:
     memory = estimate.memory.as_dict()
     out = {
         "parallel": estimate.layout.to_dict(),
@@ -50,11 +60,15 @@ def training_config_json(estimate: TrainingEstimate, tokens: float = 0.0) -> dic
         "hardware_tflops_per_gpu": _round(estimate.hardware_tflops_per_gpu),
         "mfu": _round(estimate.mfu, 3),
         "comm_bytes_per_step": {kind: _round(value) for kind, value in estimate.comm.sent.items()},
+        "tokens_per_dollar": tokens_per_dollar(estimate.tokens_per_s, estimate.num_gpus,
+                                               price_per_gpu_hour),
     }
     if tokens:
         seconds = tokens / estimate.tokens_per_s
+        gpu_hours = seconds / 3600 * estimate.num_gpus
         out["days"] = _round(seconds / SECONDS_PER_DAY)
-        out["gpu_hours"] = _round(seconds / 3600 * estimate.num_gpus)
+        out["gpu_hours"] = _round(gpu_hours)
+        out["cost_usd"] = _round(gpu_hours * price_per_gpu_hour) if price_per_gpu_hour else None
     return out
 
 
@@ -69,8 +83,10 @@ def training_json(config: ModelConfig, cluster: Cluster, workload: TrainWorkload
         "stack": {key: getattr(workload, key) for key in (
             "flash_attention", "dropout", "overlap_grad_reduce", "overlap_param_gather",
             "overlap_tp_comm", "overlap_p2p", "zero3_live_params", "runtime")},
+        "price_per_gpu_hour": cluster.gpu.price_per_hour or None,
         "num_candidates": result.num_candidates, "num_fitting": result.num_fitting,
-        "configs": [training_config_json(e, tokens) for e in result.ranked],
+        "configs": [training_config_json(e, tokens, cluster.gpu.price_per_hour)
+                    for e in result.ranked],
     }
     if tokens:
         exact = result.ranked[0].model_flops_per_step / result.ranked[0].tokens_per_step * tokens
@@ -80,7 +96,8 @@ def training_json(config: ModelConfig, cluster: Cluster, workload: TrainWorkload
     return out
 
 
-def serving_config_json(estimate: ServingEstimate) -> dict:
+def serving_config_json(estimate: ServingEstimate, price_per_gpu_hour: float = 0.0) -> dict:
+    num_gpus = estimate.layout.tp * estimate.layout.pp * estimate.layout.dp
     return {
         "parallel": estimate.layout.to_dict(),
         "fits": estimate.fits,
@@ -93,6 +110,9 @@ def serving_config_json(estimate: ServingEstimate) -> dict:
         "ttft_s": _round(estimate.ttft_s),
         "tpot_s": _round(estimate.tpot_s),
         "decode_tokens_per_s": _round(estimate.decode_tokens_per_s),
+        # Output tokens a dollar buys at the decode rate (the prompt's prefill not counted).
+        "output_tokens_per_dollar": tokens_per_dollar(estimate.decode_tokens_per_s, num_gpus,
+                                                      price_per_gpu_hour),
     }
 
 
@@ -108,8 +128,9 @@ def serving_json(config: ModelConfig, cluster: Cluster, workload: ServeWorkload,
         "kv_cache_bytes_per_token": kv_bytes_per_token(config, element_bytes(workload.kv_dtype)),
         "context_len": workload.context_len, "prompt_len": workload.prompt_len,
         "output_len": workload.output_len,
+        "price_per_gpu_hour": cluster.gpu.price_per_hour or None,
         "num_candidates": result.num_candidates, "num_fitting": result.num_fitting,
-        "configs": [serving_config_json(e) for e in result.ranked],
+        "configs": [serving_config_json(e, cluster.gpu.price_per_hour) for e in result.ranked],
     }
 
 
@@ -162,8 +183,18 @@ def training_text(config: ModelConfig, cluster: Cluster, workload: TrainWorkload
     if tokens:
         lines.append(f"{tokens:.3g} tokens: {data['total_flops']:.3g} FLOPs "
                      f"(6ND: {data['total_flops_6nd']:.3g}), {best['days']:.1f} days, "
-                     f"{best['gpu_hours']:.3g} GPU-hours")
+                     f"{best['gpu_hours']:.3g} GPU-hours"
+                     + (f", ${best['cost_usd']:,.0f}" if best["cost_usd"] else ""))
+    lines.append(_price_line(cluster, best["tokens_per_dollar"], "tokens"))
     return "\n".join(lines)
+
+
+def _price_line(cluster: Cluster, per_dollar: float | None, what: str) -> str:
+    if per_dollar is None:
+        return (f"cost: no price for {cluster.gpu.name}: pass --price-per-gpu-hour (or price= "
+                f"in an inline --gpu spec)")
+    return (f"cost: ${cluster.gpu.price_per_hour:.3g} per GPU-hour x {cluster.num_gpus} GPUs: "
+            f"{per_dollar:,.0f} {what} per dollar (${1e6 / per_dollar:.3g} per million)")
 
 
 def serving_text(config: ModelConfig, cluster: Cluster, workload: ServeWorkload,
@@ -187,6 +218,8 @@ def serving_text(config: ModelConfig, cluster: Cluster, workload: ServeWorkload,
                      str(item["batch"]), f"{item['ttft_s'] * 1e3:.1f}",
                      f"{item['tpot_s'] * 1e3:.2f}", f"{item['decode_tokens_per_s']:.4g}"])
     lines.append(_table(headers, rows))
+    lines += ["", _price_line(cluster, data["configs"][0]["output_tokens_per_dollar"],
+                              "output tokens")]
     return "\n".join(lines)
 
 
