@@ -184,8 +184,8 @@ class FullyShardedDataParallel(ShardedEngine):
         unit.full.untyped_storage().resize_(nbytes(unit.full))
         source = unit.param_shard
         if self.offload.params:  # host -> device, kept until the gather is done
-            if self.offload.files is not None:
-                following = self._neighbour(unit, 1)
+            if self.offload.files is not None:  # the unit after it, in this pass's direction
+                following = self._neighbour(unit, -1 if in_backward() else 1)
                 self.offload.files.read_ahead([following.param_shard] if following else [])
             unit.staged = source = unit.param_shard.to(unit.full.device, copy=True)
         # The collective writes into storage autograd saved for backward; that is intended (the
