@@ -110,19 +110,25 @@ def _elementwise_bytes(config: ModelConfig, layer: int, tp: int, sequence_parall
     """Forward bytes per token of a block's bandwidth-bound kernels, and their count."""
     h = config.hidden_size
     replicated_split = tp if sequence_parallel else 1
-    # Two norms (read + write) and two residual adds (two reads + one write).
-    replicated = (4 * h + 6 * h) * act_bytes + (2 * h * (1 + act_bytes) if dropout else 0)
-    kernels = 4 + (2 if dropout else 0)
+    # Two norms (read + write) and two residual adds (two reads + one write); a parallel block
+    # adds attention's and the MLP's outputs to the input in one three-way add.
+    adds = (4 * h, 1) if config.parallel_block else (6 * h, 2)
+    replicated = (4 * h + adds[0]) * act_bytes + (2 * h * (1 + act_bytes) if dropout else 0)
+    kernels = 2 + adds[1] + (2 if dropout else 0)
     heads = -(-config.num_heads // tp)
+    kv_heads = -(-config.num_kv_heads // tp)
     if config.position == "rope":
         if config.attention == "mla":
             rotated = heads * config.qk_rope_head_dim + config.qk_rope_head_dim
-        else:
-            rotated = (heads + -(-config.num_kv_heads // tp)) * config.head_dim
+        else:  # partial rotary reads and writes only the rotated dims
+            rotated = (heads + kv_heads) * config.rotary_dims
         sharded = 2 * rotated * act_bytes
         kernels += 1
     else:
         sharded = 0.0
+    if config.qk_norm:  # read and write every query and key head
+        sharded += 2 * (heads + kv_heads) * config.head_dim * act_bytes
+        kernels += 2
     gated = config.mlp == "swiglu"
     if config.is_moe_layer(layer):
         ffn = -(-config.moe_ffn_hidden_size // tp)

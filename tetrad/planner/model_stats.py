@@ -82,7 +82,8 @@ def router_params(config: ModelConfig) -> int:
 @lru_cache(maxsize=256)
 def layer_params(config: ModelConfig, layer: int) -> LayerParams:
     attn_sharded, attn_replicated = attention_params(config)
-    norms = 2 * norm_params(config)
+    # Qwen3's QK-norm: one RMSNorm weight of head_dim for the queries, one for the keys.
+    norms = 2 * norm_params(config) + (2 * config.head_dim if config.qk_norm else 0)
     if not config.is_moe_layer(layer):
         mlp_sharded, mlp_replicated = mlp_params(config, config.ffn_hidden_size)
         return LayerParams(attn_sharded + mlp_sharded, attn_replicated + mlp_replicated + norms, 0)

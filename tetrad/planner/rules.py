@@ -179,12 +179,23 @@ def check_deepseek_features(config: ModelConfig, parallel: ParallelConfig) -> No
                           "for multi-head latent attention (MLA) yet: use --dp (and --zero)")
 
 
+def check_runtime_model(config: ModelConfig) -> None:
+    """The block shapes the planner times and tetrad's layers do not build."""
+    unbuilt = [name for name, value in (("parallel_block", config.parallel_block),
+                                        ("rotary_fraction", config.rotary_fraction != 1),
+                                        ("qk_norm", config.qk_norm)) if value]
+    if unbuilt:
+        raise ConfigError(f"tetrad's runtime does not build {', '.join(unbuilt)} (the planner "
+                          f"times them: tetrad plan): train or serve a model without them")
+
+
 def check_layout(config: ModelConfig, parallel: ParallelConfig, seq_len: int,
                  runtime: bool = True, kv_replicas: bool = True) -> None:
     """Everything about `parallel` that can be wrong for this model and sequence length, as one
     ConfigError saying the fix. `runtime` adds what tetrad's runtime needs beyond the planner."""
     if runtime:
         check_deepseek_features(config, parallel)
+        check_runtime_model(config)
     if parallel.pp == 1 and (parallel.vpp > 1 or runtime and parallel.microbatches > 1):
         raise ConfigError("--microbatches and --vpp are the pipeline's, but --pp is 1: add --pp "
                           "(or use --grad-accum for gradient accumulation)")

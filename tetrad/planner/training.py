@@ -143,7 +143,9 @@ def _microbatch_comm(config: ModelConfig, cluster: Cluster, layout: TrainLayout,
         # Two all-reduces per block and pass, or with sequence parallelism an all-gather and a
         # reduce-scatter in their place (the same bytes); two more around the head.
         per_all_reduce = 2 if layout.sequence_parallel else 1
-        num_collectives = per_all_reduce * (2 * passes * num_layers
+        # A parallel block sums attention's and the MLP's partial outputs before one reduction.
+        per_block = 1 if config.parallel_block else 2
+        num_collectives = per_all_reduce * (per_block * passes * num_layers
                                             + (2 if stage == layout.pp - 1 else 0))
         tp_time = num_collectives * _tp_collective_time(cluster, layout, size)
         if workload.overlap_tp_comm:

@@ -2,9 +2,10 @@
 
 Supported model types: llama, qwen2, mistral, mixtral, gpt2, deepseek_v3 (loaded, trained and
 served: tetrad.models.hf.RUNTIME_TYPES), and for the planner also deepseek_v2 (MLA and softmax
-routing), gpt_bigcode (GPT-2 with multi-query attention: StarCoder, SantaCoder) and gemma (its
-gated GELU MLP has SwiGLU's three matrices, so shapes, FLOPs and bytes are exact; its weights are
-not loaded: tetrad.models.hf.check_runtime_support refuses them). Also where a checkpoint path leads (`resolve_checkpoint`),
+routing), gpt_bigcode (GPT-2 with multi-query attention: StarCoder, SantaCoder), gemma (its
+gated GELU MLP has SwiGLU's three matrices, so shapes, FLOPs and bytes are exact), qwen3
+(QK-norm) and gpt_neox (parallel blocks, partial rotary); their weights are not loaded:
+tetrad.models.hf.check_runtime_support refuses them). Also where a checkpoint path leads (`resolve_checkpoint`),
 so that torch-free readers (tokenizer, planner) and the model loader agree on it.
 """
 
@@ -18,7 +19,8 @@ from typing import Any
 from tetrad.spec.model import ModelConfig, parse_problem
 from tetrad.errors import ConfigError
 
-LLAMA_LIKE = ("llama", "qwen2", "mistral", "mixtral", "deepseek_v3", "deepseek_v2", "gemma")
+LLAMA_LIKE = ("llama", "qwen2", "mistral", "mixtral", "deepseek_v3", "deepseek_v2", "gemma",
+              "qwen3", "gpt_neox")
 GPT2_LIKE = ("gpt2", "gpt_bigcode")
 SUPPORTED = LLAMA_LIKE + GPT2_LIKE
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")
@@ -39,7 +41,7 @@ HF_REALS = ("layer_norm_epsilon", "rms_norm_eps", "initializer_range", "rope_the
             "router_aux_loss_coef", "routed_scaling_factor", "factor", "beta_fast", "beta_slow",
             "mscale", "mscale_all_dim", "aux_loss_alpha")
 HF_BOOLS = ("tie_word_embeddings", "attention_bias", "use_sliding_window", "norm_topk_prob",
-            "multi_query")
+            "multi_query", "use_parallel_residual")
 HF_TABLES = ("rope_scaling", "rope_parameters")
 
 
@@ -144,6 +146,15 @@ def _model_config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
                       topk_expert_groups=(hf.get("topk_group") or 1) if grouped else 1,
                       router_aux_loss_coef=float(hf.get("aux_loss_alpha", 0.001)),
                       router_bias_update_rate=0.0)
+    fields["rotary_fraction"] = float(hf.get("partial_rotary_factor") or 1.0)
+    if model_type == "qwen3":
+        fields["qk_norm"] = True
+    if model_type == "gpt_neox":
+        # GPT-NeoX: layernorm, a 4h GELU MLP and biases everywhere, rope on rotary_pct of each
+        # head, attention and MLP side by side (use_parallel_residual, its default).
+        fields.update(norm="layernorm", norm_eps=hf.get("layer_norm_eps", 1e-5), mlp="gelu",
+                      bias=True, qkv_bias=False, rotary_fraction=float(hf.get("rotary_pct", 1.0)),
+                      parallel_block=hf.get("use_parallel_residual", True))
     fields.update(_rope_scaling(hf, fields["max_seq_len"]))
     return ModelConfig(**fields)
 

@@ -129,6 +129,13 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # Block shapes of other families, for the planner (tetrad's runtime refuses them:
+    # tetrad.planner.rules.check_runtime_model): attention and MLP side by side on one input,
+    # their outputs summed (GPT-J, GPT-NeoX, Falcon); rope on the first rotary_fraction of each
+    # head's dims (GPT-NeoX 0.25, Phi-2 0.4); an RMSNorm over each query and key head (Qwen3).
+    parallel_block: bool = False
+    rotary_fraction: float = 1.0
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -157,6 +164,9 @@ class ModelConfig:
                 f"grouped-query attention needs num_heads to be a multiple of num_kv_heads")
         if self.position == "rope" and self.head_dim % 2:
             raise ConfigError(f"rope needs an even head_dim, got {self.head_dim}")
+        if not 0 < self.rotary_fraction <= 1 or self.rotary_dims % 2:
+            raise ConfigError(f"rotary_fraction must be in (0, 1] and rotate an even number of "
+                              f"each head's {self.head_dim} dims, got {self.rotary_fraction}")
         if self.num_experts:
             if not 0 < self.num_experts_per_token <= self.num_experts:
                 raise ConfigError(
@@ -221,6 +231,11 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def rotary_dims(self) -> int:
+        """Dims of each head that rope rotates (HF's int(head_dim * partial_rotary_factor))."""
+        return int(self.head_dim * self.rotary_fraction)
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.is_moe and layer >= self.num_dense_layers
