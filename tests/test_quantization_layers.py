@@ -96,8 +96,29 @@ def test_int4_with_zero_eight_and_bf16_scales_is_exact_as_gguf_q4_0():
     assert torch.equal(layer.weight, expected.bfloat16())
 
 
+def unpacked_values(layer: Int4Linear) -> torch.Tensor:
+    return torch.stack((layer.values & 15, layer.values >> 4), -1).flatten(1)
+
+
+def round_to_nearest_error(weight: torch.Tensor, group: int) -> torch.Tensor:
+    """Each group's squared error [out, in / group] under plain rounding over the group's whole
+    min..max, dequantized and rounded to bf16 as the layer holds its weight."""
+    w = weight.view(weight.shape[0], -1, group)
+    low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    scales = ((high - low) / 15).bfloat16().float()
+    offsets = (low + 8 * scales).bfloat16().float()
+    values = (torch.round((w - offsets) / scales) + 8).clamp(0, 15)
+    held = ((values - 8) * scales + offsets).bfloat16().float()
+    return (held - w).square().sum(-1)
+
+
+def group_error(layer: Int4Linear, weight: torch.Tensor) -> torch.Tensor:
+    return (layer.weight.float() - weight).square().view(weight.shape[0], -1,
+                                                           layer.group).sum(-1)
+
+
 @pytest.mark.parametrize("group", INT4_GROUPS)
-def test_int4_quantizer_rounds_to_half_a_step_and_spans_each_group(group):
+def test_int4_quantizer_rounds_within_its_range_and_clamps_beyond_it(group):
     generator = torch.Generator().manual_seed(5)
     weight = torch.randn(16, 512, generator=generator)
     weight[3, :group] = 0.25  # a constant group
@@ -106,12 +127,36 @@ def test_int4_quantizer_rounds_to_half_a_step_and_spans_each_group(group):
     assert scales[3, 0] == 1.0
     error = (layer.weight.float() - weight).abs()
     step = scales.repeat_interleave(group, 1)
-    level = offsets.abs().repeat_interleave(group, 1) + 8 * step
-    assert (error <= step / 2 + 2 * BF16_HALF_ULP * (level + weight.abs())).all()
-    values = torch.stack((layer.values & 15, layer.values >> 4), -1).flatten(1)
-    # Each group's minimum and maximum land on the ends of 0..15 (up to the scale's rounding).
+    offset = offsets.repeat_interleave(group, 1)
+    bottom, top = offset - 8 * step, offset + 7 * step
+    inside = (weight >= bottom - step / 2) & (weight <= top + step / 2)
+    level = offset.abs() + 8 * step
+    slack = 2 * BF16_HALF_ULP * (level + weight.abs())
+    assert (error[inside] <= (step / 2 + slack)[inside]).all()
+    # A weight beyond the (clipped) range is held at the range's nearer end.
+    values = unpacked_values(layer)
+    assert (values[weight < bottom - step / 2] == 0).all()
+    assert (values[weight > top + step / 2] == 15).all()
+    # Clipping only ever shrinks the range: each group's ends are still its extreme levels.
     per_group = values.view(16, -1, group)
     assert (per_group.amax(-1)[scales != 1.0] >= 14).all() and (per_group.amin(-1) <= 1).all()
+
+
+@pytest.mark.parametrize("group", INT4_GROUPS)
+def test_int4_clipping_search_never_loses_to_round_to_nearest(group):
+    generator = torch.Generator().manual_seed(7)
+    normal = torch.randn(32, 512, generator=generator)
+    # A scale mixture of normals: most weights small, a few many times larger per group.
+    heavy = normal * torch.exp(1.5 * torch.randn(32, 512, generator=generator))
+    for weight in (normal, heavy):
+        layer = Int4Linear.quantize(weight, group=group, packed=False)
+        searched, plain = group_error(layer, weight), round_to_nearest_error(weight, group)
+        assert (searched <= plain).all()
+        assert held_bytes(layer) == 32 * 512 // 2 + 32 * (512 // group) * 2 * 2
+    # On the heavy tails the search clips most groups to a strictly smaller error, and the
+    # total drops by more than the bf16 rounding of scales and weights could account for.
+    assert (searched < plain).float().mean() > 0.5
+    assert searched.sum() < 0.97 * plain.sum()
 
 
 @pytest.mark.parametrize("group", INT4_GROUPS)

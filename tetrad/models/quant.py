@@ -23,6 +23,8 @@ INT4_GROUPS = (32, 64, 128, 256)  # what torch's int4 kernels take; GGUF's Q4_0 
 INT4_GROUP = 128  # --quantization int4's group (GPTQ/AWQ's), the planner's too
 INT4_MIDPOINT = 8  # torch's int4 kernels compute (q - 8) * scale + offset
 SCALE_DTYPES = (torch.bfloat16, torch.float16)
+# The shares of each group's [min, max] that the int4 quantizer tries (1.0 first).
+INT4_CLIP_FACTORS = tuple(1 - i / 40 for i in range(21))
 
 
 def _check_dtype(dtype: torch.dtype) -> None:
@@ -94,6 +96,19 @@ class Int8Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+def _int4_round(w: torch.Tensor, low: torch.Tensor, high: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Groups w [N, G, group] rounded onto 16 levels spanning [low, high] [N, G]: the scales and
+    offsets in `dtype`, the values 0..15 (float), and each group's squared error of the weight
+    the layer will hold (dequantized as `Int4Linear.weight` does, then rounded to `dtype`)."""
+    scales = torch.where(high > low, (high - low) / 15, torch.ones_like(high)).to(dtype)
+    offsets = (low + INT4_MIDPOINT * scales.float()).to(dtype)
+    step, offset = scales.float()[..., None], offsets.float()[..., None]
+    values = (torch.round((w - offset) / step) + INT4_MIDPOINT).clamp(0, 15)
+    held = ((values - INT4_MIDPOINT) * step + offset).to(dtype).float()
+    return scales, offsets, values, (held - w).square().sum(dim=-1)
+
+
 def _cuda_inner_k_tiles(in_features: int) -> int:
     """The widest k tiling torch's CUDA int4 layout takes for K (0: none)."""
     return next((tiles for tiles in (8, 4, 2) if in_features % (16 * tiles) == 0), 0)
@@ -159,9 +174,13 @@ class Int4Linear(nn.Module):
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  group: int = INT4_GROUP, dtype: torch.dtype = torch.bfloat16,
                  packed: bool = True) -> "Int4Linear":
-        """Round a float weight [out, in], asymmetric per group: scale = (max - min) / 15 and
-        offset = min + 8 * scale, both rounded to `dtype` first; value = round((w - offset) /
-        scale) + 8 in 0..15. A constant group gets scale 1."""
+        """Round a float weight [out, in], asymmetric per group over a clipped range [f * min,
+        f * max]: scale = f * (max - min) / 15 and offset = f * min + 8 * scale, both rounded to
+        `dtype` first; value = round((w - offset) / scale) + 8, clamped to 0..15. Each group's
+        f is the one of INT4_CLIP_FACTORS (1 first, so ties keep the full range) whose
+        dequantized group has the least squared error against the weight: a few outliers no
+        longer stretch the step that every other weight of the group is rounded to. A constant
+        group gets scale 1."""
         _check_dtype(dtype)
         out_features, in_features = weight.shape
         if group not in INT4_GROUPS or in_features % group:
@@ -169,10 +188,15 @@ class Int4Linear(nn.Module):
                              f"width {in_features}, got {group}")
         w = weight.detach().float().view(out_features, in_features // group, group)
         low, high = w.amin(dim=-1), w.amax(dim=-1)
-        scales = torch.where(high > low, (high - low) / 15, torch.ones_like(high)).to(dtype)
-        offsets = (low + INT4_MIDPOINT * scales.float()).to(dtype)
-        values = torch.round((w - offsets.float()[..., None]) / scales.float()[..., None])
-        values = (values + INT4_MIDPOINT).clamp(0, 15).to(torch.int32).view(out_features, -1)
+        scales, offsets, values, error = _int4_round(w, low, high, dtype)
+        for factor in INT4_CLIP_FACTORS[1:]:
+            clipped = _int4_round(w, low * factor, high * factor, dtype)
+            better = clipped[3] < error
+            scales = torch.where(better, clipped[0], scales)
+            offsets = torch.where(better, clipped[1], offsets)
+            values = torch.where(better[..., None], clipped[2], values)
+            error = torch.minimum(error, clipped[3])
+        values = values.to(torch.int32).view(out_features, -1)
         pairs = torch.stack((scales.t(), offsets.t()), dim=-1)
         return cls._build(values, pairs, group, bias, packed)
 
