@@ -3,16 +3,18 @@ serving: greedy agreement and mean |Δlogit| (issue 30's goal: int8 >= 90%, int4
 first 64 tokens over 20 prompts).
 
     .venv/bin/python benchmarks/quant_agreement.py [--steps 300] [--batch-size 16] [--model DIR]
+        [--keep DIR]
 
 The model (without --model) is trained here on one CPU process: smaller than the Shakespeare
 demo's `small`, with widths int4's groups of 128 tile (4 layers, hidden 128, 4 heads of 32, 2 kv
 heads, SwiGLU 384, byte vocabulary), `--steps` steps of `--batch-size` x 128 tokens of the
-bundled plays (the demo's learning rate and schedule; seed 0). Each of 20 prompts is 16 tokens
-of Hamlet. Greedy continuations of 64 tokens come from the serving engine (`LLM`, one process,
-bf16, the setting named); agreement is the share of the 64 positions where the setting's
-continuation has the bf16 engine's token. Mean |Δlogit| is over every position of prompt plus
-the bf16 continuation and the whole vocabulary, the quantized model (tetrad.models.quant_model)
-against the bf16 one, both reading the same tokens.
+bundled plays (the demo's learning rate and schedule; seed 0); with --keep it is trained into
+DIR and kept, and a later run with the same --keep, --steps and --batch-size reuses it. Each of
+20 prompts is 16 tokens of Hamlet. Greedy continuations of 64 tokens come from the serving
+engine (`LLM`, one process, bf16, the setting named); agreement is the share of the 64 positions
+where the setting's continuation has the bf16 engine's token. Mean |Δlogit| is over every
+position of prompt plus the bf16 continuation and the whole vocabulary, the quantized model
+(tetrad.models.quant_model) against the bf16 one, both reading the same tokens.
 """
 
 from __future__ import annotations
@@ -33,15 +35,23 @@ SETTINGS = {"int8": dict(quantization="int8"), "int4": dict(quantization="int4")
 
 def trained_hf_folder(work: Path, steps: int = 300, batch_size: int = 16) -> Path:
     """Train MODEL for `steps` steps of `batch_size` x 128 tokens in `work` and save it as an HF
-    (llama) folder there."""
+    (llama) folder there; one that an earlier call trained there with the same steps and batch is
+    reused."""
     from tetrad.models.hf import load_pretrained, save_hf
+    from tetrad.train.checkpoint import find_checkpoint, read_json
     from tetrad.train.launch import train_model
 
-    run = work / "run"
+    run, folder = work / "run", work / "hf"
+    if folder.exists():
+        trained = read_json(find_checkpoint(run), "run.json")
+        done = (trained["step"], trained["config"]["batch_size"])
+        if done != (steps, batch_size):
+            raise SystemExit(f"{work} holds a model trained {done[0]} steps of {done[1]} x 128 "
+                             f"tokens, not {steps} of {batch_size}: name another --keep folder")
+        return folder
     train_model(model="small", model_overrides=MODEL, steps=steps, batch_size=batch_size,
                 checkpoint_dir=str(run), save_every=steps, sample_tokens=0,
                 log_every=max(1, steps // 5), device="cpu")
-    folder = work / "hf"
     save_hf(load_pretrained(run), folder)
     return folder
 
@@ -81,6 +91,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--model", help="an HF or tetrad model folder instead of training one")
+    parser.add_argument("--keep", help="train the model into this folder and keep it (reused by "
+                                       "a later run with the same --steps and --batch-size)")
     args = parser.parse_args()
     from tetrad.models.hf import load_pretrained
     from tetrad.models.quant_model import quantize_model
@@ -88,7 +100,8 @@ def main() -> None:
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(args.model) if args.model else trained_hf_folder(Path(tmp), args.steps,
+        work = Path(args.keep or tmp)
+        folder = Path(args.model) if args.model else trained_hf_folder(work, args.steps,
                                                                         args.batch_size)
         reference = load_pretrained(folder, dtype=torch.bfloat16)
         prompts = hamlet_prompts(load_tokenizer(folder))
