@@ -168,13 +168,14 @@ GPUS: dict[str, GPU] = {gpu.name: gpu for gpu in [
 # compare at one provider's margins. RunPod Serverless "flex" per-second rates x 3600
 # (docs.runpod.io/serverless/pricing, as stored in November 2026): 4090 PRO $0.00031/s, 3090
 # $0.00019/s, L40S $0.00053/s, A100 80 GB $0.00076/s, H100 PRO $0.00116/s, H200 PRO $0.00155/s,
-# B200 $0.00240/s. Lambda's on-demand price list (lambdalabs.com/service/gpu-cloud, 2024):
-# A100 SXM 40 GB $1.29, H100 PCIe $2.49. H800: the $2 per GPU-hour rental DeepSeek-V3's
+# B200 $0.00240/s. Lambda's on-demand list as a price survey read it on 2026-05-07
+# (techbytes.app, "Serverless GPU Pricing Matrix [2026]"): 1x A100 40 GB $1.48, 1x H100 PCIe
+# $2.86. H800: the $2 per GPU-hour rental DeepSeek-V3's
 # technical report prices its run at (table 1). The H20 has no public on-demand list price:
 # pass --price-per-gpu-hour.
 PRICES = {"rtx-4090": 0.00031 * 3600, "rtx-3090": 0.00019 * 3600, "l40s": 0.00053 * 3600,
           "a100-80gb": 0.00076 * 3600, "h100-sxm": 0.00116 * 3600, "h200": 0.00155 * 3600,
-          "b200": 0.00240 * 3600, "a100-40gb": 1.29, "h100-pcie": 2.49, "h800": 2.0}
+          "b200": 0.00240 * 3600, "a100-40gb": 1.48, "h100-pcie": 2.86, "h800": 2.0}
 GPUS = {name: dataclasses.replace(entry, price_per_hour=PRICES.get(name, 0.0))
         for name, entry in GPUS.items()}
 
