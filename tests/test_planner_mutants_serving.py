@@ -109,14 +109,17 @@ def test_kv_budget_is_free_memory_over_a_whole_context(batch, layout):
     assert estimate.usable_memory == pytest.approx(usable)
     per_token = kv_bytes_per_token(LLAMA, 2.0, layout.tp,
                                    max(stage_layer_counts(LLAMA.num_layers, layout.pp)))
-    free = usable - estimate.weights - estimate.activations
-    per_replica = int(free // (per_token * 768))
+    per_replica = estimate.max_concurrent_sequences // layout.dp
     assert estimate.max_concurrent_sequences == per_replica * layout.dp
+    edge = evaluate_serving(LLAMA, NODE, layout, _serve(batch=per_replica))
+    assert edge.total_memory <= usable < edge.total_memory + per_token * 768 + (
+        evaluate_serving(LLAMA, NODE, layout, _serve(batch=per_replica + 1)).activations
+        - edge.activations)
     assert estimate.batch == (batch or min(per_replica, 256))
     assert estimate.kv_cache == pytest.approx(estimate.batch * 768 * per_token)
     assert estimate.total_memory == pytest.approx(estimate.weights + estimate.activations
                                                   + estimate.kv_cache)
-    assert estimate.fits == (estimate.batch * layout.dp <= estimate.max_concurrent_sequences)
+    assert estimate.fits == (estimate.batch >= 1 and estimate.total_memory <= usable)
     assert estimate.decode_tokens_per_s == pytest.approx(
         layout.dp * estimate.batch / estimate.tpot_s)
     too_many = evaluate_serving(LLAMA, NODE, layout, _serve(batch=per_replica + 1))

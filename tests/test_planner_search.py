@@ -132,7 +132,7 @@ def test_max_concurrent_sequences_is_free_memory_over_kv():
     estimate = evaluate_serving(config, cluster("h100-sxm", 1), ServeLayout(), _serve())
     per_sequence = 40 * 2 * 5120 * 2 * 1280
     free = estimate.usable_memory - estimate.weights - estimate.activations
-    assert estimate.max_concurrent_sequences == int(free // per_sequence)
+    assert estimate.batch == estimate.max_concurrent_sequences == int(free // per_sequence)
 
 
 def test_one_h100_versus_two_rtx4090_for_a_13b_model():

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 
+from tetrad.planner.serving import DEFAULT_GPU_MEMORY_UTILIZATION
 from tetrad.planner.stacks import DEFAULT_STACK, STACKS
 from tetrad.spec.layout import RECOMPUTE_MODES
 
@@ -90,6 +91,10 @@ def add_parser(subparsers) -> None:
                        help="longest sequence the KV cache holds (default prompt + output)")
     serve.add_argument("--batch", type=int, default=0,
                        help="concurrent sequences per replica (default: as many as fit, <= 256)")
+    serve.add_argument("--gpu-memory-utilization", type=float,
+                       default=DEFAULT_GPU_MEMORY_UTILIZATION,
+                       help="share of each GPU's memory the server may use (vLLM's flag; "
+                            "default %(default)s)")
     parser.set_defaults(run=run)
 
 
@@ -191,7 +196,8 @@ def _serve(args, config, world) -> int:
 
     workload = ServeWorkload(context_len=args.context_len or args.prompt_len + args.output_len,
                              prompt_len=args.prompt_len, output_len=args.output_len,
-                             weight_dtype=args.dtype, kv_dtype=args.kv_dtype, batch=args.batch)
+                             weight_dtype=args.dtype, kv_dtype=args.kv_dtype, batch=args.batch,
+                             gpu_memory_utilization=args.gpu_memory_utilization)
     result = plan_serving(config, world, workload, ServeSpace(args.tp, args.pp, args.ep),
                           args.top)
     if args.json:

@@ -8,7 +8,9 @@ that occupy the stages in turn (vLLM), so a token takes pp stage-times and the t
 batch / (pp * stage time). Experts are split over `ep` ranks and, where 1 < ep < tp, each expert
 over tp / ep ranks; ep > tp spreads experts over replicas (attention data parallel, as in
 DeepSeek's serving); with ep = 1 every tp rank holds and computes every expert whole (tetrad's
-engine under --tp alone). Memory: vLLM's default gpu_memory_utilization (0.9) of each GPU is usable.
+engine under --tp alone). Memory: a fraction of each GPU is usable, vLLM's
+--gpu-memory-utilization (0.9 by default); the largest batch is the largest whose weights, scratch
+and whole-context KV cache fit that budget (the scratch grows with the batch, so it is searched).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from tetrad.planner.quantized import QUANTIZED_DTYPES, check_quantizable, quanti
 from tetrad.planner.rules import check_degrees
 from tetrad.spec.serving import ServeLayout  # the engine's layout too (its ServeConfig extends it)
 
-USABLE_MEMORY_FRACTION = 0.9  # vLLM's default gpu_memory_utilization
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default --gpu-memory-utilization
 MAX_BATCH = 256  # vLLM's default max_num_seqs
 PREFILL_CHUNK = 8192  # tokens per prefill step (vLLM's chunked-prefill budget on large GPUs)
 
@@ -44,6 +46,7 @@ class ServeWorkload:
     weight_dtype: str = "bf16"
     kv_dtype: str = "bf16"
     batch: int = 0  # concurrent sequences; 0 means as many as fit (at most MAX_BATCH)
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION  # share of each GPU usable
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.output_len < 0:
@@ -55,6 +58,9 @@ class ServeWorkload:
         if self.batch < 0:
             raise ConfigError(f"--batch must be a number of concurrent sequences (at least 1), "
                               f"or 0 for as many as fit; got {self.batch}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"--gpu-memory-utilization must be a fraction in (0, 1], got "
+                              f"{self.gpu_memory_utilization}")
 
 
 @dataclass(frozen=True)
@@ -72,11 +78,11 @@ class ServingEstimate:
     @property
     def fits(self) -> bool:
         """Weights, scratch and the KV cache of `batch` sequences per replica fit."""
-        return self.batch >= 1 and self.batch * self.layout.dp <= self.max_concurrent_sequences
+        return self.batch >= 1 and self.total_memory <= self.usable_memory
 
     @property
     def total_memory(self) -> float:
-        return self.weights + self.activations + self.kv_cache
+        return _memory_per_gpu(self.weights, self.activations, self.kv_cache)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -198,21 +204,45 @@ def _stage_forward_time(config: ModelConfig, cluster: Cluster, layout: ServeLayo
     return total
 
 
+def _memory_per_gpu(weights: float, activations: float, kv_cache: float) -> float:
+    """What a GPU holds; the one sum both the capacity search and `ServingEstimate.fits` use."""
+    return weights + activations + kv_cache
+
+
+def _max_batch_per_replica(config: ModelConfig, layout: ServeLayout, workload: ServeWorkload,
+                           weights: float, per_sequence: float, usable: float) -> int:
+    """The largest batch whose weights, scratch and KV cache fit `usable`: scratch grows with
+    the batch (logits, the prefill chunk), so fitting is monotone in the batch and a bisection
+    finds the edge exactly."""
+    def fits(batch: int) -> bool:
+        activations = _activation_bytes(config, layout, batch, workload.prompt_len)
+        return _memory_per_gpu(weights, activations, batch * per_sequence) <= usable
+
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while fits(high):
+        low, high = high, 2 * high
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
 def evaluate_serving(config: ModelConfig, cluster: Cluster, layout: ServeLayout,
                      workload: ServeWorkload) -> ServingEstimate:
     check_quantizable(config, layout, workload.weight_dtype)
-    usable = cluster.gpu.memory_bytes * USABLE_MEMORY_FRACTION
+    usable = cluster.gpu.memory_bytes * workload.gpu_memory_utilization
     kv_per_token = max(
         kv_bytes_per_token(config, element_bytes(workload.kv_dtype), layout.tp, count)
         for count in stage_layer_counts(config.num_layers, layout.pp))
     stages = stages_to_check(config, layout.pp)
     weights = max(weight_bytes_per_gpu(config, layout, workload.weight_dtype, stage)
                   for stage in stages)
-    probe_batch = workload.batch or MAX_BATCH
-    activations = _activation_bytes(config, layout, probe_batch, workload.prompt_len)
-    free = usable - weights - activations
-    per_replica = max(0, int(free // (kv_per_token * workload.context_len))) if free > 0 else 0
+    per_sequence = workload.context_len * kv_per_token
+    per_replica = _max_batch_per_replica(config, layout, workload, weights, per_sequence, usable)
     batch = workload.batch or min(per_replica, MAX_BATCH)
+    activations = _activation_bytes(config, layout, max(batch, 1), workload.prompt_len)
     context = workload.prompt_len + workload.output_len // 2
     ttft = sum(_stage_forward_time(config, cluster, layout, workload, stage,
                                    workload.prompt_len, 1, workload.prompt_len, False)
@@ -225,6 +255,6 @@ def evaluate_serving(config: ModelConfig, cluster: Cluster, layout: ServeLayout,
                          for stage in stages)
         tpot = layout.pp * stage_time
     return ServingEstimate(layout=layout, weights=weights, activations=activations,
-                           kv_cache=batch * workload.context_len * kv_per_token,
+                           kv_cache=batch * per_sequence,
                            usable_memory=usable, max_concurrent_sequences=per_replica * layout.dp,
                            batch=batch, ttft_s=ttft, tpot_s=tpot)
