@@ -6,6 +6,7 @@ One spawn: workers 0 and 1, spares 2 and 3, one server (rank 4). Worker 1 dies w
 its step 3 (after 3 applied pushes); the spare that asked first is admitted to slot 1 at clock 3.
 """
 
+import json
 import os
 import signal
 
@@ -14,12 +15,13 @@ import torch
 import torch.distributed as dist
 from test_parameter_server import run_ranks_letting_some_die
 
+from tetrad.cli.main import main
 from tetrad.errors import ConfigError
 from tetrad.parallel.comm import Comm, CommCounter
 from tetrad.parallel.mesh import Group
 from tetrad.parallel.ps import ParameterServer, PSOptions
 from tetrad.parallel.ps.worker import await_admission
-from tetrad.spec.model import TrainConfig
+from tetrad.spec.model import ParallelConfig, TrainConfig
 from tetrad.train.job import prepare
 from tetrad.train.optim import build_optimizer, parameter_groups
 from tetrad.train.ps_strategy import ParameterServerStrategy
@@ -115,3 +117,36 @@ def test_spares_refused_where_they_cannot_join(options, message):
 def test_spares_need_a_worker_beside_them():
     with pytest.raises(ConfigError, match="leave no worker beside 1 parameter server"):
         PSOptions(mode="async", spares=2).roles(3)
+
+
+def test_tetrad_train_launches_spares_that_go_home_unneeded(tmp_path, corpus_file):
+    # No --dp: the workers are the processes that are neither servers nor spares. Nobody dies,
+    # so both spares are told they were not needed; the report has their entries.
+    report = tmp_path / "r.json"
+    assert main(["train", "--model", "tiny", "--steps", "3", "--batch-size", "4", "--seq-len",
+                 "32", "--sample-tokens", "0", "--data", corpus_file, "--report", str(report),
+                 "--strategy", "ps", "--ps-mode", "async", "--nproc", "5", "--servers", "1",
+                 "--ps-spares", "2"]) == 0
+    result = json.loads(report.read_text())
+    assert [e["role"] for e in result["ranks"]] == [
+        "worker", "worker", "spare", "spare", "server"]
+    summary = result["parameter_server"]
+    assert summary["joined"] == {} and summary["clocks"] == {"0": 3, "1": 3}
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--ps-mode", "async", "--nproc", "4", "--dp", "2", "--servers", "1", "--ps-spares", "2"],
+     "dp 2 workers + 1 servers + 2 spares = 5"),
+    (["--nproc", "4", "--servers", "1", "--ps-spares", "1"],
+     "--ps-spares joins a worker to a --ps-mode async or ssp run"),
+])
+def test_impossible_joins_cost_one_line(capsys, corpus_file, argv, fragment):
+    code = main(["train", "--model", "tiny", "--steps", "1", "--data", corpus_file,
+                 "--strategy", "ps", *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and fragment in err, err
+
+
+def test_spares_need_the_parameter_server():
+    with pytest.raises(ConfigError, match="--ps-spares configures the parameter server"):
+        ParallelConfig(dp=2, ps_spares=1)

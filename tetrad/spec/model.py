@@ -347,17 +347,19 @@ def parse_problem(error: Exception) -> str:
 def build_train_config(toml_path: str | None, overrides: dict[str, Any]) -> TrainConfig:
     """TOML file values, then the flags the user set explicitly (they win). Parallel degrees may
     sit at the top level or in a [parallel] table; model field overrides in a [model] table.
-    With --strategy ps and no --dp, the workers are the --nproc processes minus the servers."""
+    With --strategy ps and no --dp, the workers are the --nproc processes minus the servers and
+    the spares."""
     values: dict[str, Any] = load_toml(toml_path) if toml_path else {}
     parallel = dict(values.pop("parallel", {}))
     model_overrides = values.pop("model") if isinstance(values.get("model"), dict) else {}
     merged = {**values, **overrides}
     for key in [key for key in merged if key in PARALLEL_FIELDS]:
         parallel[key] = merged.pop(key)
-    nproc, servers = merged.get("nproc"), parallel.get("servers", 0)
+    nproc = merged.get("nproc")
+    not_workers = parallel.get("servers", 0), parallel.get("ps_spares", 0)
     if (parallel.get("strategy") == "ps" and "dp" not in parallel and isinstance(nproc, int)
-            and isinstance(servers, int) and nproc > servers):
-        parallel["dp"] = nproc - servers  # every process that is not a server is a worker
+            and all(isinstance(n, int) for n in not_workers) and nproc > sum(not_workers)):
+        parallel["dp"] = nproc - sum(not_workers)  # every process not a server or spare works
     merged["parallel"] = from_dict(ParallelConfig, parallel)
     merged["model_overrides"] = {**model_overrides, **merged.get("model_overrides", {})}
     return from_dict(TrainConfig, merged)

@@ -53,12 +53,14 @@ def check_layout(config: TrainConfig, world_size: int) -> ResolvedLayout:
 def check_ps_processes(config: TrainConfig, world_size: int) -> None:
     parallel = config.parallel
     if world_size != parallel.num_processes:
-        hint = (f"e.g. --dp {world_size - parallel.servers}" if world_size > parallel.servers
+        others = parallel.servers + parallel.ps_spares
+        spares = f" + {parallel.ps_spares} spares" if parallel.ps_spares else ""
+        hint = (f"e.g. --dp {world_size - others}" if world_size > others
                 else f"e.g. --nproc {parallel.num_processes}")
         raise ConfigError(
             f"{world_size} processes but --strategy ps runs dp {parallel.dp} workers + "
-            f"{parallel.servers} servers = {parallel.num_processes}: make --nproc (or torchrun's "
-            f"world size) dp + servers, {hint}")
+            f"{parallel.servers} servers{spares} = {parallel.num_processes}: make --nproc (or "
+            f"torchrun's world size) dp + servers{' + spares' if spares else ''}, {hint}")
 
 
 def is_distributed(config: TrainConfig) -> bool:
@@ -128,12 +130,13 @@ def launch_training(config: TrainConfig):
     device = local_device(0, config.nproc, config.device)
     job = prepare_for_ranks(config, config.nproc, device)
     parallel = job.config.parallel
-    # Asynchronous parameter servers drop a dead worker and go on; rank 0 writes the report.
-    # Replicated servers (--ps-replicas 1) but the scheduler may die: their standbys take over.
-    expendable = (frozenset(range(1, parallel.dp))
+    # Asynchronous parameter servers drop a dead worker (or spare) and go on; rank 0 writes the
+    # report. Replicated servers (--ps-replicas 1) but the scheduler may die: standbys take over.
+    scheduler = parallel.dp + parallel.ps_spares
+    expendable = (frozenset(range(1, scheduler))
                   if parallel.strategy == "ps" and parallel.ps_mode != "sync" else frozenset())
     if parallel.strategy == "ps" and parallel.ps_replicas:
-        expendable |= frozenset(range(parallel.dp + 1, parallel.dp + parallel.servers))
+        expendable |= frozenset(range(scheduler + 1, scheduler + parallel.servers))
     return spawn(train_worker, config.nproc, (job,), expendable=expendable,
                  device_type=device.type, forward_signals=True)[0]
 

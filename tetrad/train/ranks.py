@@ -41,21 +41,29 @@ def ps_options(config: TrainConfig):
 
     parallel = config.parallel
     return PSOptions(num_servers=parallel.servers, mode=parallel.ps_mode,
-                     staleness=parallel.staleness, replicas=parallel.ps_replicas)
+                     staleness=parallel.staleness, replicas=parallel.ps_replicas,
+                     spares=parallel.ps_spares)
 
 
 def ps_rank(rank: int, world_size: int, job: PreparedJob, device: torch.device):
     """One rank of `tetrad train --strategy ps`: workers (the first dp ranks) run the trainer with
     the parameter-server strategy, servers serve until every worker said goodbye or died."""
     from tetrad.parallel.ps import ParameterServer
+    from tetrad.parallel.ps.worker import await_admission
     from tetrad.train.ps_strategy import ParameterServerStrategy
 
     options = ps_options(job.config)
     world = Group("world", tuple(range(world_size)), rank, dist.group.WORLD)
     comm = Comm(CommCounter())
-    if not options.roles(world_size).is_server(rank):
+    roles = options.roles(world_size)
+    if not roles.is_server(rank):
+        # A spare waits until it takes a dead worker's place, or the run ends without it.
+        admission = await_admission(world, comm, options) if roles.is_spare(rank) else None
+        if roles.is_spare(rank) and admission is None:
+            return None
         result = train(job, partial(ParameterServerStrategy, world=world, comm=comm,
-                                    options=options), show_progress=rank == 0, device=device)
+                                    options=options, admission=admission),
+                       show_progress=rank == 0, device=device)
         return result if rank == 0 else None
     model = build_model(job.model_config, job.config)  # the seed's parameters, as the workers'
     defaults = build_optimizer([torch.empty(0)], job.config).defaults
