@@ -42,9 +42,12 @@ def prompt_ids(length: int) -> list[int]:
 
 
 def peak_rss_mb() -> float:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's peak resident memory (VmHWM): getrusage's maxrss would report the parent's
+    peak, which Linux carries across the fork and exec."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def run_tetrad(args) -> dict:
