@@ -43,6 +43,7 @@ from tetrad.train.strategy import MeshStrategy
 from tetrad.train.trainer import build_model, train
 
 SLOW_S = 0.1  # the slow worker's extra time per step
+HANG_S = 900.0  # a spawn still running after this hung (a loaded machine takes minutes, not this)
 
 
 @dataclass(frozen=True)
@@ -206,7 +207,8 @@ def configs(corpus_file, tmp_path_factory) -> dict:
 def spawn_a(configs) -> list[list[dict]]:
     return run_ranks(ps_rank, 5, [
         Run(configs["sync"], PSOptions(num_servers=2)),
-        Run(configs["converge"], PSOptions(num_servers=2, mode="ssp", staleness=1), slow_rank=1)])
+        Run(configs["converge"], PSOptions(num_servers=2, mode="ssp", staleness=1), slow_rank=1)],
+        timeout_s=HANG_S)
 
 
 def test_sync_equals_single_process_and_moves_only_touched_rows(configs, spawn_a):
@@ -271,7 +273,7 @@ def spawn_b(configs, spawn_a) -> list[list[dict]]:
     return run_ranks(ps_rank, 3, [
         Run(configs["resume"], PSOptions(num_servers=1)),
         Run(configs["converge"], PSOptions(num_servers=1, mode="async"), slow_rank=1),
-        Run(zero0, PSOptions(num_servers=1), zero0=True)])
+        Run(zero0, PSOptions(num_servers=1), zero0=True)], timeout_s=HANG_S)
 
 
 def test_sync_resumes_from_another_layouts_checkpoint(configs, spawn_b):
