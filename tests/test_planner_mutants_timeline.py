@@ -84,9 +84,9 @@ def test_schedules_up_to_1024_computes_are_simulated_and_larger_take_the_closed_
     """The module doc's promise: a simulation costs ~15 us an action, so beyond
     MAX_SIMULATED_ACTIONS = 1024 compute actions the closed forms answer instead."""
     calls = []
-    simulate_real, peaks_real = planner_timeline.simulate, planner_timeline.peak_in_flight
-    monkeypatch.setattr(planner_timeline, "simulate",
-                        lambda *a, **k: calls.append("bubble") or simulate_real(*a, **k))
+    makespan_real, peaks_real = planner_timeline.makespan, planner_timeline.peak_in_flight
+    monkeypatch.setattr(planner_timeline, "makespan",
+                        lambda *a, **k: calls.append("bubble") or makespan_real(*a, **k))
     monkeypatch.setattr(planner_timeline, "peak_in_flight",
                         lambda *a, **k: calls.append("in flight") or peaks_real(*a, **k))
     pipeline_in_flight.cache_clear()

@@ -81,6 +81,7 @@ class MemoryBreakdown:
                 "activations": self.activations, "kv_cache": self.kv_cache, "total": self.total}
 
 
+@lru_cache(maxsize=4096)  # thousands of layouts share a few (layers, stages) cuts
 def representative_stages(num_layers: int, num_stages: int,
                           num_dense_layers: int = 0) -> tuple[int, ...]:
     """Stages that can be the fullest or slowest: the last (LM head) and the first stage of each

@@ -42,8 +42,9 @@ from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
 
-from tetrad.schedules import Durations, Schedule, build_schedule, peak_in_flight, simulate
+from tetrad.schedules import Durations, Schedule, build_schedule, peak_in_flight
 from tetrad.schedules.generate import SPLIT_BACKWARD, V_SHAPED
+from tetrad.schedules.simulate import makespan
 
 DURATION_GRID = 32  # ZB-H1's bubble then within 6% of the unrounded times' (the others' is exact)
 MAX_SIMULATED_ACTIONS = 1024  # ~20 ms a simulation: a 16,384-GPU search stays under a second
@@ -88,7 +89,7 @@ def _bubble_ratio(schedule: str, pp: int, m: int, vpp: int, forward: int, backwa
     durations = (Durations(forward, backward_input + backward_weight, backward_input,
                            backward_weight) if backward_weight else
                  Durations(forward, backward_input))
-    return simulate(_compute_order(schedule, pp, m, vpp), durations).makespan / busy - 1
+    return makespan(_compute_order(schedule, pp, m, vpp), durations) / busy - 1
 
 
 def closed_form_makespan(schedule: str, pp: int, m: int, vpp: int, forward: Fraction,

@@ -16,6 +16,7 @@ runs with tensors handed across ranks the moment they are computed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Sequence
@@ -138,10 +139,85 @@ def simulate(schedule: Schedule, durations: Durations = Durations(),
     """Time every compute; raise ScheduleError naming each rank's stuck action on deadlock.
     `as_executed`: as the executor runs a split schedule, each B of `whole_backwards` taking
     the whole backward (its input gradient leaves only then) and its W no time."""
+    if not blocking and not schedule.has_communication:
+        scale, spans = _scaled_compute_spans(schedule, durations, as_executed)
+        if spans is not None:
+            return Timeline(schedule, tuple(
+                tuple(Span(action, Fraction(start, scale), Fraction(end, scale))
+                      for action, start, end in rank_spans) for rank_spans in spans),
+                Fraction(max((rank_spans[-1][2] for rank_spans in spans if rank_spans),
+                             default=0), scale), peak_in_flight(schedule))
     run = _Run(schedule, durations, blocking, as_executed)
     run.go()
     return Timeline(schedule, tuple(tuple(spans) for spans in run.spans),
                     max(run.clock, default=Fraction(0)), peak_in_flight(schedule))
+
+
+def makespan(schedule: Schedule, durations: Durations = Durations()) -> Fraction:
+    """simulate(schedule, durations).makespan, without timing each compute as a Fraction."""
+    if schedule.has_communication:
+        return simulate(schedule, durations).makespan
+    scale, spans = _scaled_compute_spans(schedule, durations, as_executed=False)
+    if spans is None:
+        return simulate(schedule, durations).makespan  # raises the deadlock's ScheduleError
+    return Fraction(max((rank_spans[-1][2] for rank_spans in spans if rank_spans), default=0),
+                    scale)
+
+
+def _scaled_compute_spans(schedule: Schedule, durations: Durations, as_executed: bool
+                          ) -> tuple[int, list[list[tuple[Action, int, int]]] | None]:
+    """_Run's asynchronous timeline of a compute-only schedule, with every duration scaled by
+    the least common denominator so that the clocks are integers (exact, and many times faster
+    than Fractions): (scale, per-rank (action, start, end)), or spans None on deadlock."""
+    kinds = ("F", "B", "W") if schedule.split_backward else ("F", "B")
+    exact = {kind: durations.of(kind, schedule) for kind in kinds}
+    scale = math.lcm(*(value.denominator for value in exact.values()))
+    units = {kind: int(value * scale) for kind, value in exact.items()}
+    whole = (set().union(*map(whole_backwards, schedule.actions))
+             if as_executed and schedule.split_backward else set())
+    last_stage = schedule.num_stages - 1
+    finished: dict[tuple[str, int, int], int] = {}
+    spans: list[list[tuple[Action, int, int]]] = [[] for _ in range(schedule.pp)]
+    pos, clock = [0] * schedule.pp, [0] * schedule.pp
+    progress = True
+    while progress:
+        progress = False
+        for rank, actions in enumerate(schedule.actions):
+            index, time, rank_spans = pos[rank], clock[rank], spans[rank]
+            while index < len(actions):
+                action = actions[index]
+                kind, stage, microbatch = action.kind, action.stage, action.microbatch
+                start = time
+                if kind == "F":
+                    needed = (("F", stage - 1, microbatch),) if stage > 0 else ()
+                elif kind == "B":
+                    needed = ((("F", stage, microbatch), ("B", stage + 1, microbatch))
+                              if stage < last_stage else (("F", stage, microbatch),))
+                else:
+                    needed = (("B", stage, microbatch),)
+                ready = True
+                for key in needed:
+                    end = finished.get(key)
+                    if end is None:
+                        ready = False
+                        break
+                    start = max(start, end)
+                if not ready:
+                    break
+                duration = units[kind]
+                if whole and (action in whole or kind == "W" and
+                              Action("B", stage, microbatch) in whole):
+                    duration = units["B"] + units["W"] if kind == "B" else 0
+                time = start + duration
+                finished[(kind, stage, microbatch)] = time
+                rank_spans.append((action, start, time))
+                index += 1
+            if index != pos[rank]:
+                progress = True
+            pos[rank], clock[rank] = index, time
+    if any(index < len(actions) for index, actions in zip(pos, schedule.actions)):
+        return scale, None
+    return scale, spans
 
 
 class _Run:
