@@ -22,8 +22,8 @@ from fractions import Fraction
 from typing import Sequence
 
 from tetrad.errors import ConfigError
-from tetrad.schedules.actions import (Action, Schedule, ScheduleError, local_prerequisite,
-                                      message, upstream)
+from tetrad.schedules.actions import (COMPUTE_KINDS, Action, Schedule, ScheduleError,
+                                      local_prerequisite, message, upstream)
 
 
 @dataclass(frozen=True)
@@ -175,8 +175,10 @@ def _scaled_compute_spans(schedule: Schedule, durations: Durations, as_executed:
     units = {kind: int(value * scale) for kind, value in exact.items()}
     whole = (set().union(*map(whole_backwards, schedule.actions))
              if as_executed and schedule.split_backward else set())
-    last_stage = schedule.num_stages - 1
-    finished: dict[tuple[str, int, int], int] = {}
+    last_stage, microbatches = schedule.num_stages - 1, schedule.microbatches
+    # End times per kind, at stage * microbatches + microbatch; None until the compute ran.
+    ends = {kind: [None] * (schedule.num_stages * microbatches) for kind in COMPUTE_KINDS}
+    forward_ends, backward_ends = ends["F"], ends["B"]
     spans: list[list[tuple[Action, int, int]]] = [[] for _ in range(schedule.pp)]
     pos, clock = [0] * schedule.pp, [0] * schedule.pp
     progress = True
@@ -186,30 +188,23 @@ def _scaled_compute_spans(schedule: Schedule, durations: Durations, as_executed:
             index, time, rank_spans = pos[rank], clock[rank], spans[rank]
             while index < len(actions):
                 action = actions[index]
-                kind, stage, microbatch = action.kind, action.stage, action.microbatch
-                start = time
+                kind, stage = action.kind, action.stage
+                slot = stage * microbatches + action.microbatch
                 if kind == "F":
-                    needed = (("F", stage - 1, microbatch),) if stage > 0 else ()
+                    inputs = (forward_ends[slot - microbatches] if stage else time,)
                 elif kind == "B":
-                    needed = ((("F", stage, microbatch), ("B", stage + 1, microbatch))
-                              if stage < last_stage else (("F", stage, microbatch),))
+                    inputs = (forward_ends[slot], backward_ends[slot + microbatches]
+                              if stage < last_stage else time)
                 else:
-                    needed = (("B", stage, microbatch),)
-                ready = True
-                for key in needed:
-                    end = finished.get(key)
-                    if end is None:
-                        ready = False
-                        break
-                    start = max(start, end)
-                if not ready:
+                    inputs = (backward_ends[slot],)
+                if None in inputs:
                     break
                 duration = units[kind]
                 if whole and (action in whole or kind == "W" and
-                              Action("B", stage, microbatch) in whole):
+                              Action("B", stage, action.microbatch) in whole):
                     duration = units["B"] + units["W"] if kind == "B" else 0
-                time = start + duration
-                finished[(kind, stage, microbatch)] = time
+                start = max(time, *inputs)
+                time = ends[kind][slot] = start + duration
                 rank_spans.append((action, start, time))
                 index += 1
             if index != pos[rank]:
