@@ -24,7 +24,7 @@ import statistics
 from pathlib import Path
 
 from benchmarks.published_runs import Run, all_runs, known_gaps, predict
-from benchmarks.published_serving import predict_serving, serve_runs
+from benchmarks.published_serving import predict_serving, serve_runs, serving_row
 from tetrad.hardware.efficiency import EfficiencyProfile
 from tetrad.hardware.catalog import AMPERE, HOPPER, gpu
 
@@ -170,10 +170,7 @@ def report(without: tuple[str, ...] = ()) -> str:
     lines += ["", "Serving, against TensorRT-LLM's tables (not fitted: the catalog profiles, a check "
               "outside the calibration set):", "",
               "| run | measured | predicted | error |", "|---|---|---|---|"]
-    for run in serve_runs():
-        predicted = predict_serving(run)
-        lines.append(f"| {run.name} ({run.metric.upper()}) | {run.measured_s * 1e3:.1f} ms | "
-                     f"{predicted * 1e3:.1f} ms | {predicted / run.measured_s - 1:+.0%} |")
+    lines += [serving_row(run, predict_serving(run)) for run in serve_runs()]
     lines += ["", "Known gaps, left out of the fit and the means (in-sample profile):", ""]
     for run, why in known_gaps():
         error = errors([run], full)[0]

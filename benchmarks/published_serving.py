@@ -17,8 +17,9 @@ TRTLLM = ("https://github.com/NVIDIA/TensorRT-LLM/blob/main/docs/source/performa
 
 @dataclass
 class ServeRun:
-    """A published serving measurement: time per output token at `batch` (from output tokens
-    per second) or time to the first token (batch 1, one output token)."""
+    """A published serving measurement: output tokens per second of a static batch of whole
+    requests (prefill and decode, all GPUs), or time to the first token (batch 1, one output
+    token)."""
 
     name: str
     citation: str
@@ -29,17 +30,19 @@ class ServeRun:
     batch: int
     prompt_len: int
     output_len: int
-    measured_s: float
-    metric: str  # "tpot" or "ttft"
+    measured: float  # tokens/s for "output_tokens_per_s", seconds for "ttft"
+    metric: str  # "output_tokens_per_s" or "ttft"
 
 
 def serve_runs() -> list[ServeRun]:
     """TensorRT-LLM's H100 FP8 and A100 FP16 tables (LLaMA = Llama 2 shapes). Throughput rows:
-    out tok/s per GPU x TP GPUs over a static batch; with 2048 output tokens the prefill is a
-    small share, so batch / throughput is the time per output token. The A100 table does not
-    say whether its throughput is per GPU, so only its TP-1 rows (where both agree) are used."""
-    rows = [ServeRun(f"{model} b{batch} tp{tp} {dtype} decode", TRTLLM + ", peak throughput",
-                     model, gpu, tp, dtype, batch, 128, 2048, batch / (per_gpu * tp), "tpot")
+    out tok/s per GPU x TP GPUs over a static batch of 128-token prompts and 2048-token outputs,
+    compared with the planner's whole request (the batch's prefill, then its decode steps). The
+    A100 table does not say whether its throughput is per GPU, so only its TP-1 rows (where both
+    agree) are used."""
+    rows = [ServeRun(f"{model} b{batch} tp{tp} {dtype} 128/2048", TRTLLM + ", peak throughput",
+                     model, gpu, tp, dtype, batch, 128, 2048, per_gpu * tp,
+                     "output_tokens_per_s")
             for model, gpu, tp, dtype, batch, per_gpu in (
                 ("llama2-70b", "h100-sxm", 4, "fp8", 480, 1486),
                 ("llama2-7b", "h100-sxm", 1, "fp8", 112, 6818),
@@ -64,4 +67,14 @@ def predict_serving(run: ServeRun) -> float:
                              weight_dtype=run.dtype, kv_dtype=run.dtype, batch=run.batch)
     estimate = search_serving(preset(run.model), cluster(run.gpu, run.tp), workload,
                               ServeSpace(tp=run.tp, pp=1, ep=1), top=1).ranked[0]
-    return estimate.tpot_s if run.metric == "tpot" else estimate.ttft_s
+    return (estimate.output_tokens_per_s if run.metric == "output_tokens_per_s"
+            else estimate.ttft_s)
+
+
+def serving_row(run: ServeRun, predicted: float) -> str:
+    """One markdown row: measured, predicted (tokens/s or ms) and the signed error."""
+    def shown(value: float) -> str:
+        return (f"{value:,.0f} tok/s" if run.metric == "output_tokens_per_s"
+                else f"{value * 1e3:.1f} ms")
+    return (f"| {run.name} ({run.metric}) | {shown(run.measured)} | {shown(predicted)} | "
+            f"{predicted / run.measured - 1:+.0%} |")

@@ -110,6 +110,10 @@ def serving_config_json(estimate: ServingEstimate, price_per_gpu_hour: float = 0
         "ttft_s": _round(estimate.ttft_s),
         "tpot_s": _round(estimate.tpot_s),
         "decode_tokens_per_s": _round(estimate.decode_tokens_per_s),
+        "batch_ttft_s": _round(estimate.batch_ttft_s),
+        "request_s": _round(estimate.request_s),
+        "output_tokens_per_s": _round(estimate.output_tokens_per_s),
+        "total_tokens_per_s": _round(estimate.total_tokens_per_s),
         # Output tokens a dollar buys at the decode rate (the prompt's prefill not counted).
         "output_tokens_per_dollar": tokens_per_dollar(estimate.decode_tokens_per_s, num_gpus,
                                                       price_per_gpu_hour),

@@ -74,6 +74,9 @@ class ServingEstimate:
     batch: int  # concurrent sequences per replica used for the timings
     ttft_s: float
     tpot_s: float
+    batch_ttft_s: float  # prefill of the whole batch at once (a static batch's first tokens)
+    request_s: float  # a static batch from its prompts to its last output token
+    request_tokens: tuple[int, int]  # prompt and output tokens of one request
 
     @property
     def fits(self) -> bool:
@@ -87,6 +90,18 @@ class ServingEstimate:
     @property
     def decode_tokens_per_s(self) -> float:
         return self.layout.dp * self.batch / self.tpot_s if self.tpot_s else 0.0
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        """Whole requests: every replica's batch of outputs over prefill plus decode."""
+        return (self.layout.dp * self.batch * self.request_tokens[1] / self.request_s
+                if self.request_s else 0.0)
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        """Prompt and output tokens over prefill plus decode (published tables' "total")."""
+        return (self.layout.dp * self.batch * sum(self.request_tokens) / self.request_s
+                if self.request_s else 0.0)
 
 
 def check_serve_layout(config: ModelConfig, num_gpus: int, layout: ServeLayout) -> None:
@@ -186,7 +201,8 @@ def _stage_forward_time(config: ModelConfig, cluster: Cluster, layout: ServeLayo
             total += max(flops / (gpu.peak("bf16") * gpu.efficiency.attention),
                          bandwidth_time(gpu, kv_per_layer * context * sequences, 1))
         else:
-            times = layer_times(config, gpu, layer, 1, tokens, layout.tp, 1, layout.ep, True,
+            times = layer_times(config, gpu, layer, sequences, tokens // sequences, layout.tp, 1,
+                                layout.ep, True,
                                 "none", True, False, compute_dtype, act, wbytes, group_tokens,
                                 _expert_tp(layout))
             total += times.forward
@@ -244,9 +260,8 @@ def evaluate_serving(config: ModelConfig, cluster: Cluster, layout: ServeLayout,
     batch = workload.batch or min(per_replica, MAX_BATCH)
     activations = _activation_bytes(config, layout, max(batch, 1), workload.prompt_len)
     context = workload.prompt_len + workload.output_len // 2
-    ttft = sum(_stage_forward_time(config, cluster, layout, workload, stage,
-                                   workload.prompt_len, 1, workload.prompt_len, False)
-               for stage in range(layout.pp)) if batch else 0.0
+    ttft = _prefill_time(config, cluster, layout, workload, 1) if batch else 0.0
+    batch_ttft = _prefill_time(config, cluster, layout, workload, batch) if batch else 0.0
     tpot = 0.0
     if batch:
         in_flight = max(1, -(-batch // layout.pp))
@@ -254,7 +269,24 @@ def evaluate_serving(config: ModelConfig, cluster: Cluster, layout: ServeLayout,
                                              in_flight, in_flight, context, True)
                          for stage in stages)
         tpot = layout.pp * stage_time
+    # The prefill gives each sequence its first token; the decode steps give the rest.
+    request = batch_ttft + max(workload.output_len - 1, 0) * tpot
     return ServingEstimate(layout=layout, weights=weights, activations=activations,
                            kv_cache=batch * per_sequence,
                            usable_memory=usable, max_concurrent_sequences=per_replica * layout.dp,
-                           batch=batch, ttft_s=ttft, tpot_s=tpot)
+                           batch=batch, ttft_s=ttft, tpot_s=tpot, batch_ttft_s=batch_ttft,
+                           request_s=request,
+                           request_tokens=(workload.prompt_len, workload.output_len))
+
+
+def _prefill_time(config: ModelConfig, cluster: Cluster, layout: ServeLayout,
+                  workload: ServeWorkload, sequences: int) -> float:
+    """Prompts of `sequences` sequences through every stage: with pp > 1 they go as up to pp
+    microbatches, one stage apart (a pipeline's fill, then its slowest stage per microbatch)."""
+    microbatches = min(layout.pp, sequences)
+    per_microbatch = -(-sequences // microbatches)
+    stage_times = [_stage_forward_time(config, cluster, layout, workload, stage,
+                                       per_microbatch * workload.prompt_len, per_microbatch,
+                                       workload.prompt_len, False)
+                   for stage in range(layout.pp)]
+    return sum(stage_times) + (microbatches - 1) * max(stage_times)
