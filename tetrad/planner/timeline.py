@@ -8,7 +8,8 @@ B that computes weight gradients (the forward's matmuls again; B - W, with any r
 the input gradient on the critical path). Durations are rounded to 1/DURATION_GRID of the forward
 so that the thousands of layouts a search evaluates share a few cached simulations.
 
-A simulation costs about 15 microseconds per compute action, so schedules of more than
+A simulation cost about 15 microseconds per compute action on Fraction clocks (under 2 on the
+integers makespan scales them to), so schedules of more than
 MAX_SIMULATED_ACTIONS compute actions (1F1B with pp = 16 and m > 32, say) take the exact
 closed forms below instead; tests/test_planner_comm.py checks them equal to the simulation over
 every small shape. As ratios of idle to busy time on each rank (stage times uniform; ZB-H1 as its
@@ -47,7 +48,7 @@ from tetrad.schedules.generate import SPLIT_BACKWARD, V_SHAPED
 from tetrad.schedules.simulate import makespan
 
 DURATION_GRID = 32  # ZB-H1's bubble then within 6% of the unrounded times' (the others' is exact)
-MAX_SIMULATED_ACTIONS = 1024  # ~20 ms a simulation: a 16,384-GPU search stays under a second
+MAX_SIMULATED_ACTIONS = 1024  # kept from the Fraction clocks' ~20 ms, so no answer changes
 
 
 def _num_actions(schedule: str, pp: int, num_microbatches: int, vpp: int) -> int:
