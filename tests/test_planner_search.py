@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -73,7 +74,6 @@ def test_uneven_stages_are_paced_by_the_fullest_stage():
 
 @pytest.mark.parametrize("space, message", [
     (TrainSpace(tp=3), "tp 3 does not divide num_heads 32"),
-    (TrainSpace(tp=16), "does not divide num_kv_heads 8"),
     (TrainSpace(pp=64), "pp 64 is more than the model's 32 layers"),
     (TrainSpace(tp=2, pp=2, dp=4, cp=1), "must multiply to the GPU count"),
     (TrainSpace(dp=8, micro_batch=3), r"not divisible by dp\*micro_batch = 8\*3"),
@@ -82,6 +82,18 @@ def test_uneven_stages_are_paced_by_the_fullest_stage():
 def test_impossible_layouts_say_which_constraint_failed(space, message):
     with pytest.raises(ConfigError, match=message):
         search_training(preset("llama3-8b"), cluster("h100-sxm", 8), WORKLOAD, 100, space)
+
+
+def test_tp_that_neither_divides_nor_multiplies_the_kv_heads_is_refused():
+    """Tensor parallelism beyond the kv heads replicates them (Megatron's multi-query attention):
+    tp 16 over llama3-8b's 8 kv heads is a layout; tp 4 over 6 kv heads splits neither whole
+    heads nor whole replicas."""
+    assert search_training(preset("llama3-8b"), cluster("h100-sxm", 16), WORKLOAD, 100,
+                           TrainSpace(tp=16)).ranked[0].layout.tp == 16
+    six_kv_heads = dataclasses.replace(preset("llama3-8b"), num_heads=24, num_kv_heads=6,
+                                       hidden_size=3072)
+    with pytest.raises(ConfigError, match="tp 4 and num_kv_heads 6 do not fit"):
+        search_training(six_kv_heads, cluster("h100-sxm", 8), WORKLOAD, 100, TrainSpace(tp=4))
 
 
 def test_expert_parallel_must_divide_experts():
