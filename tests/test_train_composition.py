@@ -139,7 +139,8 @@ def check_run(name: str, result, expected, layout: dict, first_step: int = 1,
         assert entry["coords"] == {axis: coords[axis] for axis in ("dp", "pp", "cp", "tp", "ep")}
         assert min(entry["bytes"][k] for k in ("params", "grads", "activations_peak")) > 0, name
         assert set(entry["comm_bytes"]) == {"all_reduce", "reduce_scatter", "all_gather",
-                                            "all_to_all", "broadcast", "p2p"}, name
+                                            "all_to_all", "broadcast", "reduce", "gather",
+                                            "scatter", "p2p"}, name
         # The pipeline's measured bubble; no pipeline, no idle time.
         assert (0 < entry["idle_fraction"] < 1) if dims.pp > 1 else \
             entry["idle_fraction"] == 0, name
