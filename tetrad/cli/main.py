@@ -19,7 +19,7 @@ from tetrad.errors import TetradError
 EXTRA_MODULES = {
     "train": ("torch", "numpy", "safetensors", "tokenizers", "tqdm"),
     "serve": ("torch", "safetensors", "tokenizers", "fastapi", "uvicorn", "uvloop", "httptools",
-              "pydantic", "jinja2"),
+              "pydantic", "jinja2", "gguf", "numpy"),
     "plot": ("matplotlib",),
 }
 SERVING_COMMANDS = ("serve", "run", "generate")

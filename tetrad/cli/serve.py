@@ -80,6 +80,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    import uvicorn  # noqa: F401 (a missing serve extra is named before any model is looked up)
+
     if len(args.path) == 1:
         args.path = args.path[0]
         return run_one(args)
