@@ -26,9 +26,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 sys.path.insert(0, str(HERE))
 from gguf_files import write_gguf  # noqa: E402
-from quant_agreement import (NEW_TOKENS, PROMPT_TOKENS, PROMPTS,  # noqa: E402
-                             engine_continuations, hamlet_prompts, mean_logit_difference,
-                             trained_hf_folder)
+from quant_agreement import (agreement, bf16_reference, engine_continuations,  # noqa: E402
+                             mean_logit_difference, trained_hf_folder)
 
 from tetrad.models.hf import load_pretrained  # noqa: E402
 from tetrad.store.gguf import unpack_gguf  # noqa: E402
@@ -54,31 +53,21 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--model", help="an HF llama folder instead of training one")
     args = parser.parse_args()
-    from tetrad.tokenizer import load_tokenizer
-
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         folder = (Path(args.model) if args.model
                   else trained_hf_folder(work, args.steps, args.batch_size))
-        reference = load_pretrained(folder, dtype=torch.bfloat16)
-        prompts = hamlet_prompts(load_tokenizer(folder))
-        expected = engine_continuations(folder, prompts)
-        trained = f"trained {args.steps} steps of {args.batch_size} x 128 tokens"
-        print(f"model {folder if args.model else trained}: "
-              f"{sum(p.numel() for p in reference.parameters()):,} parameters; {PROMPTS} "
-              f"prompts of {PROMPT_TOKENS} tokens, {NEW_TOKENS} greedy tokens each; against "
-              f"the bf16 engine")
+        reference, prompts, expected = bf16_reference(folder, args)
         print(f"{'GGUF':<6} {'linears':<12} {'mean |dlogit|':>14} {'greedy agreement':>17}")
         for kind in KINDS:
             loaded = gguf_folder(folder, kind, work)
             model = load_pretrained(loaded, dtype=torch.bfloat16, keep_fp8=True)
             tokens = engine_continuations(loaded, prompts)
-            agreed = sum(a == b for got, want in zip(tokens, expected)
-                         for a, b in zip(got, want))
+            agreed = agreement(tokens, expected)
             error = mean_logit_difference(reference, model, prompts, expected)
             print(f"{kind:<6} {type(model.layers[0].mlp.down).__name__:<12} {error:>14.4f} "
-                  f"{agreed / (PROMPTS * NEW_TOKENS):>16.1%}")
+                  f"{agreed:>16.1%}")
 
 
 if __name__ == "__main__":

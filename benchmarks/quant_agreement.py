@@ -86,6 +86,29 @@ def mean_logit_difference(reference, model, prompts, continuations) -> float:
     return difference / count
 
 
+def bf16_reference(folder: Path, args) -> tuple:
+    """The bf16 model at `folder`, the prompts and the bf16 engine's greedy continuations, after
+    a line saying which model they come from."""
+    from tetrad.models.hf import load_pretrained
+    from tetrad.tokenizer import load_tokenizer
+
+    reference = load_pretrained(folder, dtype=torch.bfloat16)
+    prompts = hamlet_prompts(load_tokenizer(folder))
+    expected = engine_continuations(folder, prompts)
+    trained = f"trained {args.steps} steps of {args.batch_size} x 128 tokens"
+    print(f"model {folder if args.model else trained}: "
+          f"{sum(p.numel() for p in reference.parameters()):,} parameters; {PROMPTS} "
+          f"prompts of {PROMPT_TOKENS} tokens, {NEW_TOKENS} greedy tokens each; against "
+          f"the bf16 engine")
+    return reference, prompts, expected
+
+
+def agreement(tokens: list[list[int]], expected: list[list[int]]) -> float:
+    """The share of greedy tokens equal to the bf16 engine's, position by position."""
+    return sum(a == b for got, want in zip(tokens, expected)
+               for a, b in zip(got, want)) / (PROMPTS * NEW_TOKENS)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
@@ -94,33 +117,23 @@ def main() -> None:
     parser.add_argument("--keep", help="train the model into this folder and keep it (reused by "
                                        "a later run with the same --steps and --batch-size)")
     args = parser.parse_args()
-    from tetrad.models.hf import load_pretrained
     from tetrad.models.quant_model import quantize_model
-    from tetrad.tokenizer import load_tokenizer
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.keep or tmp)
         folder = Path(args.model) if args.model else trained_hf_folder(work, args.steps,
                                                                         args.batch_size)
-        reference = load_pretrained(folder, dtype=torch.bfloat16)
-        prompts = hamlet_prompts(load_tokenizer(folder))
-        expected = engine_continuations(folder, prompts)
-        trained = f"trained {args.steps} steps of {args.batch_size} x 128 tokens"
-        print(f"model {folder if args.model else trained}: "
-              f"{sum(p.numel() for p in reference.parameters()):,} parameters; {PROMPTS} "
-              f"prompts of {PROMPT_TOKENS} tokens, {NEW_TOKENS} greedy tokens each; against "
-              f"the bf16 engine")
+        reference, prompts, expected = bf16_reference(folder, args)
         print(f"{'setting':<14} {'mean |dlogit|':>14} {'greedy agreement':>17}")
         for name, settings in SETTINGS.items():
             tokens = engine_continuations(folder, prompts, **settings)
-            agreed = sum(a == b for got, want in zip(tokens, expected)
-                         for a, b in zip(got, want))
+            agreed = agreement(tokens, expected)
             error = "-"  # the engine's KV cache: no full forward to compare
             if method := settings.get("quantization"):
                 quantized = quantize_model(copy.deepcopy(reference), method)
                 error = f"{mean_logit_difference(reference, quantized, prompts, expected):.4f}"
-            print(f"{name:<14} {error:>14} {agreed / (PROMPTS * NEW_TOKENS):>16.1%}")
+            print(f"{name:<14} {error:>14} {agreed:>16.1%}")
 
 
 if __name__ == "__main__":
