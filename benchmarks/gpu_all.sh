@@ -6,11 +6,14 @@
 #   GPU_PIECES="training serving" bash benchmarks/gpu_all.sh
 #   GPU_TRAINING_ROWS="tetrad-bf16-compiled tetrad-fp8-compiled" bash benchmarks/gpu_all.sh
 #
-# Pieces, in this order (the ones the open issues need most first): env (versions), kernels
-# (tests/test_triton_attention.py and test_triton_engine.py on CUDA), attention
+# Pieces, in this order (the ones the open issues need most first): env (versions), quant
+# (tests/gpu/test_gpu_quantization.py and test_gpu_offload.py: issue 30's int8/int4 CUDA kernels
+# and fp8 KV pool, a closed engine's memory free for the next, issue 31's offload on a GPU),
+# kernels (tests/test_triton_attention.py and test_triton_engine.py on CUDA), attention
 # (benchmarks/gpu_triton_attention.py), serving (benchmarks/gpu_serving.py on the Triton backend,
-# 16-token blocks: issue 29's GPU check is these three), tests (tests/gpu and the varlen kernel
-# test), fp8 (benchmarks/gpu_fp8_matmul.py), training (benchmarks/gpu_training.py), calibrate
+# 16-token blocks: issue 29's GPU check is these three), quantspeed
+# (benchmarks/gpu_quant_decode.py), tests (the other tests/gpu files and the varlen kernel test),
+# fp8 (benchmarks/gpu_fp8_matmul.py), training (benchmarks/gpu_training.py), calibrate
 # (`tetrad calibrate --device cuda`). Each runs under its own time limit, cut to what is left of
 # the budget (issue 29's three fill the default one), and a piece that fails or runs out of time
 # does not stop the next. Everything printed goes to $OUT/gpu_all.log; the JSON files land
@@ -21,7 +24,7 @@ mkdir -p "$OUT"
 LOG=$OUT/gpu_all.log
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PYTHON=${PYTHON:-python3}
-PIECES=${GPU_PIECES:-env kernels attention serving tests fp8 training calibrate}
+PIECES=${GPU_PIECES:-env quant kernels attention serving quantspeed tests fp8 training calibrate}
 deadline=$((SECONDS + ${GPU_BUDGET_S:-450}))
 
 piece() {  # piece NAME LIMIT_S COMMAND...
@@ -42,16 +45,20 @@ piece env 30 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,cl
     --format=csv && $PYTHON -c 'import torch, transformers, triton; print(\"torch\", \
     torch.__version__, \"cuda\", torch.version.cuda, \"transformers\", transformers.__version__, \
     \"triton\", triton.__version__)'"
-piece kernels 120 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_triton_attention.py \
+piece quant 100 "$PYTHON" -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_quantization.py \
+    tests/gpu/test_gpu_offload.py
+piece kernels 100 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_triton_attention.py \
     tests/test_triton_engine.py
-piece attention 90 "$PYTHON" benchmarks/gpu_triton_attention.py --out "$OUT"
+piece attention 70 "$PYTHON" benchmarks/gpu_triton_attention.py --out "$OUT"
 # Its results land in $OUT/gpu_serving.json as they come; HF's continuous batching, last, is the
 # part a cut run loses.
-piece serving 210 "$PYTHON" benchmarks/gpu_serving.py --block-size 16 --attention triton \
+piece serving 170 "$PYTHON" benchmarks/gpu_serving.py --block-size 16 --attention triton \
     --out "$OUT"
-piece tests 120 "$PYTHON" -m pytest -q -p no:cacheprovider tests/gpu \
+piece quantspeed 60 "$PYTHON" benchmarks/gpu_quant_decode.py --out "$OUT"
+piece tests 60 "$PYTHON" -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_engine.py \
+    tests/gpu/test_gpu_fp8.py tests/gpu/test_gpu_training.py \
     tests/test_paged_attention.py::test_varlen_reads_the_pool_in_place_like_gathered_attention
-piece fp8 60 "$PYTHON" benchmarks/gpu_fp8_matmul.py
+piece fp8 40 "$PYTHON" benchmarks/gpu_fp8_matmul.py
 # shellcheck disable=SC2086  # the rows are words
 piece training 420 "$PYTHON" benchmarks/gpu_training.py --row-timeout 110 --warmup 3 --steps 8 \
     ${GPU_TRAINING_ROWS:+--rows $GPU_TRAINING_ROWS}
