@@ -22,7 +22,7 @@ from tetrad.errors import ConfigError
 from tetrad.planner.layout import stage_layer_counts
 from tetrad.planner.memory import kv_bytes_per_token
 from tetrad.planner.precision import element_bytes
-from tetrad.planner.rules import check_degrees
+from tetrad.planner.rules import check_degrees, check_runtime_model
 from tetrad.planner.serving import weight_bytes_per_gpu
 from tetrad.spec.model import ModelConfig
 from tetrad.spec.serving import ServeLayout
@@ -32,6 +32,7 @@ def check_servable(layout: ServeLayout, config: ModelConfig) -> None:
     """Raise ConfigError (one line: what is wrong and what to run instead) when the engine
     cannot serve `config` under `layout`. The engine calls it before any weight is read or any
     rank starts (the degrees are positive: ServeLayout)."""
+    check_runtime_model(config)  # a block the engine's layers do not build would serve wrong
     tp, pp, ep, dp, world = layout.tp, layout.pp, layout.ep, layout.dp, layout.world_size
     if dp > 1 and (tp > 1 or pp > 1):
         raise ConfigError(f"--dp {dp} with --tp {tp} --pp {pp}: data-parallel serving runs with "
