@@ -298,17 +298,24 @@ def training_memory(config: ModelConfig, layout: TrainLayout, precision: Trainin
         return eager_breakdown(ranks[fullest]), fullest
     best: tuple[MemoryBreakdown, int] | None = None
     for stage in stages_to_check(config, layout.pp):
-        params, grads, optimizer = model_state_bytes(config, layout, precision, stage,
-                                                     options.zero3_live_params)
-        activations = stage_activation_bytes(config, layout, seq_len, options,
-                                             precision.activation_bytes, stage)
-        breakdown = MemoryBreakdown(params, grads, optimizer, activations,
-                                    params_gathered=gathered_params_bytes(
-                                        config, layout, precision, options.zero3_live_params))
+        breakdown = stage_memory(config, layout, precision, seq_len, options, stage)
         if best is None or breakdown.total > best[0].total:
             best = (breakdown, stage)
     assert best is not None
     return best
+
+
+def stage_memory(config: ModelConfig, layout: TrainLayout, precision: TrainingPrecision,
+                 seq_len: int, options: ActivationOptions, stage: int) -> MemoryBreakdown:
+    """One GPU of pipeline `stage` under Megatron's fused kernels (training_memory's fullest is
+    the largest of these; `tetrad plan --web` draws every stage's)."""
+    params, grads, optimizer = model_state_bytes(config, layout, precision, stage,
+                                                 options.zero3_live_params)
+    activations = stage_activation_bytes(config, layout, seq_len, options,
+                                         precision.activation_bytes, stage)
+    return MemoryBreakdown(params, grads, optimizer, activations,
+                           params_gathered=gathered_params_bytes(
+                               config, layout, precision, options.zero3_live_params))
 
 
 def peak_bytes_by_zero_stage(config: ModelConfig, layout: TrainLayout,

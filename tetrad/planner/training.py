@@ -322,6 +322,21 @@ def _bottleneck(config: ModelConfig, cluster: Cluster, workload: TrainWorkload, 
     return best
 
 
+def microbatch_durations(config: ModelConfig, cluster: Cluster, layout: TrainLayout,
+                         workload: TrainWorkload) -> tuple[float, float, float]:
+    """Seconds of one microbatch on the slowest stage, as evaluate_training's bubble takes them:
+    forward, backward (recomputation included) and the part of it a split schedule defers as W,
+    each stretched by the exposed TP/CP/EP communication in proportion."""
+    stage, kernels, comm = _bottleneck(
+        config, cluster, workload, layout.tp, layout.pp, layout.cp, layout.ep,
+        layout.sequence_parallel, layout.recompute, layout.micro_batch, layout.expert_tp,
+        layout.zero)
+    comm -= _hidden_by_pairing(config, cluster, layout, workload, stage, kernels)
+    backward = kernels.backward + kernels.recompute
+    stretch = 1 + comm / (kernels.forward + backward)
+    return (kernels.forward * stretch, backward * stretch, kernels.matmul_forward * stretch)
+
+
 def evaluate_training(config: ModelConfig, cluster: Cluster, layout: TrainLayout,
                       workload: TrainWorkload, count_bytes: bool = True) -> TrainingEstimate:
     """Memory, time and traffic of one step of `layout` (assumed valid: see layout.py).
