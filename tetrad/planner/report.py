@@ -222,6 +222,16 @@ def serving_text(config: ModelConfig, cluster: Cluster, workload: ServeWorkload,
                      str(item["batch"]), f"{item['ttft_s'] * 1e3:.1f}",
                      f"{item['tpot_s'] * 1e3:.2f}", f"{item['decode_tokens_per_s']:.4g}"])
     lines.append(_table(headers, rows))
+    lines += ["", f"whole requests, as serving tables report them: a static batch per replica "
+                  f"of {workload.prompt_len} prompt + {workload.output_len} output tokens each",
+              _table(
+        ["tp", "pp", "dp", "ep", "batch", "batch TTFT ms", "TPOT ms", "request s",
+         "output tok/s", "total tok/s"],
+        [[str(item["parallel"][key]) for key in ("tp", "pp", "dp", "ep")]
+         + [str(item["batch"]), f"{item['batch_ttft_s'] * 1e3:.1f}",
+            f"{item['tpot_s'] * 1e3:.2f}", f"{item['request_s']:.3g}",
+            f"{item['output_tokens_per_s']:.4g}", f"{item['total_tokens_per_s']:.4g}"]
+         for item in data["configs"]])]
     lines += ["", _price_line(cluster, data["configs"][0]["output_tokens_per_dollar"],
                               "output tokens")]
     return "\n".join(lines)

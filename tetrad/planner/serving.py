@@ -47,6 +47,7 @@ class ServeWorkload:
     kv_dtype: str = "bf16"
     batch: int = 0  # concurrent sequences; 0 means as many as fit (at most MAX_BATCH)
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION  # share of each GPU usable
+    host_step_s: float = 0.0  # host work per engine step the GPU waits for (planner/stacks.py)
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.output_len < 0:
@@ -262,13 +263,15 @@ def evaluate_serving(config: ModelConfig, cluster: Cluster, layout: ServeLayout,
     context = workload.prompt_len + workload.output_len // 2
     ttft = _prefill_time(config, cluster, layout, workload, 1) if batch else 0.0
     batch_ttft = _prefill_time(config, cluster, layout, workload, batch) if batch else 0.0
+    if batch:  # a prefill is an engine step too
+        ttft, batch_ttft = ttft + workload.host_step_s, batch_ttft + workload.host_step_s
     tpot = 0.0
     if batch:
         in_flight = max(1, -(-batch // layout.pp))
         stage_time = max(_stage_forward_time(config, cluster, layout, workload, stage,
                                              in_flight, in_flight, context, True)
                          for stage in stages)
-        tpot = layout.pp * stage_time
+        tpot = layout.pp * stage_time + workload.host_step_s
     # The prefill gives each sequence its first token; the decode steps give the rest.
     request = batch_ttft + max(workload.output_len - 1, 0) * tpot
     return ServingEstimate(layout=layout, weights=weights, activations=activations,

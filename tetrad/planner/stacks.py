@@ -50,3 +50,40 @@ def stack_fields(name: str, **overrides) -> dict:
         raise ConfigError(f"unknown training stack {name!r} (known: {', '.join(STACKS)})")
     return {**STACKS[name], **{key: value for key, value in overrides.items()
                                if value is not None}}
+
+
+# Serving software generations: what the engine does on the host each step that the GPU waits
+# for. vLLM's blog of 2024-09-05 ("vLLM v0.6.0: 2.7x Throughput Improvement and 5x Latency
+# Reduction", blog.vllm.ai/2024/09/05/perf-update.html) profiled v0.5.3 serving Llama 3 8B on one
+# H100: the HTTP API server took 33% of the time and scheduling 29%, the GPU's work 38%; v0.6.0
+# overlaps them (a separate API process, multi-step scheduling, asynchronous output processing).
+# The host's share is a fixed cost per engine step, so it is charged in seconds: 62/38 of the
+# planner's own decode step on that profiled configuration (SERVING_REFERENCE; the blog's
+# ShareGPT requests, a few hundred tokens each way, at vLLM's 256 sequences). The blog's 70B on
+# four H100s (1.8x from v0.5.3 to v0.6.0) is not used: docs/planner.md compares against it.
+SERVING_STACKS = (
+    "vllm",  # v0.6.0 (2024-09) and later, TensorRT-LLM: the host's work overlapped
+    "vllm-0.5",  # v0.5.3 (2024-07) and before: the host's work in series with the GPU's
+)
+DEFAULT_SERVING_STACK = "vllm"
+VLLM_053_HOST_SHARE = (0.33 + 0.29) / 0.38  # host seconds per GPU second, the blog's profile
+SERVING_REFERENCE = dict(model="llama3-8b", gpu="h100-sxm", prompt_len=256, output_len=256,
+                         batch=256)
+
+
+def serving_host_step_s(name: str) -> float:
+    """Seconds per engine step the serving stack `name` spends on the host with the GPU idle."""
+    if name not in SERVING_STACKS:
+        raise ConfigError(f"unknown serving stack {name!r} (known: {', '.join(SERVING_STACKS)})")
+    if name == "vllm":
+        return 0.0
+    from tetrad.hardware.profile import cluster
+    from tetrad.planner.serving import ServeLayout, ServeWorkload, evaluate_serving
+    from tetrad.spec.presets import resolve_model
+
+    ref = SERVING_REFERENCE
+    workload = ServeWorkload(ref["prompt_len"] + ref["output_len"], ref["prompt_len"],
+                             ref["output_len"], batch=ref["batch"])
+    estimate = evaluate_serving(resolve_model(ref["model"]), cluster(ref["gpu"], 1, None, None),
+                                ServeLayout(), workload)
+    return VLLM_053_HOST_SHARE * estimate.tpot_s

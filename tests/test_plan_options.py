@@ -1,0 +1,68 @@
+"""What `tetrad plan` lets users say beyond the layout (issue 32, item 2 and 4): the serving
+software generation (--stack), the whole-request figures in the text output, the ranking by
+cost, torch.compile, op-level selective recompute and a GPU's power cap."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tetrad.cli.main import main
+from tetrad.hardware.profile import cluster
+from tetrad.planner.serving import ServeLayout, ServeWorkload, evaluate_serving
+from tetrad.planner.stacks import SERVING_REFERENCE, VLLM_053_HOST_SHARE, serving_host_step_s
+from tetrad.spec.presets import resolve_model
+
+
+def _plan(capsys, *argv) -> str:
+    main(["plan", *argv])
+    return capsys.readouterr().out
+
+
+def _plan_json(capsys, *argv) -> dict:
+    return json.loads(_plan(capsys, *argv, "--json"))
+
+
+SERVE_70B = ("serve", "--model", "llama3-70b", "--gpu", "h100-sxm", "--num-gpus", "4", "--tp",
+             "4", "--prompt-len", "256", "--output-len", "256", "--batch", "64")
+
+
+def test_the_old_serving_stack_waits_the_blogs_host_share_per_step():
+    # On the profiled configuration the host's seconds are 62/38 of the GPU's, so the GPU is
+    # busy 38% of each step, as vLLM's blog measured v0.5.3.
+    ref = SERVING_REFERENCE
+    host = serving_host_step_s("vllm-0.5")
+    workload = ServeWorkload(ref["prompt_len"] + ref["output_len"], ref["prompt_len"],
+                             ref["output_len"], batch=ref["batch"], host_step_s=host)
+    old = evaluate_serving(resolve_model(ref["model"]), cluster(ref["gpu"], 1), ServeLayout(),
+                           workload)
+    gpu_share = (old.tpot_s - host) / old.tpot_s
+    assert gpu_share == pytest.approx(1 / (1 + VLLM_053_HOST_SHARE))
+    assert serving_host_step_s("vllm") == 0.0
+
+
+def test_plan_serve_stack_adds_the_host_step_to_every_engine_step(capsys):
+    new = _plan_json(capsys, *SERVE_70B, "--stack", "vllm")["configs"][0]
+    old = _plan_json(capsys, *SERVE_70B, "--stack", "vllm-0.5")["configs"][0]
+    host = serving_host_step_s("vllm-0.5")
+    assert old["tpot_s"] == pytest.approx(new["tpot_s"] + host, rel=1e-3)
+    assert old["ttft_s"] == pytest.approx(new["ttft_s"] + host, rel=1e-3)
+    # Memory is the same software's business either way.
+    assert old["memory_gib"] == new["memory_gib"]
+    assert old["decode_tokens_per_s"] < new["decode_tokens_per_s"]
+
+
+def test_plan_serve_text_prints_the_whole_request_figures(capsys):
+    data = _plan_json(capsys, *SERVE_70B)["configs"]
+    text = _plan(capsys, *SERVE_70B).splitlines()
+    start = next(i for i, line in enumerate(text) if line.startswith("whole requests"))
+    assert text[start + 1].split()[-4:] == ["output", "tok/s", "total", "tok/s"]
+    rows = [line.split() for line in text[start + 3:start + 3 + len(data)]]
+    for row, item in zip(rows, data):
+        assert [int(cell) for cell in row[:5]] == [item["parallel"][key] for key in (
+            "tp", "pp", "dp", "ep")] + [item["batch"]]
+        assert float(row[5]) == pytest.approx(item["batch_ttft_s"] * 1e3, abs=0.06)
+        assert float(row[6]) == pytest.approx(item["tpot_s"] * 1e3, abs=0.006)
+        assert float(row[8]) == pytest.approx(item["output_tokens_per_s"], rel=1e-3)
+        assert float(row[9]) == pytest.approx(item["total_tokens_per_s"], rel=1e-3)
