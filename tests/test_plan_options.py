@@ -66,3 +66,38 @@ def test_plan_serve_text_prints_the_whole_request_figures(capsys):
         assert float(row[6]) == pytest.approx(item["tpot_s"] * 1e3, abs=0.006)
         assert float(row[8]) == pytest.approx(item["output_tokens_per_s"], rel=1e-3)
         assert float(row[9]) == pytest.approx(item["total_tokens_per_s"], rel=1e-3)
+
+
+TRAIN_8B = ("train", "--model", "llama3-8b", "--gpu", "h100-sxm", "--num-gpus", "64", "--top", "4")
+
+
+def test_training_ranked_by_cost_searches_fewer_gpus_for_fewer_gpu_seconds_per_token(capsys):
+    by_time = _plan_json(capsys, *TRAIN_8B)["configs"]
+    by_cost = _plan_json(capsys, *TRAIN_8B, "--rank-by", "cost")["configs"]
+
+    def gpu_seconds(item):
+        return item["num_gpus"] / item["tokens_per_s"]
+
+    assert [gpu_seconds(item) for item in by_cost] == sorted(map(gpu_seconds, by_cost))
+    assert gpu_seconds(by_cost[0]) <= gpu_seconds(by_time[0])
+    assert by_cost[0]["tokens_per_dollar"] >= by_time[0]["tokens_per_dollar"]
+    assert all(item["num_gpus"] == 64 for item in by_time)
+    assert {item["num_gpus"] for item in by_cost} - {64}  # some layouts leave GPUs out
+    # Each is the time search's own answer on that many GPUs.
+    count = by_cost[0]["num_gpus"]
+    own = _plan_json(capsys, *TRAIN_8B[:6], str(count), "--top", "1")["configs"][0]
+    assert own["parallel"] == by_cost[0]["parallel"]
+    assert own["tokens_per_s"] == by_cost[0]["tokens_per_s"]
+
+
+def test_serving_ranked_by_time_puts_the_shortest_request_first(capsys):
+    argv = ("serve", "--model", "llama3-8b", "--gpu", "h100-sxm", "--num-gpus", "4", "--top", "6")
+    by_time = _plan_json(capsys, *argv, "--rank-by", "time")["configs"]
+    by_cost = _plan_json(capsys, *argv)["configs"]
+    assert [item["request_s"] for item in by_time] == sorted(item["request_s"]
+                                                             for item in by_time)
+    rates = [item["decode_tokens_per_s"] for item in by_cost]
+    assert rates == sorted(rates, reverse=True)
+    # Same layouts, two orders.
+    assert sorted(map(str, by_time)) == sorted(map(str, by_cost))
+    assert by_time[0]["parallel"] != by_cost[0]["parallel"]

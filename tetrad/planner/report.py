@@ -43,6 +43,7 @@ def training_config_json(estimate: TrainingEstimate, tokens: float = 0.0,
     memory = estimate.memory.as_dict()
     out = {
         "parallel": estimate.layout.to_dict(),
+        "num_gpus": estimate.num_gpus,  # fewer than the cluster's when ranked by cost
         "fits": estimate.fits,
         "memory_gib": {**{key: _gib(value) for key, value in memory.items()},
                        "usable": _gib(estimate.usable_memory),
@@ -159,6 +160,9 @@ def training_text(config: ModelConfig, cluster: Cluster, workload: TrainWorkload
                "GiB", "fits", "step s", "bubble", "comm", "tok/s", "TFLOP/s", "MFU"]
     if tokens:
         headers.append("days")
+    subsets = any(item["num_gpus"] != cluster.num_gpus for item in data["configs"])
+    if subsets:  # ranked by cost: some layouts leave GPUs out
+        headers.append("GPUs")
     rows = []
     for config_json in data["configs"]:
         p, step = config_json["parallel"], config_json["step_time_s"]
@@ -171,6 +175,8 @@ def training_text(config: ModelConfig, cluster: Cluster, workload: TrainWorkload
             f"{config_json['mfu']:.1%}"]
         if tokens:
             row.append(f"{config_json['days']:.1f}")
+        if subsets:
+            row.append(str(config_json["num_gpus"]))
         rows.append(row)
     lines.append(_table(headers, rows))
     best = data["configs"][0]
@@ -189,15 +195,17 @@ def training_text(config: ModelConfig, cluster: Cluster, workload: TrainWorkload
                      f"(6ND: {data['total_flops_6nd']:.3g}), {best['days']:.1f} days, "
                      f"{best['gpu_hours']:.3g} GPU-hours"
                      + (f", ${best['cost_usd']:,.0f}" if best["cost_usd"] else ""))
-    lines.append(_price_line(cluster, best["tokens_per_dollar"], "tokens"))
+    lines.append(_price_line(cluster, best["tokens_per_dollar"], "tokens", best["num_gpus"]))
     return "\n".join(lines)
 
 
-def _price_line(cluster: Cluster, per_dollar: float | None, what: str) -> str:
+def _price_line(cluster: Cluster, per_dollar: float | None, what: str,
+                num_gpus: int | None = None) -> str:
     if per_dollar is None:
         return (f"cost: no price for {cluster.gpu.name}: pass --price-per-gpu-hour (or price= "
                 f"in an inline --gpu spec)")
-    return (f"cost: ${cluster.gpu.price_per_hour:.3g} per GPU-hour x {cluster.num_gpus} GPUs: "
+    return (f"cost: ${cluster.gpu.price_per_hour:.3g} per GPU-hour x "
+            f"{num_gpus or cluster.num_gpus} GPUs: "
             f"{per_dollar:,.0f} {what} per dollar (${1e6 / per_dollar:.3g} per million)")
 
 

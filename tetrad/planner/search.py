@@ -200,12 +200,22 @@ def check_training_space(cluster: Cluster, workload: TrainWorkload, global_batch
                           f"{', '.join(d for d in ('bf16', 'fp16') if d in cluster.gpu.peak_flops)}")
 
 
+RANKINGS = ("time", "cost")
+
+
 def search_training(config: ModelConfig, cluster: Cluster, workload: TrainWorkload,
                     global_batch: int, space: TrainSpace = TrainSpace(),
-                    top: int = 5) -> SearchResult:
+                    top: int = 5, rank_by: str = "time") -> SearchResult:
     """Rank the layouts of `space`. Per layout shape, recomputation is tried from none to full
     and the search keeps the least that fits (more recomputation only adds work); memory is
-    computed for every candidate, time only for the fitting ones."""
+    computed for every candidate, time only for the fitting ones. By time: the fastest step on
+    all the GPUs. By cost: the fewest GPU-seconds per token, on all the GPUs or on a half, a
+    quarter, ... of them (fewer GPUs communicate less, so they can train cheaper, only slower;
+    the rental price per GPU-hour is the same for each, so it does not change the order)."""
+    if rank_by not in RANKINGS:
+        raise ConfigError(f"--rank-by must be one of {', '.join(RANKINGS)}, got {rank_by!r}")
+    if rank_by == "cost":
+        return _search_by_cost(config, cluster, workload, global_batch, space, top)
     check_training_space(cluster, workload, global_batch, space)
     usable = cluster.gpu.memory_bytes * USABLE_MEMORY_FRACTION
     precision, options = workload.precision, workload.activation_options
@@ -240,6 +250,29 @@ def search_training(config: ModelConfig, cluster: Cluster, workload: TrainWorklo
     # The winners again, with their per-collective byte counts.
     ranked = [evaluate_training(config, cluster, layout, workload) for layout in chosen]
     return SearchResult(ranked, num_candidates, len(fitting))
+
+
+def _search_by_cost(config: ModelConfig, cluster: Cluster, workload: TrainWorkload,
+                    global_batch: int, space: TrainSpace, top: int) -> SearchResult:
+    """search_training by cost: each halving of the cluster searched by time, the winners of
+    all ranked by GPU-seconds per token (a count the given degrees or the batch rule out is
+    skipped; the whole cluster's refusal stands)."""
+    results, count = [], cluster.num_gpus
+    while True:
+        try:
+            results.append(search_training(config, dataclasses.replace(cluster, num_gpus=count),
+                                           workload, global_batch, space, top))
+        except ConfigError:
+            if count == cluster.num_gpus:
+                raise
+        if count % 2:
+            break
+        count //= 2
+    fitting = [e for result in results for e in result.ranked if result.num_fitting]
+    ranked = (sorted(fitting, key=lambda e: (e.num_gpus / e.tokens_per_s, -e.tokens_per_s))
+              if fitting else results[0].ranked)
+    return SearchResult(ranked[:top], sum(r.num_candidates for r in results),
+                        sum(r.num_fitting for r in results))
 
 
 def _distinct_shapes(layouts: list[TrainLayout], top: int) -> list[TrainLayout]:
@@ -285,7 +318,13 @@ def serving_layouts(config: ModelConfig, cluster: Cluster, space: ServeSpace):
 
 
 def search_serving(config: ModelConfig, cluster: Cluster, workload: ServeWorkload,
-                   space: ServeSpace = ServeSpace(), top: int = 5) -> SearchResult:
+                   space: ServeSpace = ServeSpace(), top: int = 5,
+                   rank_by: str = "cost") -> SearchResult:
+    """Serving layouts that fit, by cost (the most decode tokens per second from the same GPUs,
+    so the most per dollar) or by time (the shortest whole request: the batch's prefill and
+    every decode step)."""
+    if rank_by not in RANKINGS:
+        raise ConfigError(f"--rank-by must be one of {', '.join(RANKINGS)}, got {rank_by!r}")
     estimates: list[ServingEstimate] = []
     refusals: list[str] = []  # layouts whose int4 shards the engine cannot hold
     for layout in serving_layouts(config, cluster, space):
@@ -303,7 +342,8 @@ def search_serving(config: ModelConfig, cluster: Cluster, workload: ServeWorkloa
                           f"change the given degrees")
     fitting = [e for e in estimates if e.fits]
     if fitting:
-        fitting.sort(key=lambda e: (-e.decode_tokens_per_s, e.tpot_s))
+        fitting.sort(key=(lambda e: (e.request_s, -e.decode_tokens_per_s)) if rank_by == "time"
+                     else (lambda e: (-e.decode_tokens_per_s, e.tpot_s)))
         ranked = fitting
     else:
         ranked = sorted(estimates, key=lambda e: e.weights + e.activations)
