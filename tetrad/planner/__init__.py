@@ -136,10 +136,11 @@ def _rank_bytes(memory: MemoryBreakdown, layout: TrainLayout, ledger: CommLedger
 
 def plan_training(model_config: ModelConfig, cluster: Cluster, workload: TrainWorkload,
                   global_batch: int, space: TrainSpace = TrainSpace(),
-                  top: int = 5) -> SearchResult:
-    return search_training(model_config, cluster, workload, global_batch, space, top)
+                  top: int = 5, rank_by: str = "time") -> SearchResult:
+    return search_training(model_config, cluster, workload, global_batch, space, top, rank_by)
 
 
 def plan_serving(model_config: ModelConfig, cluster: Cluster, workload: ServeWorkload,
-                 space: ServeSpace = ServeSpace(), top: int = 5) -> SearchResult:
-    return search_serving(model_config, cluster, workload, space, top)
+                 space: ServeSpace = ServeSpace(), top: int = 5,
+                 rank_by: str = "cost") -> SearchResult:
+    return search_serving(model_config, cluster, workload, space, top, rank_by)
