@@ -101,3 +101,46 @@ def test_serving_ranked_by_time_puts_the_shortest_request_first(capsys):
     # Same layouts, two orders.
     assert sorted(map(str, by_time)) == sorted(map(str, by_cost))
     assert by_time[0]["parallel"] != by_cost[0]["parallel"]
+
+
+def test_a_power_cap_slows_the_tensor_cores_by_the_cube_root_and_leaves_memory_alone():
+    from tetrad.hardware.catalog import gpu
+    from tetrad.hardware.power import BOARD_POWER_W, power_capped
+
+    h100 = gpu("h100-sxm")
+    capped = power_capped(h100, BOARD_POWER_W["h100-sxm"] * 0.5)
+    share = 0.5 ** (1 / 3)
+    assert all(capped.peak_flops[dtype] == pytest.approx(h100.peak_flops[dtype] * share)
+               for dtype in h100.peak_flops)
+    for unchanged in ("memory_bandwidth", "memory_bytes", "nvlink_bandwidth", "pcie_bandwidth",
+                      "nic_bandwidth", "efficiency", "price_per_hour"):
+        assert getattr(capped, unchanged) == getattr(h100, unchanged)
+
+
+def test_plan_under_a_power_cap(capsys):
+    serve = ("serve", "--model", "llama3-8b", "--gpu", "h100-sxm", "--num-gpus", "1",
+             "--batch", "1", "--prompt-len", "2048", "--output-len", "16")
+    full = _plan_json(capsys, *serve)["configs"][0]
+    half = _plan_json(capsys, *serve, "--gpu-power", "350")["configs"][0]
+    # One sequence's decode streams the weights: bandwidth bound, unchanged by the SM clock;
+    # a 2048-token prefill is compute bound and slows, by at most the clock's share.
+    assert half["tpot_s"] == pytest.approx(full["tpot_s"], rel=0.01)
+    assert full["ttft_s"] < half["ttft_s"] <= full["ttft_s"] / 0.5 ** (1 / 3) * 1.001
+    train = ("train", "--model", "llama3-8b", "--gpu", "h100-sxm", "--num-gpus", "8", "--tp",
+             "1", "--pp", "1", "--zero", "1", "--micro-batch", "1")
+    fast = _plan_json(capsys, *train)["configs"][0]["step_time_s"]["total"]
+    slow = _plan_json(capsys, *train, "--gpu-power", "350")["configs"][0]["step_time_s"]["total"]
+    assert fast < slow <= fast / 0.5 ** (1 / 3) * 1.001
+
+
+@pytest.mark.parametrize("gpu, watts, says", [
+    ("h100-sxm", "800", "at most the h100-sxm's rated 700 W"),
+    ("h100-sxm", "0", "more than 0"),
+    ("custom,arch=hopper,hbm=96GB,bw=4TB/s,bf16=148TF,pcie=64GB/s,host=77GB/s", "300",
+     "no rated board power known for custom"),
+])
+def test_a_power_cap_the_gpu_cannot_take_is_refused_in_one_line(capsys, gpu, watts, says):
+    assert main(["plan", "train", "--model", "llama3-8b", "--gpu", gpu, "--num-gpus", "8",
+                 "--gpu-power", watts]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and says in error
