@@ -144,3 +144,74 @@ def test_a_power_cap_the_gpu_cannot_take_is_refused_in_one_line(capsys, gpu, wat
                  "--gpu-power", watts]) == 2
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and says in error
+
+
+def _train_estimate(workload_fields: dict, recompute: str = "none"):
+    from tetrad.planner.layout import TrainLayout
+    from tetrad.planner.training import TrainWorkload, evaluate_training
+
+    config = resolve_model("llama3-8b")
+    layout = TrainLayout(tp=2, dp=4, zero=1, sequence_parallel=True, recompute=recompute,
+                         microbatches=4, micro_batch=1)
+    workload = TrainWorkload(seq_len=4096, **workload_fields)
+    return config, evaluate_training(config, cluster("h100-sxm", 8), layout, workload)
+
+
+def test_op_level_recompute_frees_the_norm_and_activation_outputs_counted():
+    config, plain = _train_estimate({})
+    tokens, h, ffn, act = 4096, config.hidden_size, config.ffn_hidden_size // 2, 2
+    layers = config.num_layers  # pp 1: the one stage holds every block
+    _, norm = _train_estimate({"recompute_ops": ("norm",)})
+    _, both = _train_estimate({"recompute_ops": ("norm", "activation")})
+    # Two norm outputs per block, split over tp by sequence parallelism; one ffn-wide
+    # activation output (SwiGLU's silu(gate) * up) per block on this rank's columns.
+    freed_norm = layers * tokens * 2 * h * act / 2
+    freed_activation = layers * tokens * ffn * act
+    # Without a pipeline one microbatch's activations are alive at the peak.
+    assert plain.memory.activations - norm.memory.activations == pytest.approx(freed_norm)
+    assert norm.memory.activations - both.memory.activations == pytest.approx(freed_activation)
+
+
+def test_op_level_recompute_sits_between_selective_and_full():
+    from tetrad.planner.compute import bandwidth_time
+
+    config, selective = _train_estimate({}, "selective")
+    _, ops = _train_estimate({"recompute_ops": ("norm", "activation")}, "selective")
+    _, full = _train_estimate({}, "full")
+    assert full.memory.activations < ops.memory.activations < selective.memory.activations
+    assert selective.step.total < ops.step.total < full.step.total
+    # The extra time is the recomputed kernels' traffic: two norms read and write h (split
+    # over tp by sequence parallelism), SwiGLU reads gate and up and writes its product.
+    gpu = cluster("h100-sxm", 8).gpu
+    tokens, per_token = 4096, 2 * 2 * config.hidden_size * 2 / 2 + 3 * config.ffn_hidden_size
+    per_block = bandwidth_time(gpu, tokens * per_token, 3)
+    microbatches = ops.layout.num_microbatches
+    assert ops.step.compute - selective.step.compute == pytest.approx(
+        per_block * config.num_layers * microbatches, rel=1e-6)
+
+
+def test_compile_counts_fused_kernels_and_rematerialized_pointwise_outputs(capsys):
+    argv = ("train", "--model", "llama3-8b", "--gpu", "h100-sxm", "--num-gpus", "8", "--tp",
+            "2", "--pp", "1", "--zero", "1", "--micro-batch", "1", "--recompute", "none",
+            "--stack", "tetrad")
+    eager = _plan_json(capsys, *argv)
+    compiled = _plan_json(capsys, *argv, "--compile")
+    assert compiled["stack"]["runtime"] == "megatron" and compiled["stack"]["compiled"]
+    assert compiled["recompute_ops"] == ["activation", "norm"]
+    fused = _plan_json(capsys, *argv[:-1], "torchtitan", "--recompute-ops", "norm,activation")
+    # The same bytes as the fused stack recomputing the same ops; fewer than eager's.
+    assert compiled["configs"][0]["memory_gib"] == fused["configs"][0]["memory_gib"]
+    assert (compiled["configs"][0]["memory_gib"]["activations"]
+            < eager["configs"][0]["memory_gib"]["activations"])
+    # Inductor recomputes inside kernels the backward runs anyway: no time of their own.
+    assert (compiled["configs"][0]["step_time_s"]["total"]
+            < fused["configs"][0]["step_time_s"]["total"])
+
+
+def test_recompute_ops_refused_in_one_line_where_they_cannot_run(capsys):
+    base = ["plan", "train", "--model", "llama3-8b", "--gpu", "h100-sxm", "--num-gpus", "8"]
+    for extra, says in ((["--recompute-ops", "norm,softmax"], "unknown op 'softmax'"),
+                        (["--recompute-ops", "norm", "--stack", "tetrad"], "add --compile")):
+        assert main([*base, *extra]) == 2
+        error = capsys.readouterr().err.strip()
+        assert len(error.splitlines()) == 1 and says in error

@@ -147,9 +147,10 @@ def layer_times(config: ModelConfig, gpu: GPU, layer: int, micro_batch: int, seq
                 tp: int, cp: int, ep: int, sequence_parallel: bool, recompute: str, flash: bool,
                 dropout: bool, compute_dtype: str, act_bytes: float, weight_bytes: float,
                 group_tokens: int | None = None, expert_tp: int | None = None,
-                portable_attention: bool = False, fp8_casts: str = "") -> KernelTimes:
+                portable_attention: bool = False, fp8_casts: str = "",
+                recompute_ops: tuple[str, ...] = ()) -> KernelTimes:
     """One block, one microbatch (see layer_gemms for the expert-parallel arguments;
-    fp8_cast_time for `fp8_casts`)."""
+    fp8_cast_time for `fp8_casts`; `recompute_ops`: memory.RECOMPUTE_OPS run again)."""
     tokens = micro_batch * seq_len // cp
     matmul = sum(gemm_time(gpu, g, compute_dtype, act_bytes, weight_bytes, fp8_casts)
                  for g in layer_gemms(config, layer, tokens, tp, ep, group_tokens, expert_tp))
@@ -186,7 +187,8 @@ def stage_times(config: ModelConfig, gpu: GPU, num_stages: int, stage: int, micr
                 seq_len: int, tp: int, cp: int, ep: int, sequence_parallel: bool, recompute: str,
                 flash: bool, dropout: bool, compute_dtype: str, act_bytes: float,
                 weight_bytes: float, expert_tp: int | None = None,
-                portable_attention: bool = False, fp8_casts: str = "inputs") -> KernelTimes:
+                portable_attention: bool = False, fp8_casts: str = "inputs",
+                recompute_ops: tuple[str, ...] = ()) -> KernelTimes:
     """Kernel time of one microbatch through one pipeline stage (its blocks, plus the LM head on
     the last stage). Dense and MoE blocks are timed once each and multiplied. `expert_tp` below
     tp: experts whole over tensor ranks too, each rank routing its 1/tp of the tokens."""
@@ -204,11 +206,12 @@ def stage_times(config: ModelConfig, gpu: GPU, num_stages: int, stage: int, micr
         if expert_tp is not None and expert_tp != tp:
             expert_args = (micro_batch * seq_len // cp // tp * ep, expert_tp)
         total = total + layer_times(config, gpu, moe_layer, *args, *expert_args,
-                                    portable_attention, fp8).scaled(num_moe)
+                                    portable_attention, fp8, recompute_ops).scaled(num_moe)
     if len(layers) - num_moe:
         dense_layer = next(layer for layer in layers if not config.is_moe_layer(layer))
         total = total + layer_times(config, gpu, dense_layer, *args, None, None,
-                                    portable_attention, fp8).scaled(len(layers) - num_moe)
+                                    portable_attention, fp8, recompute_ops
+                                    ).scaled(len(layers) - num_moe)
     if stage == num_stages - 1:
         total = total + head_times(config, gpu, micro_batch, seq_len, tp, cp, compute_dtype,
                                    act_bytes, weight_bytes)
@@ -230,3 +233,25 @@ def optimizer_time(gpu: GPU, num_params: float, grad_bytes: float, param_bytes: 
         return moved / (host_bandwidth * streaming)
     transfer = num_params * (grad_bytes + param_bytes) / gpu.pcie_bandwidth
     return moved / host_bandwidth + transfer
+    if recompute not in FORWARD_AGAIN:
+        again += _pointwise_again(config, layer, tp, sequence_parallel, act_bytes, gpu, tokens,
+                                  recompute_ops)
+def _pointwise_again(config: ModelConfig, layer: int, tp: int, sequence_parallel: bool,
+                     act_bytes: float, gpu: GPU, tokens: int, ops: tuple[str, ...]) -> float:
+    """Op-level selective recomputation's extra kernels: each norm reads its input and writes its
+    output again, the activation reads the up projection's output(s) and writes its own."""
+    moved, kernels = 0.0, 0
+    if "norm" in ops:
+        moved += 2 * 2 * config.hidden_size * act_bytes / (tp if sequence_parallel else 1)
+        kernels += 2
+    if "activation" in ops:
+        if config.is_moe_layer(layer):
+            width = -(-config.moe_ffn_hidden_size // tp) * (config.num_experts_per_token
+                                                            + config.num_shared_experts)
+        else:
+            width = -(-config.ffn_hidden_size // tp)
+        moved += (3 if config.mlp == "swiglu" else 2) * width * act_bytes
+        kernels += 1
+    return bandwidth_time(gpu, moved * tokens, kernels) if kernels else 0.0
+
+

@@ -30,6 +30,10 @@ from tetrad.planner.timeline import pipeline_in_flight
 # Megatron-LM's fused kernels (the published figures' stack, and the default); "tetrad", tetrad's
 # own eager PyTorch runtime, tensor by tensor (tetrad.planner.eager), for the run report.
 RUNTIMES = ("megatron", "tetrad")
+# Element-wise ops whose outputs op-level selective recomputation (Megatron-Core's
+# --recompute-modules layernorm / moe_act, torch.compile's rematerialized pointwise ops) runs
+# again in the backward instead of storing them.
+RECOMPUTE_OPS = ("norm", "activation")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +44,7 @@ class ActivationOptions:
     dropout: bool = False  # GPT-3-era models store a 1-byte mask per dropout
     runtime: str = "megatron"  # see RUNTIMES; "tetrad" fixes the two above (SDPA, no dropout)
     zero3_live_params: float = 0.0  # see gathered_params_bytes
+    recompute_ops: tuple[str, ...] = ()  # RECOMPUTE_OPS run again in backward, not stored
 
     def __post_init__(self) -> None:
         if self.runtime not in RUNTIMES:
@@ -234,7 +239,11 @@ def _stage_microbatch_activations(config: ModelConfig, num_stages: int, stage: i
     counts = stage_layer_counts(config.num_layers, num_stages)
     first = stage_first_layer(counts, stage)
     args = (micro_batch, seq_len, tp, cp, sequence_parallel)
+    if "norm" in options.recompute_ops:  # the norms' outputs, each sub-block's matmul input
+        replicated -= 2 * h * act_bytes
     layers = range(first, first + counts[stage])
+    if "activation" in options.recompute_ops:  # the down projection's input, act(up)
+        gated -= 1
     kinds = {config.is_moe_layer(layer): layer for layer in layers}  # one dense, one MoE block
     if recompute == "sqrt" and layers:
         # Each segment keeps its input; the segment being recomputed holds its blocks' full

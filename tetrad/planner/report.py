@@ -83,7 +83,8 @@ def training_json(config: ModelConfig, cluster: Cluster, workload: TrainWorkload
         "seq_len": workload.seq_len, "global_batch": global_batch, "dtype": workload.dtype,
         "stack": {key: getattr(workload, key) for key in (
             "flash_attention", "dropout", "overlap_grad_reduce", "overlap_param_gather",
-            "overlap_tp_comm", "overlap_p2p", "zero3_live_params", "runtime")},
+            "overlap_tp_comm", "overlap_p2p", "zero3_live_params", "runtime", "compiled")},
+        "recompute_ops": list(workload.recompute_ops),
         "price_per_gpu_hour": cluster.gpu.price_per_hour or None,
         "num_candidates": result.num_candidates, "num_fitting": result.num_fitting,
         "configs": [training_config_json(e, tokens, cluster.gpu.price_per_hour)

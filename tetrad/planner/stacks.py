@@ -52,6 +52,21 @@ def stack_fields(name: str, **overrides) -> dict:
                                if value is not None}}
 
 
+def compile_fields(name: str) -> dict:
+    """TrainWorkload fields torch.compile changes on stack `name`. Inductor fuses each block's
+    element-wise chains into kernels between the matmuls, and its min-cut partitioner
+    (torch._functorch.partitioners.min_cut_rematerialization_partition) recomputes their
+    pointwise outputs in the backward rather than saving them: the norms' and the activation's
+    (memory.RECOMPUTE_OPS), inside backward kernels that read their inputs anyway, so at no
+    kernel of their own (TrainWorkload.compiled). On tetrad's runtime that replaces the eager operators the `tetrad`
+    profile counts by fused kernels: the megatron profile's, whose H100 step time was within 0.5%
+    of tetrad's compiled step (BENCHMARKS.md, "Training on one GPU", 2026-11-26)."""
+    fields: dict = {"recompute_ops": ("activation", "norm"), "compiled": True}
+    if STACKS[name].get("runtime") == "tetrad":
+        fields["runtime"] = "megatron"
+    return fields
+
+
 # Serving software generations: what the engine does on the host each step that the GPU waits
 # for. vLLM's blog of 2024-09-05 ("vLLM v0.6.0: 2.7x Throughput Improvement and 5x Latency
 # Reduction", blog.vllm.ai/2024/09/05/perf-update.html) profiled v0.5.3 serving Llama 3 8B on one
