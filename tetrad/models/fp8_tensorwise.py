@@ -24,6 +24,8 @@ import torch
 from tetrad.models.fp8 import E4M3, cublas_multiple, output_dtype, pad_to, scale_of, to_fp8
 
 E5M2 = torch.float8_e5m2
+# Before 2.13 the CPU kernel takes scalar scales only (an assertion otherwise; seen on 2.11).
+CPU_TAKES_ROW_SCALES = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
 
 
 def quantize_whole(x: torch.Tensor, dtype: torch.dtype = E4M3
@@ -46,7 +48,7 @@ def scaled_product(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
     rows, cols = a.shape[0], b.shape[0]
     a = pad_to(pad_to(a, 0, multiple), 1, multiple).contiguous()
     b = pad_to(pad_to(b, 0, multiple), 1, multiple).contiguous()
-    if a.device.type == "cpu":
+    if a.device.type == "cpu" and CPU_TAKES_ROW_SCALES:
         # torch 2.13's CPU kernel for two E4M3 operands with scalar scales is a slow fallback
         # (0.65 s for 512x128x344, against 0.8 ms with one scale per row and column): the same
         # scale handed over for every row of a and every column of b^T takes the fast one.

@@ -2,13 +2,14 @@
 along the input with a scale and a zero point per group. Activations, the bias and the output stay
 in the model's 16-bit dtype; only the weight is held in few bits.
 
-Each layer picks its product once, when it is built, on the device its values are on: torch's
-packed kernels where this torch has them for that device, shape and dtype
-(`torch._weight_int8pack_mm`; `torch._weight_int4pack_mm_for_cpu` on a CPU,
-`torch._weight_int4pack_mm` on a GPU), otherwise the reference product (dequantize, then
-F.linear). Both hold the same bytes per weight, so the bytes a model holds do not depend on the
-path: int8 N*K + N scales; int4 N*K/2 + N*(K/group) scale and zero pairs. A layer is built on its
-device and stays there (the packed layouts are the device's own).
+Each layer picks its product once, when it is built, on the device its values are on: packed
+kernels where there is one for that device, shape and dtype (int8: `torch._weight_int8pack_mm` on
+a CPU, tetrad.models.int8_triton's on a GPU for decode rows; int4:
+`torch._weight_int4pack_mm_for_cpu` on a CPU, `torch._weight_int4pack_mm` on a GPU), otherwise the
+reference product (dequantize, then F.linear). Both hold the same bytes per weight, so the bytes a
+model holds do not depend on the path: int8 N*K + N scales; int4 N*K/2 + N*(K/group) scale and
+zero pairs. A layer is built on its device and stays there (the packed layouts are the device's
+own).
 
 `from_quantized` takes values already quantized elsewhere (a GGUF file's Q8_0 / Q4_0 blocks once
 regrouped per row); `quantize` rounds a float weight."""
@@ -18,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tetrad.models.int8_triton import HAS_TRITON, MAX_KERNEL_ROWS, int8_weight_product
 
 INT4_GROUPS = (32, 64, 128, 256)  # what torch's int4 kernels take; GGUF's Q4_0 is 32
 INT4_GROUP = 128  # --quantization int4's group (GPTQ/AWQ's), the planner's too
@@ -58,8 +61,10 @@ class Int8Linear(nn.Module):
         self.register_buffer("values", values.contiguous())
         self.register_buffer("scales", scales.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.to(self.dtype), False)
-        # torch's int8 kernel runs on CPUs and (since 2.4) CUDA GPUs, any K.
-        self.packed = packed and hasattr(torch, "_weight_int8pack_mm")
+        # A CPU takes torch's int8 kernel, a GPU ours (int8_triton.py says why); else the
+        # reference product.
+        self.packed = packed and (HAS_TRITON if values.is_cuda
+                                  else hasattr(torch, "_weight_int8pack_mm"))
 
     @classmethod
     def from_quantized(cls, values: torch.Tensor, scales: torch.Tensor,
@@ -88,12 +93,16 @@ class Int8Linear(nn.Module):
         return (self.values.to(self.dtype) * self.scales[:, None]).to(self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
-            shape = x.shape
-            y = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]), self.values, self.scales)
-            y = y.view(*shape[:-1], self.out_features)
-            return y if self.bias is None else y + self.bias
-        return F.linear(x, self.weight, self.bias)
+        rows = x.numel() // self.in_features
+        if not self.packed or (self.values.is_cuda and rows > MAX_KERNEL_ROWS):
+            return F.linear(x, self.weight, self.bias)
+        shape, flat = x.shape, x.reshape(rows, self.in_features)
+        if self.values.is_cuda:
+            y = int8_weight_product(flat, self.values, self.scales)
+        else:
+            y = torch._weight_int8pack_mm(flat, self.values, self.scales)
+        y = y.view(*shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
 
 
 def _int4_round(w: torch.Tensor, low: torch.Tensor, high: torch.Tensor, dtype: torch.dtype

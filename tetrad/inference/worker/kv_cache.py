@@ -16,6 +16,7 @@ planner's bytes per element of the same name.
 
 from __future__ import annotations
 
+import gc
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -127,8 +128,10 @@ def plan_kv_pool(config: ModelConfig, dtype: str, device: torch.device, block_si
     per_token = int(kv_bytes_per_token(config, element_bytes(dtype), tp, num_layers or None))
     budget = kv_memory if kv_memory is not None else DEFAULT_CPU_KV_MEMORY
     if device.type == "cuda":
-        # What torch's allocator caches from tensors already freed (an unloaded model's pool) is
-        # free for this one, but the driver counts it used until it is handed back.
+        # An unloaded model's tensors are free for this one: collected (an engine on a GPU holds
+        # reference cycles, which only the collector frees; seen on an H200), then handed back
+        # from torch's cache, which the driver counts as used.
+        gc.collect()
         torch.cuda.empty_cache()
         free = int(torch.cuda.mem_get_info(device)[0] * DEVICE_MEMORY_FRACTION)
         budget = free if kv_memory is None else min(kv_memory, free)

@@ -25,7 +25,7 @@ from tetrad.inference.worker.cuda_graphs import DecodeGraphs
 from tetrad.inference.worker.kv_cache import (KV_TORCH_DTYPES, TORCH_DTYPES, KVCache, KVPlan,
                                               parse_bytes, plan_kv_pool, resolve_kv_dtype)
 from tetrad.inference.core.scheduler import ScheduledBatch
-from tetrad.models.quant_model import quantize_model, row_scales
+from tetrad.models.quant_model import quantize_model, whole_model_weights
 
 if TYPE_CHECKING:
     from tetrad.inference.worker.config import EngineConfig, RankShare
@@ -202,15 +202,15 @@ def load_runner(model: nn.Module, config: "EngineConfig", max_model_len: int,
     """This rank's runner: the model (with `ranks`, this rank's tensor-parallel share of it) on
     the device in the engine's dtype, and a KV pool sized from config. Every tensor-parallel rank
     calls it, in the same order: the ranks agree on the number of blocks here."""
-    whole_rows = None  # int8's row scales, taken before a tensor-parallel split
+    whole = None  # the whole model's quantized projections, calibrated before a split
     if ranks is not None:
-        whole_rows = row_scales(model, config.quantization, TORCH_DTYPES[config.dtype])
+        whole = whole_model_weights(model, config.quantization, TORCH_DTYPES[config.dtype])
         model = ranks.shard(model)
     model = model.to(device).eval()
     dtype = TORCH_DTYPES[config.dtype]
     for param in model.parameters():  # buffers (rotary frequencies) stay fp32
         param.data = param.data.to(dtype)
-    model = quantize_model(model, config.quantization, whole_rows)  # this rank's share
+    model = quantize_model(model, config.quantization, whole)  # this rank's share
     kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, config.dtype)
     tp = 1 if ranks is None else ranks.size
     plan = plan_kv_pool(model.config, kv_dtype, device, config.block_size,
@@ -224,9 +224,10 @@ def load_runner(model: nn.Module, config: "EngineConfig", max_model_len: int,
     runner = ModelRunner(model, KVCache(model.config, plan, KV_TORCH_DTYPES[kv_dtype], device),
                          plan.block_size, config.attention, config.compile)
     # Graphs fix the tables' width at the longest context: only in-place attention reads no
-    # more for it.
+    # more for it. Routed experts pick their tokens by a data-dependent torch.where, which a
+    # capture refuses (cudaErrorStreamCaptureUnsupported, seen on an H200): MoE decodes eagerly.
     if (device.type == "cuda" and not config.enforce_eager and ranks is None
-            and runner.attention.capturable):
+            and runner.attention.capturable and not model.config.num_experts):
         runner.graphs = DecodeGraphs(runner, config.max_num_seqs, max_model_len)
         runner.graphs.capture()
     if (device.type == "cpu" and not config.enforce_eager and not config.compile
