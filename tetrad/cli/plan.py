@@ -7,7 +7,7 @@ import dataclasses
 import json
 
 from tetrad.planner.serving import DEFAULT_GPU_MEMORY_UTILIZATION
-from tetrad.planner.stacks import DEFAULT_STACK, STACKS
+from tetrad.planner.stacks import DEFAULT_SERVING_STACK, DEFAULT_STACK, SERVING_STACKS, STACKS
 from tetrad.spec.layout import RECOMPUTE_MODES
 
 
@@ -30,7 +30,15 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--price-per-gpu-hour", type=float, default=None, metavar="USD",
                         help="rental price per GPU-hour for cost and tokens per dollar "
                              "(default: the catalog's on-demand list price, docs/planner.md)")
+    parser.add_argument("--gpu-power", type=float, metavar="W",
+                        help="each GPU's power cap in watts (nvidia-smi -pl): the SM clock, so "
+                             "the tensor-core peak, falls as the cube root of the share of the "
+                             "rated power; memory bandwidth does not (docs/planner.md)")
     parser.add_argument("--top", type=int, default=5, help="how many layouts to show")
+    parser.add_argument("--rank-by", choices=("time", "cost"),
+                        help="time: the fastest step (train) or shortest request (serve); "
+                             "cost: the fewest GPU-seconds per token, training also on fewer "
+                             "of the GPUs (default: time for train, cost for serve)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--png", metavar="PATH", help="save a memory-breakdown picture")
 
@@ -76,6 +84,15 @@ def add_parser(subparsers) -> None:
                        ("p2p", "pipeline sends and receives behind compute")):
         train.add_argument(f"--overlap-{name}", action=argparse.BooleanOptionalAction,
                            default=None, help=f"overlap {what} (default: the stack's)")
+    train.add_argument("--compile", action="store_true",
+                       help="torch.compile: fused element-wise kernels, pointwise outputs "
+                            "recomputed in the backward (as --recompute-ops norm,activation); "
+                            "on the tetrad stack, fused kernels counted instead of eager ones")
+    train.add_argument("--recompute-ops", type=_op_list, default=(), metavar="OPS",
+                       help="op-level selective recomputation: element-wise ops run again in the "
+                            "backward instead of stored, comma-separated from norm,activation; "
+                            "with --recompute selective also the attention core (Megatron-Core's "
+                            "--recompute-modules)")
     train.add_argument("--node-limited-dispatch", action="store_true",
                        help="DeepSeek-V3's expert dispatch: a token crosses the network once "
                             "per node holding its experts, at most topk_expert_groups nodes")
@@ -95,7 +112,15 @@ def add_parser(subparsers) -> None:
                        default=DEFAULT_GPU_MEMORY_UTILIZATION,
                        help="share of each GPU's memory the server may use (vLLM's flag; "
                             "default %(default)s)")
+    serve.add_argument("--stack", choices=SERVING_STACKS, default=DEFAULT_SERVING_STACK,
+                       help="serving software generation: vllm-0.5 waits on the host each step "
+                            "(vLLM before v0.6.0, 2024-09; docs/planner.md, 'Serving stacks'); "
+                            "default %(default)s")
     parser.set_defaults(run=run)
+
+
+def _op_list(text: str) -> tuple[str, ...]:
+    return tuple(op.strip() for op in text.split(",") if op.strip())
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
@@ -144,6 +169,10 @@ def run(args: argparse.Namespace) -> int:
     if args.price_per_gpu_hour is not None:
         world = world.replace(gpu=dataclasses.replace(world.gpu,
                                                       price_per_hour=args.price_per_gpu_hour))
+    if args.gpu_power is not None:
+        from tetrad.hardware.power import power_capped
+
+        world = world.replace(gpu=power_capped(world.gpu, args.gpu_power))
     if args.mode == "train":
         return _train(args, config, world)
     return _serve(args, config, world)
@@ -154,7 +183,7 @@ def _train(args, config, world) -> int:
     from tetrad.planner.report import (default_global_batch, training_fit_advice,
                                        training_json, training_text)
 
-    from tetrad.planner.stacks import stack_fields
+    from tetrad.planner.stacks import compile_fields, stack_fields
 
     seq_len = args.seq_len if args.seq_len is not None else min(config.max_seq_len, 4096)
     global_batch = (args.global_batch if args.global_batch is not None
@@ -162,17 +191,21 @@ def _train(args, config, world) -> int:
     # A profile of eager PyTorch on this machine times tetrad's own runtime by default.
     eager = world.gpu.efficiency.op_forward_s > 0
     stack = args.stack or ("tetrad" if eager else DEFAULT_STACK)
+    compiled = compile_fields(stack) if args.compile else {}
+    ops = tuple(sorted(set(args.recompute_ops) | set(compiled.pop("recompute_ops", ()))))
     workload = TrainWorkload(seq_len=seq_len, dtype=args.dtype,
-                             node_limited_dispatch=args.node_limited_dispatch, **stack_fields(
+                             node_limited_dispatch=args.node_limited_dispatch,
+                             recompute_ops=ops, **stack_fields(
         stack, flash_attention=args.flash_attention, dropout=args.dropout,
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather, overlap_tp_comm=args.overlap_tp_comm,
-        overlap_p2p=args.overlap_p2p))
+        overlap_p2p=args.overlap_p2p, **compiled))
     space = TrainSpace(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep,
                        vpp=args.vpp, zero=args.zero, offload=args.offload,
                        recompute=args.recompute, sequence_parallel=args.sequence_parallel,
                        schedule=args.schedule, micro_batch=args.micro_batch)
-    result = plan_training(config, world, workload, global_batch, space, args.top)
+    result = plan_training(config, world, workload, global_batch, space, args.top,
+                           args.rank_by or "time")
     if args.json:
         print(json.dumps(training_json(config, world, workload, global_batch, result,
                                        args.tokens), indent=2, allow_nan=False))
@@ -193,13 +226,15 @@ def _train(args, config, world) -> int:
 def _serve(args, config, world) -> int:
     from tetrad.planner import ServeSpace, ServeWorkload, plan_serving
     from tetrad.planner.report import serving_fit_advice, serving_json, serving_text
+    from tetrad.planner.stacks import serving_host_step_s
 
     workload = ServeWorkload(context_len=args.context_len or args.prompt_len + args.output_len,
                              prompt_len=args.prompt_len, output_len=args.output_len,
                              weight_dtype=args.dtype, kv_dtype=args.kv_dtype, batch=args.batch,
-                             gpu_memory_utilization=args.gpu_memory_utilization)
+                             gpu_memory_utilization=args.gpu_memory_utilization,
+                             host_step_s=serving_host_step_s(args.stack))
     result = plan_serving(config, world, workload, ServeSpace(args.tp, args.pp, args.ep),
-                          args.top)
+                          args.top, args.rank_by or "cost")
     if args.json:
         print(json.dumps(serving_json(config, world, workload, result), indent=2,
                          allow_nan=False))

@@ -167,6 +167,9 @@ def layer_times(config: ModelConfig, gpu: GPU, layer: int, micro_batch: int, seq
         again = attention_forward
     else:
         again = 0.0
+    if recompute not in FORWARD_AGAIN:
+        again += _pointwise_again(config, layer, tp, sequence_parallel, act_bytes, gpu, tokens,
+                                  recompute_ops)
     return KernelTimes(forward, backward, again, matmul, attention_forward)
 
 
@@ -233,9 +236,8 @@ def optimizer_time(gpu: GPU, num_params: float, grad_bytes: float, param_bytes: 
         return moved / (host_bandwidth * streaming)
     transfer = num_params * (grad_bytes + param_bytes) / gpu.pcie_bandwidth
     return moved / host_bandwidth + transfer
-    if recompute not in FORWARD_AGAIN:
-        again += _pointwise_again(config, layer, tp, sequence_parallel, act_bytes, gpu, tokens,
-                                  recompute_ops)
+
+
 def _pointwise_again(config: ModelConfig, layer: int, tp: int, sequence_parallel: bool,
                      act_bytes: float, gpu: GPU, tokens: int, ops: tuple[str, ...]) -> float:
     """Op-level selective recomputation's extra kernels: each norm reads its input and writes its
@@ -253,5 +255,3 @@ def _pointwise_again(config: ModelConfig, layer: int, tp: int, sequence_parallel
         moved += (3 if config.mlp == "swiglu" else 2) * width * act_bytes
         kernels += 1
     return bandwidth_time(gpu, moved * tokens, kernels) if kernels else 0.0
-
-

@@ -208,7 +208,11 @@ def activation_bytes_per_layer(config: ModelConfig, layer: int, micro_batch: int
         core = heads * seq_len * (act_bytes + mask * (1 + act_bytes))
     if recompute != "selective":
         sharded += core
+    if "norm" in options.recompute_ops:  # the norms' outputs, each sub-block's matmul input
+        replicated -= 2 * h * act_bytes
     gated = 3 if config.mlp == "swiglu" else 2  # stored up-projection output(s) + down input
+    if "activation" in options.recompute_ops:  # the down projection's input, act(up)
+        gated -= 1
     if config.is_moe_layer(layer):
         ffn = -(-config.moe_ffn_hidden_size // tp)
         k = config.num_experts_per_token
@@ -239,11 +243,7 @@ def _stage_microbatch_activations(config: ModelConfig, num_stages: int, stage: i
     counts = stage_layer_counts(config.num_layers, num_stages)
     first = stage_first_layer(counts, stage)
     args = (micro_batch, seq_len, tp, cp, sequence_parallel)
-    if "norm" in options.recompute_ops:  # the norms' outputs, each sub-block's matmul input
-        replicated -= 2 * h * act_bytes
     layers = range(first, first + counts[stage])
-    if "activation" in options.recompute_ops:  # the down projection's input, act(up)
-        gated -= 1
     kinds = {config.is_moe_layer(layer): layer for layer in layers}  # one dense, one MoE block
     if recompute == "sqrt" and layers:
         # Each segment keeps its input; the segment being recomputed holds its blocks' full
