@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tetrad"
 
 # Modules that run without torch: the planner answers on a laptop in milliseconds.
 TORCH_FREE = ["spec", "errors", "hardware", "tokenizer", "text_sources", "planner", "schedules",
-              "store"]
+              "store", "planner_web"]
 
 # ARCHITECTURE.md's table: where a module lives -> the tetrad modules it may import. Every edge
 # the code has is here (imports inside functions included); an edge missing from the table fails
@@ -30,10 +30,12 @@ ALLOWED = {
     "train": [*BASE, "memory", "models", "parallel", "planner", "spec"],
     "inference": ["errors", "models", "parallel", "planner", "spec", ""],  # "": lazy `import tetrad`
     "viz": ["errors", "hardware", "schedules"],
+    "planner_web": ["errors", "hardware", "planner", "schedules", "spec"],  # tetrad plan --web
     # Microbenchmarks: the activation meter every strategy runs, train.launch's spawned ranks,
     # and a calibration model's training step set against the planner's time model.
     "calibrate": ["errors", "hardware", "memory", "parallel", "planner", "spec", "train"],
-    "cli": [*BASE, "calibrate", "inference", "models", "planner", "spec", "store", "train", "viz"],
+    "cli": [*BASE, "calibrate", "inference", "models", "planner", "planner_web", "spec", "store",
+            "train", "viz"],
 }
 # The serving engine's rooms (tetrad/inference/), one way down: the entry points drive the engine
 # (engine.py), which puts together the multi-rank drivers, one rank's worker and the core
