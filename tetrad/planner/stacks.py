@@ -11,6 +11,7 @@ field of it.
 from __future__ import annotations
 
 from tetrad.errors import ConfigError
+from tetrad.planner.memory import RECOMPUTE_OPS
 
 # TrainWorkload fields per stack. Each is what that stack's published runs used.
 STACKS: dict[str, dict] = {
@@ -50,6 +51,16 @@ def stack_fields(name: str, **overrides) -> dict:
         raise ConfigError(f"unknown training stack {name!r} (known: {', '.join(STACKS)})")
     return {**STACKS[name], **{key: value for key, value in overrides.items()
                                if value is not None}}
+
+
+def check_recompute_ops(ops: tuple[str, ...], runtime: str) -> None:
+    unknown = [op for op in ops if op not in RECOMPUTE_OPS]
+    if unknown:
+        raise ConfigError(f"--recompute-ops: unknown op {unknown[0]!r} (known: "
+                          f"{', '.join(RECOMPUTE_OPS)})")
+    if ops and runtime == "tetrad":
+        raise ConfigError("--recompute-ops: tetrad's eager runtime recomputes no single op: "
+                          "add --compile (inductor rematerializes them) or pick another --stack")
 
 
 def compile_fields(name: str) -> dict:

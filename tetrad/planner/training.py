@@ -31,25 +31,16 @@ from tetrad.planner.compute import KernelTimes, optimizer_time, stage_times
 from tetrad.planner.eager_time import eager_step_time
 from tetrad.planner.flops import attention_head_dims, training_flops_per_sequence
 from tetrad.planner.layout import TrainLayout, stage_layer_counts
-from tetrad.planner.memory import (RECOMPUTE_OPS, ActivationOptions, MemoryBreakdown,
-                                   stage_params, stages_to_check, training_memory)
+from tetrad.planner.memory import (ActivationOptions, MemoryBreakdown, stage_params,
+                                   stages_to_check, training_memory)
 from tetrad.planner.precision import TrainingPrecision, training_precision
+from tetrad.planner.stacks import check_recompute_ops
 from tetrad.planner.timeline import StepTime, overlapped, paired_share, pipeline_bubble_ratio
 from tetrad.schedules.generate import V_SHAPED
 
 # Memory the framework cannot use for tensors: CUDA context, NCCL buffers, allocator
 # fragmentation (PyTorch's caching allocator typically strands a few percent).
 USABLE_MEMORY_FRACTION = 0.95
-
-
-def check_recompute_ops(ops: tuple[str, ...], runtime: str) -> None:
-    unknown = [op for op in ops if op not in RECOMPUTE_OPS]
-    if unknown:
-        raise ConfigError(f"--recompute-ops: unknown op {unknown[0]!r} (known: "
-                          f"{', '.join(RECOMPUTE_OPS)})")
-    if ops and runtime == "tetrad":
-        raise ConfigError("--recompute-ops: tetrad's eager runtime recomputes no single op: "
-                          "add --compile (inductor rematerializes them) or pick another --stack")
 
 
 @dataclass(frozen=True)
@@ -78,9 +69,7 @@ class TrainWorkload:
     # whose expert groups are the ep group's nodes, that is at most topk_expert_groups nodes.
     node_limited_dispatch: bool = False
     recompute_ops: tuple[str, ...] = ()  # memory.RECOMPUTE_OPS run again in the backward
-    # torch.compile (stacks.compile_fields): the recomputed ops fused into backward kernels
-    # that read their inputs anyway, so they add no kernels of their own.
-    compiled: bool = False
+    compiled: bool = False  # torch.compile: recompute_ops at no kernel of their own (stacks.py)
 
     def __post_init__(self) -> None:
         if self.seq_len < 1:
