@@ -227,6 +227,7 @@ def test_the_module_imports_without_triton_and_says_the_kernels_cannot_run(monke
     """The engine runs where triton is absent: the module still imports, reports itself
     unavailable, and a launch is one ConfigError."""
     monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` now raises ImportError
+    monkeypatch.delitem(sys.modules, "tetrad.models.triton_import")  # imported again without it
     spec = importlib.util.spec_from_file_location("triton_attention_without_triton", KERNEL_FILE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

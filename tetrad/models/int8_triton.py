@@ -17,22 +17,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-    HAS_TRITON = True
-except ImportError:  # the layer then takes its other products
-    HAS_TRITON = False
-
-    class _NoTriton:
-        """Stands in for triton and triton.language so that the kernel below can be defined."""
-        constexpr = None
-
-        @staticmethod
-        def jit(fn):
-            return fn
-
-    triton = tl = _NoTriton()
+from tetrad.models.triton_import import HAS_TRITON, tl, triton
 
 # Rows up to which the kernel runs; past them the widened weight goes to cuBLAS.
 MAX_KERNEL_ROWS = 64

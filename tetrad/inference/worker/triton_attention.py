@@ -34,23 +34,7 @@ import math
 import torch
 
 from tetrad.errors import ConfigError
-
-try:
-    import triton
-    import triton.language as tl
-    HAS_TRITON = True
-except ImportError:  # the engine runs without triton; these kernels are then never launched
-    HAS_TRITON = False
-
-    class _NoTriton:
-        """Stands in for triton and triton.language so that the kernels below can be defined."""
-        constexpr = None
-
-        @staticmethod
-        def jit(fn):
-            return fn
-
-    triton = tl = _NoTriton()
+from tetrad.models.triton_import import HAS_TRITON, tl, triton
 
 LOG2E = 1.4426950408889634  # the kernels use exp2: scores are scaled into base 2 once
 
