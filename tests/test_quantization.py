@@ -128,13 +128,19 @@ def test_an_fp32_model_is_quantized_in_bf16_and_fp32_with_quantization_is_refuse
 
 @pytest.mark.parametrize("family", ["llama", "mla"])
 def test_an_fp8_kv_pool_holds_the_bf16_values_rounded_in_the_planners_bytes(family):
-    config = FAMILIES[family]
+    assert_fp8_pool_is_the_bf16_pool_rounded(FAMILIES[family], device="cpu", block_size=4)
+
+
+def assert_fp8_pool_is_the_bf16_pool_rounded(config: ModelConfig, **engine) -> None:
+    """A prompt's K/V in a bf16 pool and in an fp8 one, the same engine settings otherwise: the
+    fp8 pool holds the bf16 values rounded to E4M3, each pool in the planner's bytes per token
+    (tests/gpu/test_gpu_quantization.py runs it on a GPU)."""
     model = random_model(config)
     prompt = list(range(40, 70))
     pools = {}
     for kv in ("auto", "fp8"):
-        llm = LLM(model, ByteTokenizer(), kv_cache_dtype=kv, device="cpu", block_size=4,
-                  num_blocks=16, enable_prefix_caching=False, log=None)
+        llm = LLM(model, ByteTokenizer(), kv_cache_dtype=kv, num_blocks=16,
+                  enable_prefix_caching=False, log=None, **engine)
         try:
             llm.generate([prompt], GREEDY.replace(max_tokens=1))  # the prompt's K/V only
             pools[kv] = llm.runner.kv_cache.pool.clone()
@@ -144,6 +150,7 @@ def test_an_fp8_kv_pool_holds_the_bf16_values_rounded_in_the_planners_bytes(fami
         finally:
             llm.close()
     assert pools["fp8"].dtype == torch.float8_e4m3fn
+    assert pools["fp8"].device.type == engine["device"]
     assert pools["auto"].count_nonzero() > 0
     assert torch.equal(pools["fp8"].float(), pools["auto"].to(torch.float8_e4m3fn).float())
 

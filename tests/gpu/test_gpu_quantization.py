@@ -16,7 +16,8 @@ import gc
 import pytest
 import torch
 
-from test_quantization import FAMILIES, GREEDY, PROMPTS, random_model
+from test_quantization import (FAMILIES, GREEDY, PROMPTS, assert_fp8_pool_is_the_bf16_pool_rounded,
+                               random_model)
 from test_quantization_layers import product_error
 
 from tetrad.inference.engine import LLM
@@ -24,8 +25,6 @@ from tetrad.inference.ranks.rank_share import held_bytes
 from tetrad.models.fp8_weights import weight_bytes
 from tetrad.models.quant import INT4_GROUP, Int4Linear, Int8Linear
 from tetrad.models.quant_model import quantize_model
-from tetrad.planner.memory import kv_bytes_per_token
-from tetrad.planner.precision import element_bytes
 from tetrad.planner.serving import weight_bytes_per_gpu
 from tetrad.spec.serving import ServeLayout
 from tetrad.tokenizer import ByteTokenizer
@@ -100,27 +99,10 @@ def test_gpu_engine_greedy_tokens_are_the_quantized_models_argmaxes(family, meth
 
 
 def test_an_fp8_kv_pool_on_the_gpu_holds_the_bf16_values_rounded():
-    config = FAMILIES["llama"]
-    model = random_model(config)
-    prompt = list(range(40, 70))
-    pools = {}
-    for kv in ("auto", "fp8"):
-        # One backend for both (fp8 takes the gathering one): another's kernels round the later
-        # layers' K/V differently, before the pool's own rounding.
-        llm = LLM(model, ByteTokenizer(), kv_cache_dtype=kv, device="cuda", block_size=16,
-                  num_blocks=16, enable_prefix_caching=False, attention="sdpa", log=None)
-        try:
-            llm.generate([prompt], GREEDY.replace(max_tokens=1))
-            pools[kv] = llm.runner.kv_cache.pool.clone()
-            element = "bf16" if kv == "auto" else "fp8"
-            assert held_bytes(llm.runner)["kv_per_token"] == kv_bytes_per_token(
-                config, element_bytes(element))
-        finally:
-            llm.close()
-    assert pools["fp8"].dtype == torch.float8_e4m3fn and pools["fp8"].is_cuda
-    assert pools["auto"].count_nonzero() > 0
-    # One K/V computed by the same GPU kernels both times; only the pool's rounding differs.
-    assert torch.equal(pools["fp8"].float(), pools["auto"].to(torch.float8_e4m3fn).float())
+    # One backend for both (fp8 takes the gathering one): another's kernels would round the
+    # later layers' K/V differently before the pool's own rounding.
+    assert_fp8_pool_is_the_bf16_pool_rounded(FAMILIES["llama"], device="cuda", block_size=16,
+                                             attention="sdpa")
 
 
 def test_a_closed_engines_memory_is_free_for_the_next_ones_kv_pool():
