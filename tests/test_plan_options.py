@@ -215,3 +215,11 @@ def test_recompute_ops_refused_in_one_line_where_they_cannot_run(capsys):
         assert main([*base, *extra]) == 2
         error = capsys.readouterr().err.strip()
         assert len(error.splitlines()) == 1 and says in error
+
+
+def test_plan_serve_text_when_nothing_fits_prices_nothing(capsys):
+    assert main(["plan", "serve", "--model", "llama2-13b", "--gpu", "rtx-4090", "--num-gpus",
+                 "1"]) == 1
+    out = capsys.readouterr().out
+    assert "cost: no output tokens to price: nothing fits" in out
+    assert "whole requests" in out

@@ -205,6 +205,8 @@ def _price_line(cluster: Cluster, per_dollar: float | None, what: str,
     if per_dollar is None:
         return (f"cost: no price for {cluster.gpu.name}: pass --price-per-gpu-hour (or price= "
                 f"in an inline --gpu spec)")
+    if not per_dollar:  # a server that fits no sequence produces nothing to price
+        return f"cost: no {what} to price: nothing fits"
     return (f"cost: ${cluster.gpu.price_per_hour:.3g} per GPU-hour x "
             f"{num_gpus or cluster.num_gpus} GPUs: "
             f"{per_dollar:,.0f} {what} per dollar (${1e6 / per_dollar:.3g} per million)")
