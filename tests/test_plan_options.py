@@ -223,3 +223,55 @@ def test_plan_serve_text_when_nothing_fits_prices_nothing(capsys):
     out = capsys.readouterr().out
     assert "cost: no output tokens to price: nothing fits" in out
     assert "whole requests" in out
+
+
+def _served(**fields):
+    workload = ServeWorkload(1024 + 256, 1024, 256, **fields)
+    return evaluate_serving(resolve_model("llama3-8b"), cluster("h100-sxm", 2),
+                            ServeLayout(dp=2), workload)
+
+
+def test_a_request_rate_runs_the_smallest_batch_that_carries_it_by_littles_law():
+    rate = 20.0  # over both replicas: 10 a second each
+    steady = _served(request_rate=rate)
+    assert steady.fits and steady.batch > 1
+    prefill = steady.ttft_s  # one prompt on an idle replica
+    busy = rate / 2 * prefill
+
+    def step(batch):  # a static batch's decode step, stretched by the arriving prompts
+        return _served(batch=batch).tpot_s / (1 - busy)
+
+    assert steady.tpot_s == pytest.approx(step(steady.batch))
+    # Little's law: the running batch holds rate x output_len x step sequences; one fewer
+    # would not carry the rate.
+    assert rate / 2 * 256 * step(steady.batch) <= steady.batch
+    assert rate / 2 * 256 * step(steady.batch - 1) > steady.batch - 1
+    # So the server delivers the offered output tokens, up to the batch's rounding.
+    offered = rate * 256
+    assert offered <= steady.output_tokens_per_s <= offered * steady.batch / (steady.batch - 1)
+    # A request's first token: half a step's wait, then a step with its prefill.
+    assert steady.batch_ttft_s == pytest.approx(0.5 * steady.tpot_s + prefill
+                                                + _served(batch=steady.batch).tpot_s)
+
+
+def test_a_rate_beyond_the_server_does_not_fit(capsys):
+    # Prompts arriving faster than one replica can prefill them.
+    assert not _served(request_rate=2.5 / _served(batch=1).ttft_s).fits
+    assert main(["plan", "serve", "--model", "llama3-8b", "--gpu", "h100-sxm", "--num-gpus",
+                 "1", "--request-rate", "5", "--batch", "8"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "replaces --batch" in error
+
+
+def test_plan_serve_text_at_a_request_rate(capsys):
+    argv = ("serve", "--model", "llama3-8b", "--gpu", "h100-sxm", "--num-gpus", "2",
+            "--request-rate", "20")
+    data = _plan_json(capsys, *argv)
+    assert data["request_rate"] == 20
+    text = _plan(capsys, *argv)
+    assert "20 requests/s in continuous batching" in text
+    best = data["configs"][0]
+    row = next(line.split() for line in text.splitlines()[text.splitlines().index(next(
+        line for line in text.splitlines() if line.startswith("whole requests"))) + 3:])
+    assert int(row[4]) == best["batch"]
+    assert float(row[8]) == pytest.approx(best["output_tokens_per_s"], rel=1e-3)

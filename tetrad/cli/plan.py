@@ -108,6 +108,9 @@ def add_parser(subparsers) -> None:
                        help="longest sequence the KV cache holds (default prompt + output)")
     serve.add_argument("--batch", type=int, default=0,
                        help="concurrent sequences per replica (default: as many as fit, <= 256)")
+    serve.add_argument("--request-rate", type=float, default=0.0, metavar="R",
+                       help="requests per second arriving at the server, instead of --batch: "
+                            "continuous batching's steady state (running batch, TTFT, TPOT)")
     serve.add_argument("--gpu-memory-utilization", type=float,
                        default=DEFAULT_GPU_MEMORY_UTILIZATION,
                        help="share of each GPU's memory the server may use (vLLM's flag; "
@@ -146,6 +149,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
         # ServeWorkload says what their low ends mean (0: no output; as many as fit).
         check_count("--output-len", args.output_len, *tokens, at_least=None)
         check_count("--batch", args.batch, *batch, at_least=None)
+        check_number("--request-rate", args.request_rate, 0, MAX_GLOBAL_BATCH,
+                     "as many requests a second as the most sequences a batch may hold")
     for name, (at_most, why) in bounds.items():
         if name in vars(args):
             check_count(f"--{name.replace('_', '-')}", getattr(args, name), at_most, why)
@@ -232,7 +237,8 @@ def _serve(args, config, world) -> int:
                              prompt_len=args.prompt_len, output_len=args.output_len,
                              weight_dtype=args.dtype, kv_dtype=args.kv_dtype, batch=args.batch,
                              gpu_memory_utilization=args.gpu_memory_utilization,
-                             host_step_s=serving_host_step_s(args.stack))
+                             host_step_s=serving_host_step_s(args.stack),
+                             request_rate=args.request_rate)
     result = plan_serving(config, world, workload, ServeSpace(args.tp, args.pp, args.ep),
                           args.top, args.rank_by or "cost")
     if args.json:

@@ -134,6 +134,7 @@ def serving_json(config: ModelConfig, cluster: Cluster, workload: ServeWorkload,
         "kv_cache_bytes_per_token": kv_bytes_per_token(config, element_bytes(workload.kv_dtype)),
         "context_len": workload.context_len, "prompt_len": workload.prompt_len,
         "output_len": workload.output_len,
+        "request_rate": workload.request_rate or None,
         "price_per_gpu_hour": cluster.gpu.price_per_hour or None,
         "num_candidates": result.num_candidates, "num_fitting": result.num_fitting,
         "configs": [serving_config_json(e, cluster.gpu.price_per_hour) for e in result.ranked],
@@ -233,8 +234,11 @@ def serving_text(config: ModelConfig, cluster: Cluster, workload: ServeWorkload,
                      str(item["batch"]), f"{item['ttft_s'] * 1e3:.1f}",
                      f"{item['tpot_s'] * 1e3:.2f}", f"{item['decode_tokens_per_s']:.4g}"])
     lines.append(_table(headers, rows))
-    lines += ["", f"whole requests, as serving tables report them: a static batch per replica "
-                  f"of {workload.prompt_len} prompt + {workload.output_len} output tokens each",
+    shape = f"{workload.prompt_len} prompt + {workload.output_len} output tokens each"
+    lines += ["", f"whole requests, as serving tables report them: {shape}, "
+                  + (f"{workload.request_rate:g} requests/s in continuous batching (batch: the "
+                     f"running sequences per replica; batch TTFT: a request's at that load)"
+                     if workload.request_rate else "a static batch per replica"),
               _table(
         ["tp", "pp", "dp", "ep", "batch", "batch TTFT ms", "TPOT ms", "request s",
          "output tok/s", "total tok/s"],

@@ -48,6 +48,7 @@ class ServeWorkload:
     batch: int = 0  # concurrent sequences; 0 means as many as fit (at most MAX_BATCH)
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION  # share of each GPU usable
     host_step_s: float = 0.0  # host work per engine step the GPU waits for (planner/stacks.py)
+    request_rate: float = 0.0  # requests per second over all replicas; 0: a static `batch`
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.output_len < 0:
@@ -59,6 +60,10 @@ class ServeWorkload:
         if self.batch < 0:
             raise ConfigError(f"--batch must be a number of concurrent sequences (at least 1), "
                               f"or 0 for as many as fit; got {self.batch}")
+        if self.request_rate < 0 or (self.request_rate and self.batch):
+            raise ConfigError(f"--request-rate must be positive and replaces --batch (the "
+                              f"running batch follows from the rate), got {self.request_rate} "
+                              f"with --batch {self.batch}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"--gpu-memory-utilization must be a fraction in (0, 1], got "
                               f"{self.gpu_memory_utilization}")
@@ -258,20 +263,22 @@ def evaluate_serving(config: ModelConfig, cluster: Cluster, layout: ServeLayout,
                   for stage in stages)
     per_sequence = workload.context_len * kv_per_token
     per_replica = _max_batch_per_replica(config, layout, workload, weights, per_sequence, usable)
-    batch = workload.batch or min(per_replica, MAX_BATCH)
-    activations = _activation_bytes(config, layout, max(batch, 1), workload.prompt_len)
     context = workload.prompt_len + workload.output_len // 2
-    ttft = _prefill_time(config, cluster, layout, workload, 1) if batch else 0.0
-    batch_ttft = _prefill_time(config, cluster, layout, workload, batch) if batch else 0.0
-    if batch:  # a prefill is an engine step too
-        ttft, batch_ttft = ttft + workload.host_step_s, batch_ttft + workload.host_step_s
-    tpot = 0.0
-    if batch:
-        in_flight = max(1, -(-batch // layout.pp))
-        stage_time = max(_stage_forward_time(config, cluster, layout, workload, stage,
-                                             in_flight, in_flight, context, True)
-                         for stage in stages)
-        tpot = layout.pp * stage_time + workload.host_step_s
+    prefill = _prefill_time(config, cluster, layout, workload, 1)
+    if workload.request_rate:
+        batch, tpot = _steady_state(config, cluster, layout, workload, stages, context, prefill,
+                                    per_replica)
+        # A request waits out half a step on average; the next step decodes the running batch
+        # and prefills its prompt.
+        batch_ttft = (0.5 * tpot + prefill
+                      + _decode_step(config, cluster, layout, workload, batch, stages, context))
+    else:
+        batch = workload.batch or min(per_replica, MAX_BATCH)
+        batch_ttft = _prefill_time(config, cluster, layout, workload, batch) if batch else 0.0
+        batch_ttft += workload.host_step_s if batch else 0.0  # a prefill is an engine step too
+        tpot = _decode_step(config, cluster, layout, workload, batch, stages, context)
+    activations = _activation_bytes(config, layout, max(batch, 1), workload.prompt_len)
+    ttft = prefill + workload.host_step_s if batch else 0.0
     # The prefill gives each sequence its first token; the decode steps give the rest.
     request = batch_ttft + max(workload.output_len - 1, 0) * tpot
     return ServingEstimate(layout=layout, weights=weights, activations=activations,
@@ -280,6 +287,45 @@ def evaluate_serving(config: ModelConfig, cluster: Cluster, layout: ServeLayout,
                            batch=batch, ttft_s=ttft, tpot_s=tpot, batch_ttft_s=batch_ttft,
                            request_s=request,
                            request_tokens=(workload.prompt_len, workload.output_len))
+
+
+def _decode_step(config: ModelConfig, cluster: Cluster, layout: ServeLayout,
+                 workload: ServeWorkload, batch: int, stages, context: int) -> float:
+    """One decode step of `batch` sequences per replica, in up to pp microbatches (0 if none)."""
+    if not batch:
+        return 0.0
+    in_flight = max(1, -(-batch // layout.pp))
+    stage_time = max(_stage_forward_time(config, cluster, layout, workload, stage, in_flight,
+                                         in_flight, context, True) for stage in stages)
+    return layout.pp * stage_time + workload.host_step_s
+
+
+def _steady_state(config: ModelConfig, cluster: Cluster, layout: ServeLayout,
+                  workload: ServeWorkload, stages, context: int, prefill: float,
+                  limit: int) -> tuple[int, float]:
+    """(running batch per replica, engine step seconds) of continuous batching at
+    workload.request_rate, split evenly over the replicas. Each step decodes the running batch
+    and prefills the prompts that arrived during the step before (rate x step of them), so a
+    step lasts decode(b) / (1 - rate x prefill); a request stays output_len steps, and by
+    Little's law the running batch is rate x output_len x step. The smallest batch that carries
+    the rate; limit + 1 (which does not fit) when none up to `limit` does."""
+    rate = workload.request_rate / layout.dp
+    busy = rate * prefill  # the share of each step spent on arriving prompts
+
+    def step(batch: int) -> float:
+        return _decode_step(config, cluster, layout, workload, batch, stages, context) / (
+            1 - min(busy, 0.999))
+
+    def carries(batch: int) -> bool:
+        return busy < 1 and rate * workload.output_len * step(batch) <= batch
+
+    if not carries(max(limit, 1)):
+        return limit + 1, step(limit + 1)
+    low, high = 0, max(limit, 1)  # carries(high); not carries(low) for a positive rate
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if carries(middle) else (middle, high)
+    return high, step(high)
 
 
 def _prefill_time(config: ModelConfig, cluster: Cluster, layout: ServeLayout,
