@@ -7,8 +7,9 @@ import pytest
 
 from tetrad.spec.model import ModelConfig
 from tetrad.hardware.catalog import gpu as catalog_gpu
-from tetrad.planner.compute import (attention_times, bandwidth_time, gemm_time, head_times,
-                                    layer_times, optimizer_time, stage_times)
+from tetrad.planner.compute import (attention_efficiencies, attention_times, bandwidth_time,
+                                    gemm_time, head_times, layer_times, optimizer_time,
+                                    stage_times)
 from tetrad.planner.flops import Gemm
 from tetrad.spec.presets import preset
 
@@ -49,13 +50,15 @@ def test_unfused_attention_streams_its_scores(gpu):
 def test_flash_attention_backward_is_two_and_a_half_forwards():
     # FlashAttention-2, section 3.1.2: 5 matmuls backward against 2 forward; causal attention
     # does s(s+1)/2 query-key pairs, 2 FLOPs per multiply-add in QK^T and again in AV.
-    config, b, s, tp, cp = _gpt(), 2, 512, 2, 2
-    forward, backward = attention_times(config, H100, b, s, tp, cp, True, False, 2.0)
-    flops = 2 * 8 * (64 + 64) * s * (s + 1) / 2 * b / cp
+    # Each at its own measured share of peak (tests/test_planner_mechanisms.py checks those).
+    config, b, s, tp = _gpt(), 2, 512, 2
+    forward, backward = attention_times(config, H100, b, s, tp, 1, True, False, 2.0)
+    flops = 2 * 8 * (64 + 64) * s * (s + 1) / 2 * b
     overhead = H100.efficiency.kernel_overhead_s
-    peak = H100.peak("bf16") * H100.efficiency.attention_efficiency(False)
-    assert forward == pytest.approx(flops / peak + overhead)
-    assert backward == pytest.approx(2.5 * flops / peak + 2 * overhead)
+    forward_share, backward_share = attention_efficiencies(H100, False, True, s)
+    assert forward == pytest.approx(flops / (H100.peak("bf16") * forward_share) + overhead)
+    assert backward == pytest.approx(2.5 * flops / (H100.peak("bf16") * backward_share)
+                                     + 2 * overhead)
 
 
 def test_recomputation_repeats_the_forward_or_only_attention():

@@ -11,6 +11,7 @@ permutation are bandwidth bound too; their backward moves about twice the forwar
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -78,20 +79,99 @@ def bandwidth_time(gpu: GPU, bytes_moved: float, num_kernels: int) -> float:
             + num_kernels * profile.kernel_overhead_s)
 
 
+# Fused attention's share of the bf16 peak against the length of one kernel call, forward and
+# backward apart, causal and full (a rectangle of queries by keys is read at the square of its
+# area): PyTorch SDPA on [batch, 32 heads, length, 128] bf16, about 64K tokens a call, measured
+# on one H200, whose SMs and clocks are the H100 SXM's (benchmarks/gpu_attention_efficiency.py,
+# 2026-11-28; BENCHMARKS.md). "vendor": cuDNN's fused attention, the kernel Transformer Engine
+# calls; "portable": FlashAttention-2. Used relative to ATTENTION_REFERENCE, so that a profile's
+# `attention` keeps its meaning (the forward of a long causal sequence) and the curve adds what
+# one number cannot say: the backward runs at a smaller share than the forward (cuDNN 0.49-0.55
+# against 0.61-0.64 from 8K tokens on), and short calls, a context-parallel rank's ring steps,
+# at less than long ones (cuDNN's causal backward 0.34 at 1K, 0.44 at 2K).
+ATTENTION_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
+ATTENTION_LENGTH_CURVE: dict[tuple[str, bool], tuple[tuple[float, ...], tuple[float, ...]]] = {
+    ("vendor", True): ((0.481, 0.562, 0.617, 0.644, 0.630, 0.614, 0.618),
+                       (0.337, 0.439, 0.459, 0.494, 0.525, 0.539, 0.549)),
+    ("vendor", False): ((0.628, 0.662, 0.672, 0.623, 0.622, 0.631, 0.630),
+                        (0.459, 0.486, 0.507, 0.542, 0.549, 0.552, 0.552)),
+    ("portable", True): ((0.273, 0.320, 0.342, 0.348, 0.340, 0.344, 0.342),
+                         (0.181, 0.233, 0.272, 0.301, 0.320, 0.322, 0.326)),
+    ("portable", False): ((0.353, 0.353, 0.344, 0.349, 0.355, 0.353, 0.353),
+                          (0.241, 0.280, 0.302, 0.316, 0.320, 0.323, 0.326)),
+}
+# The causal forward at 32K-64K tokens: what the curve is divided by.
+ATTENTION_REFERENCE = {kind: (ATTENTION_LENGTH_CURVE[(kind, True)][0][-2]
+                              + ATTENTION_LENGTH_CURVE[(kind, True)][0][-1]) / 2
+                       for kind in ("vendor", "portable")}
+
+
+def _interpolate(values: tuple[float, ...], length: float) -> float:
+    """`values` at ATTENTION_LENGTHS, linear in log2 of the length, held beyond the ends."""
+    position = min(max(math.log2(length / ATTENTION_LENGTHS[0]), 0.0),
+                   len(ATTENTION_LENGTHS) - 1.0)
+    low = int(position)
+    high = min(low + 1, len(values) - 1)
+    return values[low] + (position - low) * (values[high] - values[low])
+
+
+def attention_efficiencies(gpu: GPU, portable: bool, causal: bool,
+                           length: float) -> tuple[float, float]:
+    """(forward, backward) share of the bf16 peak of one fused attention call over `length`
+    queries and keys: the profile's level times the measured curve's shape. A calibrated profile
+    (one with a measured matmul curve) timed its own attention, forward and backward together
+    at one shape, and is used flat."""
+    level = gpu.efficiency.attention_efficiency(portable)
+    if gpu.efficiency.matmul_curve:
+        return level, level
+    kind = "portable" if portable else "vendor"
+    forward, backward = ATTENTION_LENGTH_CURVE[(kind, causal)]
+    scale = level / ATTENTION_REFERENCE[kind]
+    return scale * _interpolate(forward, length), scale * _interpolate(backward, length)
+
+
+def ring_attention_calls(seq_len: int, cp: int) -> tuple[tuple[float, bool, float], ...]:
+    """(share of the rank's attention FLOPs, causal, kernel length) of the calls one rank makes.
+    Without cp, one causal call over the sequence. Context parallelism as Megatron-Core runs it
+    (Transformer Engine's p2p ring, load-balanced: the sequence cut in 2cp chunks, rank r holding
+    chunks r and 2cp-1-r; docs of Megatron-Core's context parallelism) and as torchtitan runs it
+    (PyTorch's context_parallel, head-tail load balancing): a causal call over the rank's own
+    s/cp tokens, then cp - 1 full calls of s/(2cp) queries against s/cp keys or the reverse, each
+    the same work, so every ring step is 1/cp of it."""
+    if cp == 1:
+        return ((1.0, True, float(seq_len)),)
+    chunk = seq_len / (2 * cp)
+    return ((1 / cp, True, 2 * chunk), ((cp - 1) / cp, False, chunk * math.sqrt(2)))
+
+
 @lru_cache(maxsize=4096)
 def attention_times(config: ModelConfig, gpu: GPU, micro_batch: int, seq_len: int, tp: int,
                     cp: int, flash: bool, dropout: bool, act_bytes: float,
                     portable: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of the attention core (scores, softmax, weighted values);
-    `portable`: FlashAttention-2 / Triton kernels instead of the vendor's."""
+    `portable`: FlashAttention-2 / Triton kernels instead of the vendor's. Flash attention under
+    context parallelism also merges each later ring step's partial result into the running one
+    (Transformer Engine's context_parallel.cu: the output rescaled by the log-sum-exps forward,
+    dQ and dK/dV added step by step backward), a read of both and a write each."""
     heads = -(-config.num_heads // tp)
     peak = gpu.peak("bf16")  # attention stays 16-bit even in fp8 training (Transformer Engine)
     overhead = gpu.efficiency.kernel_overhead_s
+    d_qk, d_v = attention_head_dims(config)
     if flash:
         flops = attention_core_flops(config, seq_len, heads) * micro_batch / cp
-        forward = flops / (peak * gpu.efficiency.attention_efficiency(portable)) + overhead
-        return forward, BACKWARD_ATTENTION_FACTOR * (forward - overhead) + 2 * overhead
-    d_qk, d_v = attention_head_dims(config)
+        forward = backward = 0.0
+        for share, causal, length in ring_attention_calls(seq_len, cp):
+            forward_efficiency, backward_efficiency = attention_efficiencies(gpu, portable,
+                                                                             causal, length)
+            forward += share * flops / (peak * forward_efficiency)
+            backward += share * BACKWARD_ATTENTION_FACTOR * flops / (peak * backward_efficiency)
+        tokens = micro_batch * seq_len / cp
+        kv_heads = heads if config.attention == "mla" else -(-config.num_kv_heads // tp)
+        merges = cp - 1
+        forward += merges * bandwidth_time(gpu, 3 * tokens * heads * d_v * act_bytes, 1)
+        backward += merges * bandwidth_time(
+            gpu, 3 * tokens * (heads * d_qk + kv_heads * (d_qk + d_v)) * act_bytes, 2)
+        return forward + cp * overhead, backward + 2 * cp * overhead
     queries = seq_len // cp
     count = micro_batch * heads
     scores = Gemm(queries, seq_len, d_qk, count)
@@ -173,6 +253,25 @@ def layer_times(config: ModelConfig, gpu: GPU, layer: int, micro_batch: int, seq
     return KernelTimes(forward, backward, again, matmul, attention_forward)
 
 
+def _pointwise_again(config: ModelConfig, layer: int, tp: int, sequence_parallel: bool,
+                     act_bytes: float, gpu: GPU, tokens: int, ops: tuple[str, ...]) -> float:
+    """Op-level selective recomputation's extra kernels: each norm reads its input and writes its
+    output again, the activation reads the up projection's output(s) and writes its own."""
+    moved, kernels = 0.0, 0
+    if "norm" in ops:
+        moved += 2 * 2 * config.hidden_size * act_bytes / (tp if sequence_parallel else 1)
+        kernels += 2
+    if "activation" in ops:
+        if config.is_moe_layer(layer):
+            width = -(-config.moe_ffn_hidden_size // tp) * (config.num_experts_per_token
+                                                            + config.num_shared_experts)
+        else:
+            width = -(-config.ffn_hidden_size // tp)
+        moved += (3 if config.mlp == "swiglu" else 2) * width * act_bytes
+        kernels += 1
+    return bandwidth_time(gpu, moved * tokens, kernels) if kernels else 0.0
+
+
 @lru_cache(maxsize=1024)
 def head_times(config: ModelConfig, gpu: GPU, micro_batch: int, seq_len: int, tp: int, cp: int,
                compute_dtype: str, act_bytes: float, weight_bytes: float) -> KernelTimes:
@@ -236,22 +335,3 @@ def optimizer_time(gpu: GPU, num_params: float, grad_bytes: float, param_bytes: 
         return moved / (host_bandwidth * streaming)
     transfer = num_params * (grad_bytes + param_bytes) / gpu.pcie_bandwidth
     return moved / host_bandwidth + transfer
-
-
-def _pointwise_again(config: ModelConfig, layer: int, tp: int, sequence_parallel: bool,
-                     act_bytes: float, gpu: GPU, tokens: int, ops: tuple[str, ...]) -> float:
-    """Op-level selective recomputation's extra kernels: each norm reads its input and writes its
-    output again, the activation reads the up projection's output(s) and writes its own."""
-    moved, kernels = 0.0, 0
-    if "norm" in ops:
-        moved += 2 * 2 * config.hidden_size * act_bytes / (tp if sequence_parallel else 1)
-        kernels += 2
-    if "activation" in ops:
-        if config.is_moe_layer(layer):
-            width = -(-config.moe_ffn_hidden_size // tp) * (config.num_experts_per_token
-                                                            + config.num_shared_experts)
-        else:
-            width = -(-config.ffn_hidden_size // tp)
-        moved += (3 if config.mlp == "swiglu" else 2) * width * act_bytes
-        kernels += 1
-    return bandwidth_time(gpu, moved * tokens, kernels) if kernels else 0.0

@@ -157,8 +157,39 @@ def model_state_bytes(config: ModelConfig, layout: TrainLayout, precision: Train
     expert_params, expert_grads, expert_optimizer = zero_state_bytes(
         expert, layout.expert_zero_group, layout.zero, layout.offload, precision)
     return (params + expert_params
-            + gathered_params_bytes(config, layout, precision, live_params),
+            + gathered_params_bytes(config, layout, precision, live_params)
+            + fp8_weight_copy_bytes(config, layout, precision, stage, live_params),
             grads + expert_grads, optimizer + expert_optimizer)
+
+
+# FP8 training keeps, beside each 16-bit weight of the block linears, an FP8 copy in both
+# usages: row-wise for the forward GEMM and a physically transposed column-wise one for the
+# backward's data gradient, since Hopper's FP8 GEMMs take only the TN layout (Transformer
+# Engine's docs, "Performance considerations: handling transposes"). Megatron-Core casts them at
+# a step's first microbatch and reuses them for the rest (is_first_microbatch), so they live all
+# step: one byte each, two per weight.
+FP8_WEIGHT_COPY_BYTES = 2.0
+
+
+def fp8_weight_copy_bytes(config: ModelConfig, layout: TrainLayout,
+                          precision: TrainingPrecision, stage: int,
+                          live_params: float = 0.0) -> float:
+    """Bytes of the FP8 weight copies one GPU of `stage` holds in fp8 training: its share of
+    every block linear (tensor- and expert-sharded matmul weights), or under ZeRO-3 only the
+    gathered units' (cast after each gather, freed with them)."""
+    if precision.compute_dtype != "fp8":
+        return 0.0
+    if layout.zero >= 3:
+        gathered = gathered_params_bytes(config, layout, precision, live_params)
+        return gathered / precision.param_bytes * FP8_WEIGHT_COPY_BYTES
+    counts = stage_layer_counts(config.num_layers, layout.pp)
+    first = stage_first_layer(counts, stage)
+    linear = 0.0
+    for layer in range(first, first + counts[stage]):
+        params = layer_params(config, layer)
+        linear += (params.tp_sharded / layout.tp + kv_replica_params(config, layout.tp)
+                   + params.experts / (layout.ep * layout.expert_tp))
+    return linear * FP8_WEIGHT_COPY_BYTES
 
 
 def gathered_params_bytes(config: ModelConfig, layout: TrainLayout,
