@@ -17,7 +17,8 @@ from tetrad.planner.memory import RECOMPUTE_OPS
 STACKS: dict[str, dict] = {
     # Megatron-Core / NeMo (2024-): flash attention, distributed optimizer with overlapped
     # gradient reduce-scatter and parameter all-gather, TP communication overlap (userbuffers),
-    # overlapped pipeline sends. NVIDIA's DGX-Cloud recipes, Llama 3.
+    # overlapped pipeline sends; context parallelism as Transformer Engine's load-balanced p2p ring
+    # (compute.ring_attention_calls). NVIDIA's DGX-Cloud recipes, Llama 3.
     "megatron": dict(flash_attention=True, dropout=False, overlap_grad_reduce=True,
                      overlap_param_gather=True, overlap_tp_comm=True, overlap_p2p=True),
     # Megatron-LM and Megatron-DeepSpeed of 2021-22 (GPT-3 and MT-NLG era): scores materialized,
@@ -32,7 +33,8 @@ STACKS: dict[str, dict] = {
                       overlap_param_gather=True, overlap_tp_comm=False, overlap_p2p=False,
                       zero3_live_params=1e9, zero3_per_parameter=True),
     # torchtitan (FSDP2): flash attention, reduce-scatter and next-block all-gather prefetched
-    # behind compute, whole blocks gathered; no TP overlap (async TP is opt-in).
+    # behind compute, whole blocks gathered; no TP overlap (async TP is opt-in); context
+    # parallelism as PyTorch's context_parallel ring, head-tail load-balanced like TE's.
     "torchtitan": dict(flash_attention=True, dropout=False, overlap_grad_reduce=True,
                        overlap_param_gather=True, overlap_tp_comm=False, overlap_p2p=True,
                        portable_attention=True),
