@@ -85,8 +85,6 @@ class CheckpointedSegment:
     def __init__(self, blocks: Sequence[nn.Module]):
         self.blocks = list(blocks)
         self.forwards = [block.forward for block in self.blocks]
-        self.parameter_storages = {storage_id(p) for block in self.blocks
-                                   for p in block.parameters()}
         self.region = None
         self.rerunning = False
         self.rerun_peak_bytes = 0
@@ -96,10 +94,13 @@ class CheckpointedSegment:
         # to it, so the recomputation is unchanged.
         pack, unpack = torch._C._autograd._top_saved_tensors_default_hooks(False)
         saved: dict[int, int] = {}
+        # Read now, not when the segment was made: ZeRO-3 moves the parameters into its flat
+        # buffers after recomputation is applied.
+        parameters = {storage_id(p) for block in self.blocks for p in block.parameters()}
 
         def counted(tensor: torch.Tensor):
             key = storage_id(tensor)
-            if key not in self.parameter_storages:
+            if key not in parameters:
                 saved[key] = tensor.untyped_storage().nbytes()
             return pack(tensor)
 

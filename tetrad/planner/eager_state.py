@@ -7,7 +7,8 @@ ZeRO-1/2 in flat buckets of about 25 MiB (of fp32 parameters, in reverse registr
 each padded to a multiple of the group, ZeRO-2 under a pipeline each stage's apart (a tied
 embedding's copy alone): the runtime's own rules (tetrad.spec.runtime_rules), sized here by the
 planner's tensors; ZeRO-3 in units (eager_params), each padded, gathered one while
-prefetching the next of its stage, a root unit gathered around its stage's forward besides. The
+prefetching the next of its stage (--recompute sqrt: a segment's units at once while backward
+reruns it), a root unit gathered around its stage's forward besides. The
 engine keeps the fp32 gradient of its shard beside a 16-bit one; offload keeps fp32 master,
 moments and gradient shard on the host; parameter offload (ZeRO-3) the parameter and gradient
 shards there too (an fp32 parameter shard is its own master), NVMe offload the parameter shards,
@@ -25,6 +26,7 @@ from tetrad.spec.model import ModelConfig
 from tetrad.planner.eager_params import Param, rank_parameters
 from tetrad.planner.layout import TrainLayout
 from tetrad.planner.precision import TrainingPrecision
+from tetrad.spec.layout import sqrt_segments
 # The tests read FIRST_BUCKET_BYTES through this module, as the planner's.
 from tetrad.spec.runtime_rules import (BUCKET_BYTES, FIRST_BUCKET_BYTES, ddp_buckets,
                                        fill_buckets, padded, reduces_per_stage, stage_buckets)
@@ -167,10 +169,14 @@ def model_state(config: ModelConfig, layout: TrainLayout, precision: TrainingPre
     n = layout.zero_group
     gathered = 0.0
     if layout.zero == 3:
-        stages = zero3_units(replicated, n).values()
+        by_stage = zero3_units(replicated, n)
+        stages = by_stage.values()
         shard = sum(units.total for units in stages) // n
         # Units are gathered within one stage's forward or backward at a time.
         gathered = max(units.gathered_peak for units in stages) * pb
+        if layout.recompute == "sqrt":
+            gathered = max(gathered, _segment_gathered(replicated, by_stage, n,
+                                                       config.num_layers) * pb)
         params_bytes, grads = shard * pb + gathered, shard * gb
     else:
         flat = sum(zero_buckets(replicated, layout))
@@ -190,6 +196,26 @@ def model_state(config: ModelConfig, layout: TrainLayout, precision: TrainingPre
                           shard * (FP32 + precision.optimizer_bytes), fp32_grad)
     return ModelState(params_bytes, grads + (fp32_grad if gb != FP32 else 0.0),
                       shard * precision.optimizer_state_bytes + expert_optimizer, gathered)
+
+
+def _segment_gathered(params: list[Param], by_stage: dict[int, StageUnits], group: int,
+                      num_layers: int) -> int:
+    """--recompute sqrt under ZeRO-3: backward's rerun of a segment gathers each of its blocks'
+    units and frees none before that block's own backward, so a whole segment's units are
+    gathered at once, beside its stage's root (padded elements, the largest segment)."""
+    blocks: dict[int, dict[int, int]] = {}
+    for param in params:
+        if param.unit is not None and 2 <= param.unit < 2 + num_layers:
+            units = blocks.setdefault(param.stage, {})
+            units[param.unit] = units.get(param.unit, 0) + param.elements
+    peak = 0
+    for stage, units in blocks.items():
+        sizes = [padded(units[unit], group) for unit in sorted(units)]
+        start = 0
+        for size in sqrt_segments(len(sizes)):
+            peak = max(peak, by_stage[stage].root + sum(sizes[start:start + size]))
+            start += size
+    return peak
 
 
 def _offloaded_shards(layout: TrainLayout, shard: int, precision: TrainingPrecision,
