@@ -48,7 +48,13 @@ def add_parser(subparsers) -> None:
         "plan", help="plan memory, time and parallel layout for training or serving",
         description="Estimate memory, compute and communication; search the best layout. "
                     "Degrees left out are searched; given ones are evaluated as given.")
-    modes = parser.add_subparsers(dest="mode", required=True, metavar="MODE")
+    parser.add_argument("--web", action="store_true",
+                        help="open a local page to choose models, GPUs and layouts and see "
+                             "memory, step time and the pipeline drawn (docs/planner.md)")
+    parser.add_argument("--port", type=int, default=8765, help="the page's port (--web; 0: any)")
+    parser.add_argument("--no-open", action="store_true",
+                        help="print the page's address without opening a browser (--web)")
+    modes = parser.add_subparsers(dest="mode", metavar="MODE")
     train = modes.add_parser("train", help="plan a training run")
     _common(train)
     train.add_argument("--dp", type=int)
@@ -161,6 +167,22 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tetrad.errors import ConfigError
+
+    if args.web:
+        from tetrad.planner_web.server import serve_page
+
+        return serve_page(args.port, not args.no_open, _page_plan,
+                          _choices(_page_parser())["plan"])
+    if args.mode is None:
+        raise ConfigError("say what to plan: tetrad plan train|serve ..., or tetrad plan --web")
+    config, world = _resolve(args)
+    if args.mode == "train":
+        return _train(args, config, world)
+    return _serve(args, config, world)
+
+
+def _resolve(args: argparse.Namespace):
     from tetrad.hardware.profile import cluster
     from tetrad.spec.presets import resolve_model
 
@@ -178,16 +200,48 @@ def run(args: argparse.Namespace) -> int:
         from tetrad.hardware.power import power_capped
 
         world = world.replace(gpu=power_capped(world.gpu, args.gpu_power))
+    return config, world
+
+
+def _page_parser() -> argparse.ArgumentParser:
+    """`tetrad plan`'s parser for the page (--web), raising its errors for the page to show."""
+    from tetrad.errors import ConfigError
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message: str):
+            raise ConfigError(message)
+
+    parser = Parser(prog="tetrad")
+    add_parser(parser.add_subparsers())
+    return parser
+
+
+def _choices(parser: argparse.ArgumentParser) -> dict:
+    """Each option with fixed choices, subcommands nested by name, so that the page offers
+    what the terminal takes (argparse keeps its actions in `_actions`)."""
+    out: dict = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            out.update({name: _choices(sub) for name, sub in action.choices.items()})
+        elif action.choices:
+            out[action.dest] = list(action.choices)
+    return out
+
+
+def _page_plan(argv: list[str]):
+    """The page's request as `tetrad plan` flags: the same parser, checks and search."""
+    from tetrad.planner_web.api import Planned
+
+    args = _page_parser().parse_args(["plan", *argv])
+    config, world = _resolve(args)
     if args.mode == "train":
-        return _train(args, config, world)
-    return _serve(args, config, world)
+        return Planned(args.mode, config, world, *_train_plan(args, config, world), args.tokens)
+    return Planned(args.mode, config, world, *_serve_plan(args, config, world))
 
 
-def _train(args, config, world) -> int:
+def _train_plan(args, config, world):
     from tetrad.planner import TrainSpace, TrainWorkload, plan_training
-    from tetrad.planner.report import (default_global_batch, training_fit_advice,
-                                       training_json, training_text)
-
+    from tetrad.planner.report import default_global_batch
     from tetrad.planner.stacks import compile_fields, stack_fields
 
     seq_len = args.seq_len if args.seq_len is not None else min(config.max_seq_len, 4096)
@@ -209,8 +263,14 @@ def _train(args, config, world) -> int:
                        vpp=args.vpp, zero=args.zero, offload=args.offload,
                        recompute=args.recompute, sequence_parallel=args.sequence_parallel,
                        schedule=args.schedule, micro_batch=args.micro_batch)
-    result = plan_training(config, world, workload, global_batch, space, args.top,
-                           args.rank_by or "time")
+    return workload, global_batch, plan_training(config, world, workload, global_batch, space,
+                                                 args.top, args.rank_by or "time")
+
+
+def _train(args, config, world) -> int:
+    from tetrad.planner.report import training_fit_advice, training_json, training_text
+
+    workload, global_batch, result = _train_plan(args, config, world)
     if args.json:
         print(json.dumps(training_json(config, world, workload, global_batch, result,
                                        args.tokens), indent=2, allow_nan=False))
@@ -228,9 +288,8 @@ def _train(args, config, world) -> int:
     return 0 if result.num_fitting else 1
 
 
-def _serve(args, config, world) -> int:
+def _serve_plan(args, config, world):
     from tetrad.planner import ServeSpace, ServeWorkload, plan_serving
-    from tetrad.planner.report import serving_fit_advice, serving_json, serving_text
     from tetrad.planner.stacks import serving_host_step_s
 
     workload = ServeWorkload(context_len=args.context_len or args.prompt_len + args.output_len,
@@ -239,8 +298,15 @@ def _serve(args, config, world) -> int:
                              gpu_memory_utilization=args.gpu_memory_utilization,
                              host_step_s=serving_host_step_s(args.stack),
                              request_rate=args.request_rate)
-    result = plan_serving(config, world, workload, ServeSpace(args.tp, args.pp, args.ep),
-                          args.top, args.rank_by or "cost")
+    return workload, None, plan_serving(config, world, workload,
+                                        ServeSpace(args.tp, args.pp, args.ep), args.top,
+                                        args.rank_by or "cost")
+
+
+def _serve(args, config, world) -> int:
+    from tetrad.planner.report import serving_fit_advice, serving_json, serving_text
+
+    workload, _, result = _serve_plan(args, config, world)
     if args.json:
         print(json.dumps(serving_json(config, world, workload, result), indent=2,
                          allow_nan=False))

@@ -30,8 +30,9 @@ from tetrad.spec.presets import PRESETS
 VALUED = ("model", "gpu", "num_gpus", "gpus_per_node", "nic_gbps", "tp", "pp", "dp", "cp", "ep",
           "vpp", "zero", "recompute", "schedule", "micro_batch", "global_batch", "seq_len",
           "dtype", "tokens", "stack", "kv_dtype", "prompt_len", "output_len", "context_len",
-          "batch", "gpu_memory_utilization", "price_per_gpu_hour", "top")
-SWITCHES = ("offload", "node_limited_dispatch")
+          "batch", "gpu_memory_utilization", "price_per_gpu_hour", "gpu_power", "recompute_ops",
+          "rank_by", "top")
+SWITCHES = ("offload", "node_limited_dispatch", "compile")
 MAX_UPLOAD_BYTES = 1 << 20  # an HF config.json is a few KB
 CACHED_PLANS = 16  # a page's clicks on a ranking's rows ask for the same search again
 

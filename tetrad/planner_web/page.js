@@ -13,30 +13,37 @@ const FIELDS = [
   ["prompt_len", "prompt", "serve"], ["output_len", "output", "serve"],
   ["batch", "batch", "serve"], ["dtype", "dtype", "train serve"],
   ["kv_dtype", "KV dtype", "serve"], ["stack", "stack", "train serve"],
-  ["price_per_gpu_hour", "$ per GPU-hour", "train serve"], ["top", "top", "train serve"],
+  ["recompute_ops", "recompute ops (norm,activation)", "train"],
+  ["gpu_power", "power cap W", "train serve"], ["compile", "torch.compile", "train", "switch"],
+  ["offload", "offload optimizer", "train", "switch"],
+  ["price_per_gpu_hour", "$ per GPU-hour", "train serve"], ["rank_by", "rank by", "train serve"],
+  ["top", "top", "train serve"],
 ];
-const TEXT_FIELDS = new Set(["tokens", "price_per_gpu_hour"]);
+const TEXT_FIELDS = new Set(["tokens", "price_per_gpu_hour", "recompute_ops", "gpu_power"]);
 const DEFAULTS = {top: "10"};
 const R1 = {mode: "serve", model: "deepseek-r1", gpu: "h100-sxm", num_gpus: 16,
             fields: {gpus_per_node: "8", dtype: "fp8", top: "6"}};
 
-const state = {options: null, upload: null, request: null, answer: null, sort: "time"};
+const state = {options: null, upload: null, request: null, answer: null};
 
 function mode() { return document.querySelector("input[name=mode]:checked").value; }
 
 function buildFields() {
   const kept = {};
   for (const input of $("fields").querySelectorAll("[data-flag]")) {
-    kept[input.dataset.flag] = input.value;
+    kept[input.dataset.flag] = input.type === "checkbox" ? input.checked : input.value;
   }
   const box = $("fields");
   box.replaceChildren(node("legend", {}, null, "Layout and workload (empty: searched or default)"));
   const choices = state.options.choices[mode()] || {};
-  for (const [name, label, modes] of FIELDS) {
+  for (const [name, label, modes, kind] of FIELDS) {
     if (!modes.split(" ").includes(mode())) continue;
     const wrap = node("label", {}, box, label + " ");
     let input;
-    if (choices[name]) {
+    if (kind === "switch") {
+      input = node("input", {type: "checkbox"}, wrap);
+      input.checked = kept[name] === true;
+    } else if (choices[name]) {
       input = node("select", {}, wrap);
       node("option", {value: ""}, input, "default");
       for (const choice of choices[name]) node("option", {value: choice}, input, String(choice));
@@ -46,6 +53,7 @@ function buildFields() {
     }
     input.id = "opt-" + name;
     input.dataset.flag = name;
+    if (kind === "switch") continue;
     const previous = kept[name] ?? DEFAULTS[name] ?? "";
     if (!choices[name] || choices[name].map(String).includes(previous)) input.value = previous;
   }
@@ -70,7 +78,11 @@ function collectRequest() {
   const uploaded = $("opt-model").value === "(uploaded)";
   if (!uploaded) options.model = $("opt-model").value;
   for (const input of $("fields").querySelectorAll("[data-flag]")) {
-    if (input.value !== "") options[input.dataset.flag] = input.value;
+    if (input.type === "checkbox") {
+      if (input.checked) options[input.dataset.flag] = true;
+    } else if (input.value !== "") {
+      options[input.dataset.flag] = input.value;
+    }
   }
   const request = {mode: mode(), options};
   if (uploaded) request.upload = state.upload;
@@ -119,6 +131,9 @@ function columns(plan) {
       ["bubble s", (c) => fmt(c.step_time_s.bubble)],
       ["comm s", (c) => fmt(c.step_time_s.communication_exposed)],
       ["tok/s", (c) => fmt(c.tokens_per_s, 4)], ["MFU", (c) => (100 * c.mfu).toFixed(1) + "%"]];
+    if (plan.configs.some((c) => c.num_gpus !== undefined && c.num_gpus !== plan.num_gpus)) {
+      out.splice(1, 0, ["GPUs", (c) => String(c.num_gpus)]);  // ranked by cost: fewer can win
+    }
     if (plan.configs.some((c) => c.days !== undefined)) out.push(["days", (c) => fmt(c.days)]);
     if (cost) out.push(["tokens/$", (c) => fmt(c.tokens_per_dollar, 4)]);
     if (plan.configs.some((c) => c.cost_usd !== undefined && c.cost_usd !== null)) {
@@ -137,11 +152,6 @@ function columns(plan) {
   return out;
 }
 
-function perDollar(plan, config) {
-  const value = plan.mode === "train" ? config.tokens_per_dollar : config.output_tokens_per_dollar;
-  return value === null || value === undefined ? -1 : value;
-}
-
 function renderRanking() {
   const plan = state.answer.plan;
   const cols = columns(plan);
@@ -150,22 +160,17 @@ function renderRanking() {
   const row = node("tr", {}, head);
   node("th", {}, row, "#");
   for (const [title] of cols) node("th", {}, row, title);
-  const order = plan.configs.map((_, index) => index);
-  if (state.sort === "cost") order.sort((a, b) => perDollar(plan, plan.configs[b]) -
-                                                 perDollar(plan, plan.configs[a]));
   const body = $("ranking").tBodies[0];
   body.replaceChildren();
   const selected = state.answer.detail ? state.answer.detail.row : -1;
-  for (const index of order) {
-    const config = plan.configs[index];
+  plan.configs.forEach((config, index) => {
     const tr = node("tr", {"data-row": index}, body);
     if (index === selected) tr.classList.add("selected");
     if (!config.fits) tr.classList.add("nofit");
     node("td", {}, tr, String(index + 1));
     for (const [, value] of cols) node("td", {}, tr, value(config));
     if (plan.mode === "train") tr.addEventListener("click", () => runPlan(state.request, index));
-  }
-  $("sort").hidden = plan.price_per_gpu_hour === null || plan.price_per_gpu_hour === undefined;
+  });
 }
 
 function render() {
@@ -258,9 +263,6 @@ async function start() {
   fillMenus();
   for (const radio of document.querySelectorAll("input[name=mode]")) {
     radio.addEventListener("change", buildFields);
-  }
-  for (const radio of document.querySelectorAll("input[name=sort]")) {
-    radio.addEventListener("change", () => { state.sort = radio.value; renderRanking(); });
   }
   $("upload").addEventListener("change", async () => {
     const file = $("upload").files[0];
