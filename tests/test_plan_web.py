@@ -58,7 +58,7 @@ def cli_json(command: str) -> dict:
     ({"mode": "train", "options": {**TRAIN["options"], "tokens": "1e10", "rank_by": "cost",
                                    "compile": True}},
      "train --model llama3-8b --gpu a100-80gb --num-gpus 8 --pp 2 --global-batch 128 "
-     "--tokens 1e10 --rank-by cost --top 4 --compile"),
+     "--tokens 1e10 --compile --rank-by cost --top 4"),
     (R1, "serve --model deepseek-r1 --gpu h100-sxm --num-gpus 16 --gpus-per-node 8 --dtype fp8 "
          "--top 6")])
 def test_the_page_answers_with_what_plan_json_prints(url, request_, command):

@@ -25,14 +25,13 @@ from tetrad.planner_web.details import training_details
 from tetrad.spec.model import ModelConfig
 from tetrad.spec.presets import PRESETS
 
-# The options a page may set (the terminal's --json and --png are not among them), and those
-# that are switches.
-VALUED = ("model", "gpu", "num_gpus", "gpus_per_node", "nic_gbps", "tp", "pp", "dp", "cp", "ep",
-          "vpp", "zero", "recompute", "schedule", "micro_batch", "global_batch", "seq_len",
-          "dtype", "tokens", "stack", "kv_dtype", "prompt_len", "output_len", "context_len",
-          "batch", "gpu_memory_utilization", "price_per_gpu_hour", "gpu_power", "recompute_ops",
-          "rank_by", "top")
-SWITCHES = ("offload", "node_limited_dispatch", "compile")
+# The options a page may set (the terminal's --json and --png are not among them), in the order
+# the command line shows them; true stands for a flag alone (--compile, --offload).
+OPTIONS = ("model", "gpu", "num_gpus", "gpus_per_node", "nic_gbps", "tp", "pp", "dp", "cp", "ep",
+           "vpp", "zero", "offload", "recompute", "recompute_ops", "schedule", "micro_batch",
+           "global_batch", "seq_len", "dtype", "tokens", "stack", "compile",
+           "node_limited_dispatch", "kv_dtype", "prompt_len", "output_len", "context_len", "batch",
+           "gpu_memory_utilization", "price_per_gpu_hour", "gpu_power", "rank_by", "top")
 MAX_UPLOAD_BYTES = 1 << 20  # an HF config.json is a few KB
 CACHED_PLANS = 16  # a page's clicks on a ranking's rows ask for the same search again
 
@@ -58,24 +57,26 @@ class Planned:
 
 def request_argv(request: dict, model_path: str | None = None) -> list[str]:
     """The `tetrad plan` arguments of a page's request: {"mode", "options": {flag name: value,
-    null or "" for searched}}; `model_path` stands for an uploaded model."""
+    null, "" or false for searched or the default}}; `model_path` stands for an uploaded
+    model."""
     mode = request.get("mode")
     if mode not in ("train", "serve"):
         raise ConfigError(f"mode must be train or serve, got {mode!r}")
     options = request.get("options") or {}
     if not isinstance(options, dict):
         raise ConfigError("options must be an object of flag names and values")
-    unknown = sorted(set(options) - {*VALUED, *SWITCHES})
+    unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
-        raise ConfigError(f"unknown option {unknown[0]!r} (known: {', '.join(VALUED + SWITCHES)})")
+        raise ConfigError(f"unknown option {unknown[0]!r} (known: {', '.join(OPTIONS)})")
     if model_path is not None:
         options = {**options, "model": model_path}
     argv = [mode]
-    for name in VALUED:
+    for name in OPTIONS:
         value = options.get(name)
-        if value is not None and value != "":
+        if value is True:
+            argv.append(f"--{name.replace('_', '-')}")
+        elif not (value is None or value is False or value == ""):  # 0 is a value (refused)
             argv += [f"--{name.replace('_', '-')}", str(value)]
-    argv += [f"--{name.replace('_', '-')}" for name in SWITCHES if options.get(name) is True]
     return argv
 
 

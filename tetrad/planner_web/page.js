@@ -15,7 +15,7 @@ const FIELDS = [
   ["kv_dtype", "KV dtype", "serve"], ["stack", "stack", "train serve"],
   ["recompute_ops", "recompute ops (norm,activation)", "train"],
   ["gpu_power", "power cap W", "train serve"], ["compile", "torch.compile", "train", "switch"],
-  ["offload", "offload optimizer", "train", "switch"],
+  ["offload", "offload", "train", "switch"],
   ["price_per_gpu_hour", "$ per GPU-hour", "train serve"], ["rank_by", "rank by", "train serve"],
   ["top", "top", "train serve"],
 ];
@@ -40,7 +40,7 @@ function buildFields() {
     if (!modes.split(" ").includes(mode())) continue;
     const wrap = node("label", {}, box, label + " ");
     let input;
-    if (kind === "switch") {
+    if (kind === "switch" && !choices[name]) {  // a flag alone; with choices, a menu
       input = node("input", {type: "checkbox"}, wrap);
       input.checked = kept[name] === true;
     } else if (choices[name]) {
@@ -53,7 +53,7 @@ function buildFields() {
     }
     input.id = "opt-" + name;
     input.dataset.flag = name;
-    if (kind === "switch") continue;
+    if (input.type === "checkbox") continue;
     const previous = kept[name] ?? DEFAULTS[name] ?? "";
     if (!choices[name] || choices[name].map(String).includes(previous)) input.value = previous;
   }
