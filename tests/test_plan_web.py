@@ -226,3 +226,13 @@ def test_the_r1_worked_answer_is_one_click_away(url, browser):
     assert browser.find_element("id", "summary").text.startswith("deepseek-r1 on 16 × h100-sxm")
     assert len(drawn(browser, "#memory-chart rect.bar")) >= 2 * len(answer["plan"]["configs"])
     assert not browser.find_element("id", "pipeline").is_displayed()
+
+
+def test_plan_without_a_mode_or_with_a_bad_port_is_one_line(capsys):
+    from tetrad.cli.main import main
+
+    assert main(["plan"]) == 2
+    assert capsys.readouterr().err == ("tetrad plan: error: say what to plan: tetrad plan "
+                                       "train|serve ..., or tetrad plan --web\n")
+    assert main(["plan", "--web", "--port", "70000", "--no-open"]) == 2
+    assert capsys.readouterr().err == "tetrad plan: error: --port must be 0 to 65535, got 70000\n"
