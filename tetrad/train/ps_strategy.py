@@ -47,8 +47,9 @@ class ParameterServerStrategy:
         self.comm, self.received = self.client.sent, self.client.received
         self.rank, self.world_size = self.client.rank, world.size
         self.coords = {"dp": self.slot, "pp": 0, "cp": 0, "tp": 0, "ep": 0}
-        self.num_workers = self.client.roles.num_workers
-        check_run(config.batch_size, config.grad_accum, config.dtype, device, self.num_workers)
+        roles = self.client.roles
+        check_run(config.batch_size, config.grad_accum, config.dtype, device,
+                  roles.num_workers, roles.most_workers(options))
         self.clip_scale = 1.0
         self.summary: dict | None = None  # the scheduler's run summary, after gather
         if config.compile:
@@ -70,8 +71,9 @@ class ParameterServerStrategy:
         return self.loop.run(self.local_batch(batch), self.global_mean)
 
     def local_batch(self, batch: torch.Tensor) -> torch.Tensor:
-        """This worker's slice of the global batch; pulls the embedding rows it reads."""
-        rows = batch.shape[0] // self.num_workers
+        """This worker's slice of the global batch: slot k of a step's n takes rows
+        [k B/n, (k+1) B/n). Pulls the embedding rows it reads."""
+        rows = batch.shape[0] // self.client.slots
         local = batch[self.slot * rows:(self.slot + 1) * rows]
         if self.client.embed is not None:
             self.client.pull_rows(torch.unique(local[:, :-1]))

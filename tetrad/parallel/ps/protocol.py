@@ -12,11 +12,13 @@ split by rows. A tied embedding is dense (the output projection touches every ro
 untied lm_head: its gradient is a product with the softmax over the whole vocabulary, so every
 row of it changes every step.
 
-A message is a header (int64[8]: kind, sender rank, clock, count, two float64s stored as bits,
-the key range it is about, flags) then the payload tensors its kind implies; `payload_spec` is the
+A message is a header (int64[10]: kind, sender rank, clock, count, two float64s stored as bits,
+the key range it is about, flags, the sender's slot and the step's number of slots) then the payload tensors its kind implies; `payload_spec` is the
 one place both sides read the payload shapes from, so a sender and its receiver cannot disagree.
 The key range matters once a server stands in for a dead one (--ps-replicas 1): it then serves two
-ranges, its own and the one it kept a replica of.
+ranges, its own and the one it kept a replica of. The slot fields matter once a sync run's slots
+change hands or grow (--ps-spares, sync.py): a server counts a step's pushes and STEPs by slot,
+up to the number of slots the senders name.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from tetrad.parallel.mesh import Group
 
 MODES = ("sync", "async", "ssp")
 DEFAULT_STALENESS = 1
-HEADER_LEN = 8
+HEADER_LEN = 10
 FOREVER_S = 30 * 24 * 3600.0  # a wait with no useful bound (a peer that may idle for hours)
 
 
@@ -52,7 +54,8 @@ class PSOptions:
     heartbeat_s: float = 120.0
     reply_timeout_s: float = 600.0
     replicas: int = 0  # 1: each server's key range replicated on the next server (its standby)
-    spares: int = 0  # worker ranks that wait to take a dead worker's place (async, ssp)
+    spares: int = 0  # worker ranks that wait to take a dead worker's place
+    join_step: int | None = None  # sync: waiting spares join as new workers from this step on
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_servers, int) or self.num_servers < 1:
@@ -77,12 +80,12 @@ class PSOptions:
                               f"{self.mode}): an asynchronous update has no step to replay")
         if not isinstance(self.spares, int) or self.spares < 0:
             raise ConfigError(f"--ps-spares must be an integer >= 0, got {self.spares!r}")
-        if self.spares and self.mode == "sync":
-            raise ConfigError("--ps-spares joins a worker to a --ps-mode async or ssp run; a "
-                              "sync run cannot take a replacement worker yet (its dead "
-                              "worker's step is unfinished on the servers): use --ps-mode "
-                              "async or ssp, or restart the sync run from its checkpoint "
-                              "with --resume")
+        if self.join_step is not None and (self.mode != "sync" or not self.spares
+                                           or not isinstance(self.join_step, int)
+                                           or self.join_step < 1):
+            raise ConfigError(f"a join step adds spare workers to a --ps-mode sync run from a "
+                              f"step >= 1: it needs --ps-spares and --ps-mode sync (got step "
+                              f"{self.join_step!r}, {self.spares} spares, --ps-mode {self.mode})")
         if not 0 < self.heartbeat_s < self.reply_timeout_s:
             # A worker held by the ssp gate waits for the scheduler to drop a hung worker.
             raise ConfigError(f"the worker reply timeout ({self.reply_timeout_s} s) must exceed "
@@ -108,6 +111,10 @@ class Roles:
     @property
     def workers(self) -> range:
         return range(self.num_workers)
+
+    def most_workers(self, options: PSOptions) -> int:
+        """How many workers a step may have: with a join step (sync), every spare joined."""
+        return self.num_workers + self.num_spares * (options.join_step is not None)
 
     @property
     def spares(self) -> range:
@@ -149,17 +156,19 @@ class Roles:
 
 
 def check_run(batch_size: int, grad_accum: int, dtype: str, device: torch.device,
-              num_workers: int) -> None:
-    """What a training run must satisfy to use the parameter server."""
+              num_workers: int, most_workers: int | None = None) -> None:
+    """What a training run must satisfy to use the parameter server; `most_workers`: a sync run
+    that spares may grow to that many workers."""
     if device.type != "cpu":
         raise ConfigError("--strategy ps runs on CPU over gloo (it detects dead peers by "
                           "gloo's point-to-point errors): add --device cpu, or train with --dp")
     if dtype == "fp16":
         raise ConfigError("--strategy ps has no fp16 loss scaling: use --dtype bf16 or fp32")
-    if batch_size % (num_workers * grad_accum):
-        raise ConfigError(f"--batch-size {batch_size} does not split into {num_workers} workers x "
-                          f"grad-accum {grad_accum} equal microbatches: make it a multiple of "
-                          f"{num_workers * grad_accum}")
+    for workers in range(num_workers, (most_workers or num_workers) + 1):  # equal shares
+        if batch_size % (workers * grad_accum):
+            raise ConfigError(f"--batch-size {batch_size} does not split into {workers} workers "
+                              f"x grad-accum {grad_accum} equal microbatches: make it a multiple "
+                              f"of {workers * grad_accum}")
 
 
 @dataclass(frozen=True)
@@ -235,7 +244,7 @@ class Kind(IntEnum):
     REPLICATE = 18  # server -> its standby: one applied update (mean gradient; lr, clip scale)
     REPLICATED = 19  # standby -> server: applied to the replica (the workers may have it now)
     JOIN = 20  # spare -> scheduler: I can take a dead worker's place
-    ADMIT = 21  # scheduler -> spare: the slot (count; -1: not needed) and its clock
+    ADMIT = 21  # scheduler -> spare: the slot (count; -1: not needed), its clock, the slots
 
 
 # After these a peer sends nothing more: its receiving thread ends.
@@ -245,6 +254,7 @@ OBJECT_KINDS = (Kind.DONE, Kind.FINISHED, Kind.FINISH, Kind.SERVER_ENTRY)
 
 # Message flags.
 HAS_NORM = 1  # a replayed PUSH whose sender already has this step's norm of the range: no NORM
+NEW_SLOT = 2  # an ADMIT to a slot added to a sync run (not a dead worker's)
 
 
 @dataclass
@@ -257,20 +267,23 @@ class Message:
     payload: tuple[torch.Tensor, ...] = ()
     key_range: int = -1  # the server index whose key range this is about; -1: the receiver's
     flags: int = 0
+    slot: int = -1  # sync: the sender's slot (which share of the global batch it trains on)
+    workers: int = 0  # sync: the step's number of slots (PARAMS of range 0: the next step's)
 
     def header(self) -> torch.Tensor:
         header = torch.zeros(HEADER_LEN, dtype=torch.int64)
         header[:4] = torch.tensor([int(self.kind), self.sender, self.clock, self.count])
         header[4:6] = torch.tensor(self.values, dtype=torch.float64).view(torch.int64)
-        header[6:] = torch.tensor([self.key_range, self.flags])
+        header[6:] = torch.tensor([self.key_range, self.flags, self.slot, self.workers])
         return header
 
     @classmethod
     def from_header(cls, header: torch.Tensor) -> "Message":
         kind, sender, clock, count = header[:4].tolist()
         values = tuple(header[4:6].clone().view(torch.float64).tolist())
-        key_range, flags = header[6:].tolist()
-        return cls(Kind(kind), sender, clock, count, values, key_range=key_range, flags=flags)
+        key_range, flags, slot, workers = header[6:].tolist()
+        return cls(Kind(kind), sender, clock, count, values, key_range=key_range, flags=flags,
+                   slot=slot, workers=workers)
 
     @classmethod
     def carrying(cls, kind: Kind, sender: int, value) -> "Message":

@@ -20,7 +20,8 @@ a replica: after applying an update the server sends it the update (the mean gra
 rate and clip coefficient: the standby's AdamW step is the same arithmetic on the same numbers)
 and answers the workers only once the standby has applied it. When a server dies its standby
 serves the range too (standby.py has the range's state; the workers replay their step's messages
-to it, docs/parameter_server.md). Spare workers joining in a dead worker's place: membership.py.
+to it, docs/parameter_server.md). Spare workers joining in a dead worker's place or, in sync mode,
+as new workers: membership.py; sync steps gathered by slot: sync.py.
 """
 
 from __future__ import annotations
@@ -37,13 +38,14 @@ from tetrad.errors import TetradError
 from tetrad.parallel.comm import Comm, CommCounter
 from tetrad.parallel.mesh import Group
 from tetrad.parallel.ps.clock import Scheduler
-from tetrad.parallel.ps.protocol import (FOREVER_S, HAS_NORM, LAST_KINDS, Kind, KeyLayout,
-                                         Message, PSOptions, allocate, payload_spec, receive,
+from tetrad.parallel.ps.protocol import (FOREVER_S, LAST_KINDS, Kind, KeyLayout, Message,
+                                         PSOptions, allocate, payload_spec, receive,
                                          record_received, send)
 from tetrad.parallel.ps.keys import OwnedKeys
 from tetrad.parallel.ps.membership import Membership
 from tetrad.parallel.ps.report import run_report, server_entry
 from tetrad.parallel.ps.standby import Served, StandbyRole
+from tetrad.parallel.ps.sync import SyncSteps
 
 
 @dataclass
@@ -71,12 +73,12 @@ class ParameterServer:
         self.is_scheduler = self.rank == self.roles.scheduler
         self.book = Scheduler(self.workers, options.mode, options.staleness)
         self.members = Membership(self)
+        self.sync = SyncSteps(self)
         self.inbox: queue.Queue = queue.Queue()
         self.outgoing: list = []  # (worker, handle) of replies not yet known to be out
         self.updates = self.steps_seen = 0
         self.idle_s = 0.0
         self.started = time.perf_counter()
-        self.metrics: dict[int, float] = {}  # sync: METRIC values of this round
         self.done: dict[int, dict] = {}  # worker -> its run-report entry
         self.byes: set[int] = set()
         self.server_entries: dict[int, dict] = {}
@@ -109,7 +111,7 @@ class ParameterServer:
             threading.Thread(target=self._listen, args=(peer,), daemon=True).start()
         self.started = time.perf_counter()
         handlers = {Kind.PUSH: self._on_push, Kind.STEP: self._on_step,
-                    Kind.PULL_ROWS: self._on_pull_rows, Kind.METRIC: self._on_metric,
+                    Kind.PULL_ROWS: self._on_pull_rows, Kind.METRIC: self.sync.on_metric,
                     Kind.SAVE: self._on_save, Kind.DONE: self._on_done,
                     Kind.PULL_ALL: self._on_pull_all, Kind.BYE: self._on_bye,
                     Kind.FINISH: self._on_finish, Kind.SERVER_ENTRY: self._on_server_entry,
@@ -223,32 +225,21 @@ class ParameterServer:
         self.updates += 1
 
     def _params(self, served: Served | None = None) -> Message:
+        """A range's parameters; the scheduler's own also name the next step's slots (sync)."""
         served = served or self.served[self.index]
+        slots = self.members.num_slots if self.is_scheduler and served.index == self.index else 0
         return Message(Kind.PARAMS, self.rank, payload=(served.keys.ranges[0].master,),
-                       key_range=served.index)
+                       key_range=served.index, workers=slots)
 
     def _on_push(self, message: Message) -> None:
         worker, served = message.sender, self._range(message)
         if served.index == self.index:
             self._tick(message.clock)
-            if self.is_scheduler:
-                self.book.push(worker, message.clock)
         if self.options.mode == "sync":
-            if message.clock < served.applied:  # a replay of an update the replica has
-                return
-            served.keys.accumulate(*message.payload)
-            served.pushed.add(worker)
-            if not message.flags & HAS_NORM:
-                served.want_norm.add(worker)
-            if len(served.pushed) == len(self.workers):
-                mean = 1.0 / len(self.workers)
-                square = sum(float(g.mul_(mean).double().square().sum())
-                              for g in served.keys.grads)
-                for w in sorted(served.want_norm):
-                    self._reply(w, Message(Kind.NORM, self.rank, values=(square, 0.0),
-                                           key_range=served.index))
-                served.want_norm.clear()
+            self.sync.on_push(served, message)
             return
+        if served.index == self.index and self.is_scheduler:
+            self.book.push(worker, message.clock)
         served.keys.accumulate(*message.payload)
         self._apply(served, lr=message.values[0], scale=1.0)  # the worker clipped its own
         if not self.is_scheduler:
@@ -264,44 +255,13 @@ class ParameterServer:
             self._reply(ready, self._params())
 
     def _on_step(self, message: Message) -> None:
-        served = self._range(message)
-        if message.clock < served.applied:  # the replica applied it before its server died
-            self._reply(message.sender, self._params(served))
-            return
-        served.step_args[message.sender] = message.values
-        if len(served.step_args) < len(self.workers):
-            return
-        values = set(served.step_args.values())
-        assert len(values) == 1, values  # every worker got the same norms and learning rate
-        (lr, scale), = values
-        replicated = self.standby.replicate(served, message.clock, lr, scale)
-        self._apply(served, lr, scale)
-        served.pushed.clear()
-        served.step_args.clear()
-        if served.index == self.index:
-            self.book.applied(self.workers)
-            for worker in self.workers:
-                self.book.may_start(worker)
-        if not replicated:  # else once the standby has it (StandbyRole.on_replicated)
-            self.send_params(served)
-
-    def send_params(self, served: Served) -> None:
-        for worker in self.workers:
-            self._reply(worker, self._params(served))
+        self.sync.on_step(self._range(message), message)
 
     def _on_pull_rows(self, message: Message) -> None:
         served = self._range(message)
         rows = served.keys.rows(message.payload[0])
         self._reply(message.sender, Message(Kind.ROWS, self.rank, count=message.count,
                                             payload=(rows,), key_range=served.index))
-
-    def _on_metric(self, message: Message) -> None:
-        self.metrics[message.sender] = message.values[0]
-        if len(self.metrics) == len(self.workers):
-            mean = sum(self.metrics[w] for w in self.workers) / len(self.workers)
-            self.metrics.clear()
-            for worker in self.workers:
-                self._reply(worker, Message(Kind.METRIC, self.rank, values=(mean, 0.0)))
 
     def _on_save(self, message: Message) -> None:
         keys = self._range(message).keys
@@ -313,17 +273,20 @@ class ParameterServer:
             key_range=keys.index))
 
     def _on_pull_all(self, message: Message) -> None:
-        keys = self._range(message).keys
+        """Every parameter of the range and, in `clock`, the updates applied to it."""
+        served = self._range(message)
+        if self.options.mode == "sync" and self.sync.park(served, message):
+            return
+        keys = served.keys
         payload = (keys.ranges[0].master, *keys.tables(keys.ranges[1].master))
-        self._reply(message.sender, Message(Kind.ALL_PARAMS, self.rank, payload=payload,
-                                            key_range=keys.index))
+        self._reply(message.sender, Message(Kind.ALL_PARAMS, self.rank, served.applied,
+                                            payload=payload, key_range=keys.index))
 
     # Membership and the end of the run --------------------------------------------------------
 
     def _owes(self, worker: int) -> bool:
         """Whether the worker is waiting on this server (so its silence means nothing)."""
-        return (any(worker in s.pushed or worker in s.step_args for s in self.served.values())
-                or worker in self.metrics or worker in self.book.held or worker in self.done)
+        return (self.sync.waits_for(worker) or worker in self.book.held or worker in self.done)
 
     def _check_heartbeats(self) -> None:
         now = time.monotonic()
@@ -346,10 +309,11 @@ class ParameterServer:
             return
         if peer in self.book.dead or peer in self.byes:
             return
-        if self.options.mode == "sync" and peer not in self.done:
+        if self.options.mode == "sync" and peer not in self.done and not self.options.spares:
             raise TetradError(
                 f"worker rank {peer} is gone ({error}) and --ps-mode sync waits for every worker "
-                f"at every step: the job stops (--ps-mode async or ssp trains on without it)")
+                f"at every step: the job stops (--ps-spares would take its place; --ps-mode "
+                f"async or ssp trains on without it)")
         self.book.drop(peer)
         if self.is_scheduler:
             if peer not in self.done:

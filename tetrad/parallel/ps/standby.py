@@ -32,9 +32,16 @@ class Served:
     keys: OwnedKeys
     index: int  # the server index that owns the range
     applied: int = 0  # updates applied: the clock of the step being gathered
-    pushed: set[int] = field(default_factory=set)  # workers whose push of this step arrived
-    want_norm: set[int] = field(default_factory=set)  # those still waiting for its NORM
-    step_args: dict[int, tuple[float, float]] = field(default_factory=dict)  # STEP values
+    pushed: set[int] = field(default_factory=set)  # slots whose push of this step arrived
+    want_norm: set[int] = field(default_factory=set)  # workers still waiting for its NORM
+    step_args: dict[int, tuple[float, float]] = field(default_factory=dict)  # slot: STEP values
+    holders: dict[int, int] = field(default_factory=dict)  # slot -> the worker that last spoke
+    # Slot -> every worker that spoke for it in this step (a dead one and its replacement, or a
+    # dropped one that woke up): each gets the parameters, the stale one does not read them.
+    speakers: dict[int, set[int]] = field(default_factory=dict)
+    recipients: list[int] = field(default_factory=list)  # the applied step's speakers
+    square: float | None = None  # this step's squared norm of the mean gradient, once known
+    last_square: float = 0.0  # the applied step's (a replacement redoing it asks again)
 
 
 class StandbyRole:
@@ -93,20 +100,23 @@ class StandbyRole:
         for grad, received in zip(replica.keys.grads, message.payload):
             grad.copy_(received)
         lr, scale = message.values
+        replica.last_square = sum(float(g.double().square().sum()) for g in replica.keys.grads)
         replica.keys.apply(lr, scale)
         replica.applied += 1
         # Replays that arrived before the update (the workers saw the death first) are answered.
-        for worker in replica.step_args:
+        for worker in sorted(set().union(*(replica.speakers[s] for s in replica.step_args))):
             self.server._reply(worker, self.server._params(replica))
+        replica.speakers.clear()
         replica.pushed.clear()
         replica.want_norm.clear()
         replica.step_args.clear()
+        replica.square = None
         if self.primary not in self.dead_servers:
             self.server._send(self.primary, Message(Kind.REPLICATED, self.server.rank,
                                                     message.clock, key_range=replica.index))
 
     def on_replicated(self, message: Message) -> None:
-        self.server.send_params(self.awaiting.pop(0))
+        self.server.sync.send_params(self.awaiting.pop(0))
 
     # Failures ---------------------------------------------------------------------------------
 
@@ -121,7 +131,7 @@ class StandbyRole:
             self.take_over()
         if peer == self.standby:  # the workers need not wait for a replica that is gone
             while self.awaiting:
-                self.server.send_params(self.awaiting.pop(0))
+                self.server.sync.send_params(self.awaiting.pop(0))
         return True
 
     def bytes_held(self) -> int:

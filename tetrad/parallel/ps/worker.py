@@ -26,7 +26,7 @@ the answer from the standby.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
 import torch
@@ -35,20 +35,23 @@ from torch import nn
 from tetrad.errors import TetradError
 from tetrad.parallel.comm import Comm, CommCounter
 from tetrad.parallel.mesh import Group
-from tetrad.parallel.ps.protocol import (FOREVER_S, HAS_NORM, Kind, KeyLayout, Message,
-                                         PSOptions, allocate, payload_spec, per_step_by_tag,
-                                         receive, record_received, send)
+from tetrad.parallel.ps.protocol import (FOREVER_S, HAS_NORM, NEW_SLOT, Kind, KeyLayout,
+                                         Message, PSOptions, allocate, payload_spec,
+                                         per_step_by_tag, receive, record_received, send)
 from tetrad.parallel.ps.membership import NOT_NEEDED
 from tetrad.sharded_tensors import CHECKPOINT_KINDS, Piece, whole_pieces
 
 
 @dataclass(frozen=True)
 class Admission:
-    """A spare's place in a running job: the slot of the worker it replaces (which slice of each
-    global batch it trains on) and that slot's clock (the step it continues at)."""
+    """A spare's place in a running job: the slot of the worker it replaces, or in sync mode a
+    new slot (which share of each global batch it trains on), that slot's clock (the step it
+    continues at) and, in sync mode, how many slots the step has."""
 
     slot: int
     clock: int
+    slots: int = 0
+    new_slot: bool = False
 
 
 def await_admission(world: Group, comm: Comm, options: PSOptions) -> Admission | None:
@@ -64,7 +67,9 @@ def await_admission(world: Group, comm: Comm, options: PSOptions) -> Admission |
         raise TetradError(f"{roles.describe(rank)} could not join: "
                           f"{roles.describe(roles.scheduler)} failed to answer "
                           f"({str(error).splitlines()[0]})") from None
-    return None if answer.count == NOT_NEEDED else Admission(answer.count, answer.clock)
+    if answer.count == NOT_NEEDED:
+        return None
+    return Admission(answer.count, answer.clock, answer.workers, bool(answer.flags & NEW_SLOT))
 
 
 class WorkerClient:
@@ -83,7 +88,9 @@ class WorkerClient:
         self.pushes: dict[int, Message] = {}  # this step's push of each range (for replays)
         self.layout = KeyLayout.from_model(model, options.num_servers)
         self.clock = 0
-        self.slot = self.rank  # which slice of each global batch it trains on
+        self.slot = self.rank  # which share of each global batch it trains on
+        self.slots = self.roles.num_workers  # sync: how many shares this step's batch has
+        self.rounds = 0  # sync: METRIC rounds of this step so far
         self.touched: torch.Tensor | None = None  # sorted ids of the rows this step reads
         params = dict(model.named_parameters())
         self.flat = torch.empty(self.layout.dense_numel)
@@ -97,10 +104,21 @@ class WorkerClient:
         self.embed = params[self.layout.sparse] if self.layout.sparse else None
 
     def take_over(self, admission: Admission) -> None:
-        """A spare admitted to a running job: the dead worker's slot and clock, the servers'
-        current parameters (every row)."""
+        """A spare admitted to a running job: its slot and clock, the servers' current parameters
+        (every row). Sync: a new slot waits for the parameters of its first step; a dead
+        worker's slot goes on from the step no server has applied yet (the earliest range's
+        count), which the spare then redoes."""
         self.slot, self.clock = admission.slot, admission.clock
-        self._pull_all()
+        if self.options.mode != "sync":
+            self._pull_all()
+            return
+        self.slots = admission.slots
+        applied = self._pull_all(admission.clock if admission.new_slot else 0)
+        self.clock = min(applied.values())
+
+    def _for_step(self, kind: Kind, **fields) -> Message:
+        """A message of this step, naming this worker's slot and the step's slots (sync)."""
+        return Message(kind, self.rank, self.clock, slot=self.slot, workers=self.slots, **fields)
 
     # Talking to the servers ----------------------------------------------------------------
 
@@ -260,18 +278,16 @@ class WorkerClient:
             piece = wanted.get(key_range)
             if piece is not None:
                 payload += (piece, grad.index_select(0, piece))
-            self.pushes[key_range] = Message(
-                Kind.PUSH, self.rank, self.clock, 0 if piece is None else len(piece),
-                (lr, 0.0), payload, key_range=key_range)
+            self.pushes[key_range] = self._for_step(
+                Kind.PUSH, count=0 if piece is None else len(piece), values=(lr, 0.0),
+                payload=payload, key_range=key_range)
         self._converse(dict(self.pushes), None)
 
     # The step ------------------------------------------------------------------------------
 
     def _replay_push(self, has_norm: bool) -> Callable[[int], list[Message]]:
         def replay(key_range: int) -> list[Message]:
-            push = self.pushes[key_range]
-            return [Message(push.kind, push.sender, push.clock, push.count, push.values,
-                            push.payload, key_range, HAS_NORM if has_norm else 0)]
+            return [replace(self.pushes[key_range], flags=HAS_NORM if has_norm else 0)]
         return replay
 
     def squared_norm(self) -> float:
@@ -285,10 +301,11 @@ class WorkerClient:
         gradient with its lr. Then pull the fresh parameters (PARAMS) and start the next step."""
         ranges = range(self.roles.num_servers)
         if self.options.mode == "sync":
-            self._converse({r: Message(Kind.STEP, self.rank, self.clock, values=(lr, clip_scale),
-                                       key_range=r) for r in ranges}, Kind.PARAMS,
-                           lambda r: [self._dense(self.flat, r)],
-                           replay=self._replay_push(has_norm=True))
+            replies = self._converse(
+                {r: self._for_step(Kind.STEP, values=(lr, clip_scale), key_range=r)
+                 for r in ranges}, Kind.PARAMS, lambda r: [self._dense(self.flat, r)],
+                replay=self._replay_push(has_norm=True))
+            self.slots = replies[0].workers  # the scheduler's range names the next step's
         else:
             self.push(lr)
             self._converse(dict.fromkeys(ranges), Kind.PARAMS,
@@ -297,13 +314,16 @@ class WorkerClient:
         if self.embed is not None:
             self.embed.grad = None
         self.clock += 1
+        self.rounds = 0
         self.sent.end_step()
         self.received.end_step()
 
     def mean(self, value: float) -> float:
         """The mean of `value` over the workers, by the scheduler (sync)."""
         scheduler = self.roles.scheduler
-        self._post({scheduler: Message(Kind.METRIC, self.rank, self.clock, values=(value, 0.0))})
+        self._post({scheduler: self._for_step(Kind.METRIC, count=self.rounds,
+                                              values=(value, 0.0))})
+        self.rounds += 1
         return self._receive(scheduler, Kind.METRIC).values[0]
 
     def finish(self, entry: dict) -> dict:
@@ -325,11 +345,16 @@ class WorkerClient:
         return report
 
     @torch.no_grad()
-    def _pull_all(self) -> None:
+    def _pull_all(self, clock: int | None = None) -> dict[int, int]:
+        """Every range's parameters once (sync) it has applied `clock` updates (None: this
+        worker's clock); returns each range's count of applied updates."""
         tables = [self.embed.data] if self.embed is not None else []
-        self._converse({r: Message(Kind.PULL_ALL, self.rank, self.clock, key_range=r)
-                        for r in range(self.roles.num_servers)}, Kind.ALL_PARAMS,
-                       lambda r: [self._dense(self.flat, r), *self._table_rows(r, tables)])
+        clock = self.clock if clock is None else clock
+        replies = self._converse(
+            {r: Message(Kind.PULL_ALL, self.rank, clock, key_range=r)
+             for r in range(self.roles.num_servers)}, Kind.ALL_PARAMS,
+            lambda r: [self._dense(self.flat, r), *self._table_rows(r, tables)])
+        return {r: reply.clock for r, reply in replies.items()}
 
     def _table_rows(self, key_range: int, tables: list[torch.Tensor]) -> list[torch.Tensor]:
         """The rows range `key_range` holds of each table; none when it holds no rows (nothing
