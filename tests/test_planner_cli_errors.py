@@ -152,7 +152,7 @@ def test_deepspeed_zero3_gathers_a_live_parameter_budget(capsys, tmp_path):
              "position": "learned", "mlp": "gelu", "bias": True, "tie_embeddings": True}
     args = ["plan", "train", "--gpu", "a100-80gb", "--num-gpus", "640", "--tp", "1", "--pp",
             "1", "--zero", "3", "--recompute", "full", "--global-batch", "2560", "--seq-len",
-            "2048", "--micro-batch", "4", "--top", "1", "--json"]
+            "2048", "--micro-batch", "4", "--offload", "none", "--top", "1", "--json"]
     path = tmp_path / "mt-nlg-530b.json"
     path.write_text(json.dumps(model))
     assert main(args + ["--model", str(path), "--stack", "deepspeed"]) == 0

@@ -18,7 +18,7 @@ from tetrad.planner.serving import ServeLayout, ServeWorkload, evaluate_serving
 from tetrad.planner.training import TrainWorkload, evaluate_training
 from tetrad.spec.presets import preset
 
-RECOMPUTES = ("none", "selective", "full")
+RECOMPUTES = ("none", "selective", "full", "sqrt")
 
 
 def _given(value, options):
@@ -114,30 +114,50 @@ def test_candidate_shapes_are_exactly_those_the_rules_allow(name, changes, n, pe
     assert set(found) == set(expected)
 
 
-def _zero_stages(layout: TrainLayout, space: TrainSpace) -> tuple[int, ...]:
+def _zero_stages(layout: TrainLayout, space: TrainSpace, offload: str) -> tuple[int, ...]:
+    if offload in ("params", "nvme"):
+        return (3,) if space.zero in (None, 3) else ()
     if space.zero is not None:
-        return (space.zero,)
+        return (space.zero,) if offload == "none" or space.zero else ()
     if layout.dp * layout.cp == 1:
-        return (1,) if space.offload else (0,)
+        return (0,) if offload == "none" else (1,)
     return (1, 2, 3)
 
 
+def _offloads(space: TrainSpace) -> tuple[str, ...]:
+    if space.offload_mode is not None:
+        return (space.offload_mode,)
+    return ("optimizer",) if space.offload else ("none", "optimizer", "params")
+
+
 def reference_search(config, world, workload, batch, space, top):
-    """Every candidate evaluated in full: per shape, the least recomputation at which some ZeRO
-    stage fits; ranked by throughput, then memory; one layout per shape. None fitting: per shape
-    and recomputation the ZeRO stage closest to fitting, ranked by memory."""
+    """Every candidate evaluated in full: per shape and offload mode (none, the optimizer, the
+    parameters), the least recomputation at which some ZeRO stage fits, the next mode tried
+    only with less recomputation than the least that fitted so far; ranked by throughput, then
+    memory; one layout per shape. None fitting: per shape, mode and recomputation the ZeRO stage
+    closest to fitting, ranked by memory."""
     fitting, closest, candidates = [], [], 0
     for shape in reference_shapes(config, world, batch, workload.seq_len, space):
-        for recompute in _given(space.recompute, RECOMPUTES):
-            estimates = [evaluate_training(config, world, dataclasses.replace(
-                shape, zero=zero, recompute=recompute), workload, count_bytes=False)
-                for zero in _zero_stages(shape, space)]
-            candidates += len(estimates)
-            fits = [e for e in estimates if e.fits]
-            fitting += fits
-            if fits:
+        least = None  # the least recomputation that fitted, over the modes so far
+        recomputes = _given(space.recompute, RECOMPUTES)
+        for offload in _offloads(space):
+            if least == recomputes[0]:
                 break
-            closest.append(min(estimates, key=lambda e: e.memory.total))
+            for recompute in recomputes:
+                if least is not None and recomputes.index(recompute) >= recomputes.index(least):
+                    break
+                estimates = [evaluate_training(config, world, dataclasses.replace(
+                    shape, zero=zero, recompute=recompute, offload=offload != "none",
+                    offload_mode=offload), workload, count_bytes=False)
+                    for zero in _zero_stages(shape, space, offload)]
+                candidates += len(estimates)
+                fits = [e for e in estimates if e.fits]
+                fitting += fits
+                if fits:
+                    least = recompute
+                    break
+                if estimates:
+                    closest.append(min(estimates, key=lambda e: e.memory.total))
     if not fitting:
         ranked = sorted(closest, key=lambda e: e.memory.total)[:top]
         return [e.layout for e in ranked], candidates, 0
@@ -162,6 +182,11 @@ SEARCH_CASES = [
     # nothing fits: the closest layouts, by memory
     ("llama3-70b", "h100-sxm", 2, 4, 4096, TrainSpace(), 5),
     ("llama3-70b", "a100-80gb", 8, 8, 4096, TrainSpace(zero=2, recompute="selective"), 5),
+    # 8B on one 24 GB GPU: nothing fits without the parameter shard on the host
+    ("llama3-8b", "rtx-4090", 1, 8, 2048, TrainSpace(), 4),
+    # 70B on 8 A100-40GBs: the optimizer's or the parameters' offload spares recomputation
+    ("llama3-70b", "a100-40gb", 8, 8, 4096, TrainSpace(tp=8), 5),
+    ("llama3-70b", "a100-40gb", 8, 8, 4096, TrainSpace(tp=8, offload_mode="params"), 5),
 ]
 
 

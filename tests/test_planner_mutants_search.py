@@ -88,7 +88,7 @@ def test_text_report_names_the_schedule_and_adds_days_only_for_a_token_budget():
         text = training_text(config, machines, WORKLOAD, 64, result)
         header, _, first = text.splitlines()[3:6]
         assert header.split()[-1] == "MFU" and "days" not in header
-        schedule = first.split()[7]
+        schedule = first.split()[header.split().index("schedule")]
         assert schedule == training_json(config, machines, WORKLOAD, 64, result)["configs"][0][
             "parallel"]["schedule"] + suffix
     budgeted = training_text(config, machines, WORKLOAD, 64, result, tokens=1e12)

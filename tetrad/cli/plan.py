@@ -8,7 +8,7 @@ import json
 
 from tetrad.planner.serving import DEFAULT_GPU_MEMORY_UTILIZATION
 from tetrad.planner.stacks import DEFAULT_SERVING_STACK, DEFAULT_STACK, SERVING_STACKS, STACKS
-from tetrad.spec.layout import RECOMPUTE_MODES
+from tetrad.spec.layout import OFFLOAD_MODES, RECOMPUTE_MODES
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -61,7 +61,10 @@ def add_parser(subparsers) -> None:
     train.add_argument("--cp", type=int)
     train.add_argument("--vpp", type=int, help="model chunks per pipeline rank (interleaved)")
     train.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
-    train.add_argument("--offload", action="store_true", help="optimizer state in CPU memory")
+    train.add_argument("--offload", nargs="?", const="optimizer", choices=OFFLOAD_MODES,
+                       help="optimizer (the flag alone): its state in CPU memory; params: "
+                            "ZeRO-3's parameter shard too; nvme: in files; none (default: "
+                            "searched where a layout needs it)")
     train.add_argument("--recompute", choices=RECOMPUTE_MODES)
     train.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction,
                        default=None, help="default: on whenever tp > 1")
@@ -260,7 +263,7 @@ def _train_plan(args, config, world):
         overlap_param_gather=args.overlap_param_gather, overlap_tp_comm=args.overlap_tp_comm,
         overlap_p2p=args.overlap_p2p, **compiled))
     space = TrainSpace(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep,
-                       vpp=args.vpp, zero=args.zero, offload=args.offload,
+                       vpp=args.vpp, zero=args.zero, offload_mode=args.offload,
                        recompute=args.recompute, sequence_parallel=args.sequence_parallel,
                        schedule=args.schedule, micro_batch=args.micro_batch)
     return workload, global_batch, plan_training(config, world, workload, global_batch, space,

@@ -158,7 +158,7 @@ def training_text(config: ModelConfig, cluster: Cluster, workload: TrainWorkload
              f"seq {workload.seq_len}, global batch {global_batch} sequences on "
              f"{cluster.num_gpus} x {cluster.gpu.name} ({cluster.gpus_per_node} per node)",
              f"{result.num_candidates} layouts considered, {result.num_fitting} fit", ""]
-    headers = ["tp", "pp", "dp", "cp", "ep", "zero", "recompute", "schedule", "mb",
+    headers = ["tp", "pp", "dp", "cp", "ep", "zero", "offload", "recompute", "schedule", "mb",
                "GiB", "fits", "step s", "bubble", "comm", "tok/s", "TFLOP/s", "MFU"]
     if tokens:
         headers.append("days")
@@ -169,7 +169,8 @@ def training_text(config: ModelConfig, cluster: Cluster, workload: TrainWorkload
     for config_json in data["configs"]:
         p, step = config_json["parallel"], config_json["step_time_s"]
         schedule = p["schedule"] + (f"/v{p['vpp']}" if p["vpp"] > 1 else "")
-        row = [str(p[k]) for k in ("tp", "pp", "dp", "cp", "ep", "zero", "recompute")] + [
+        row = [str(p[k]) for k in ("tp", "pp", "dp", "cp", "ep", "zero", "offload_mode",
+                                   "recompute")] + [
             schedule, str(p["micro_batch"]), f"{config_json['memory_gib']['total']:.1f}",
             "yes" if config_json["fits"] else "NO", f"{step['total']:.3g}",
             f"{step['bubble']:.3g}", f"{step['communication_exposed']:.3g}",

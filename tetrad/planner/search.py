@@ -15,8 +15,13 @@ Search rules (given values are always used as given):
   sequence parallel   on whenever tp > 1 (it only saves memory and element-wise work)
   zero    1-3 with data parallelism (stage 0 moves the same bytes as stage 1 with more memory,
           so only when asked for), 0 without
-  recompute     the least of none / selective / full that fits (more only adds work)
-  CPU offload only when asked for
+  recompute     the least of none / selective / full / sqrt that fits (more only adds work;
+                sqrt reruns what full does and keeps less, so it comes last)
+  offload       none, then the optimizer state on the host (ZeRO 1-3), then ZeRO-3's parameter
+                shard too (--offload params), each tried only where the one before fits with
+                no recomputation: offloading adds host transfers to a layout, so it is worth
+                it only where it fits with less recomputation, or at all. nvme holds the same
+                on the device as params (its files only spare host memory): only when asked
 Memory is computed for every candidate; time only for those that fit (or, when none fits, for the
 ones that come closest).
 """
@@ -26,8 +31,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from tetrad.spec.layout import OFFLOAD_MODES
 from tetrad.spec.model import ModelConfig
-from tetrad.errors import ConfigError
+from tetrad.errors import ConfigError, check_choice
 from tetrad.hardware.catalog import Cluster
 from tetrad.planner.layout import TrainLayout, check_training_layout, microbatches_for
 from tetrad.schedules.generate import V_SHAPED
@@ -55,11 +61,23 @@ class TrainSpace:
     ep: int | None = None
     vpp: int | None = None
     zero: int | None = None
-    offload: bool = False
+    offload: bool = False  # True: --offload optimizer (offload_mode's older spelling)
     recompute: str | None = None
     sequence_parallel: bool | None = None
     schedule: str | None = None
     micro_batch: int | None = None
+    offload_mode: str | None = None  # OFFLOAD_MODES
+
+    @property
+    def offload_modes(self) -> tuple[str, ...]:
+        """The offload modes to try, in order (the module doc's rule)."""
+        if self.offload_mode is not None:
+            return (self.offload_mode,)
+        return ("optimizer",) if self.offload else SEARCHED_OFFLOADS
+
+
+SEARCHED_OFFLOADS = ("none", "optimizer", "params")
+RECOMPUTES = ("none", "selective", "full", "sqrt")
 
 
 @dataclass(frozen=True)
@@ -142,13 +160,17 @@ def training_layouts(config: ModelConfig, cluster: Cluster, global_batch: int, s
                                 microbatches=m, micro_batch=micro_batch)
 
 
-def _zero_stages(layout: TrainLayout, space: TrainSpace) -> tuple[int, ...]:
-    """ZeRO stages worth trying. Without data parallelism they are all the same as stage 0; with
-    it, stage 1 moves the same bytes as stage 0 with less memory, so stage 0 only when asked."""
+def _zero_stages(layout: TrainLayout, space: TrainSpace, offload: str) -> tuple[int, ...]:
+    """ZeRO stages worth trying with `offload`. Without data parallelism they are all the same as
+    stage 0 (offload needs a stage: 1, or 3 for the parameter shard); with it, stage 1 moves the
+    same bytes as stage 0 with less memory, so stage 0 only when asked. Empty: the given stage
+    cannot hold that offload."""
+    if offload in ("params", "nvme"):
+        return (3,) if space.zero in (None, 3) else ()
     if space.zero is not None:
-        return (space.zero,)
+        return (space.zero,) if offload == "none" or space.zero else ()
     if layout.zero_group == 1:
-        return (1,) if space.offload else (0,)
+        return (1,) if offload != "none" else (0,)
     return (1, 2, 3)
 
 
@@ -194,6 +216,13 @@ def check_training_space(cluster: Cluster, workload: TrainWorkload, global_batch
         if sharding == 1:
             raise ConfigError(f"--zero {space.zero} shards over dp*cp ranks, and {given} leaves "
                               f"one: use --zero 0 or more data-parallel ranks")
+    if space.offload_mode is not None:
+        check_choice("offload", space.offload_mode, OFFLOAD_MODES)
+        if space.offload_mode in ("params", "nvme") and space.zero not in (None, 3):
+            raise ConfigError(f"--offload {space.offload_mode} moves ZeRO-3's parameter shard: "
+                              f"use --zero 3 (or leave it open), or --offload optimizer")
+        if space.offload_mode != "none" and space.zero == 0:
+            raise ConfigError("--offload needs a ZeRO stage: add --zero 1, 2 or 3")
     compute = workload.precision.compute_dtype
     if compute not in cluster.gpu.peak_flops:
         raise ConfigError(f"{cluster.gpu.name} has no {compute} tensor cores: train in "
@@ -206,9 +235,11 @@ RANKINGS = ("time", "cost")
 def search_training(config: ModelConfig, cluster: Cluster, workload: TrainWorkload,
                     global_batch: int, space: TrainSpace = TrainSpace(),
                     top: int = 5, rank_by: str = "time") -> SearchResult:
-    """Rank the layouts of `space`. Per layout shape, recomputation is tried from none to full
-    and the search keeps the least that fits (more recomputation only adds work); memory is
-    computed for every candidate, time only for the fitting ones. By time: the fastest step on
+    """Rank the layouts of `space`. Per layout shape, recomputation is tried from none to sqrt
+    and the search keeps the least that fits (more recomputation only adds work), then with
+    the optimizer state and then the parameter shard offloaded where that fits with less
+    recomputation (the module doc); memory is computed for every candidate, time only for the
+    fitting ones. By time: the fastest step on
     all the GPUs. By cost: the fewest GPU-seconds per token, on all the GPUs or on a half, a
     quarter, ... of them (fewer GPUs communicate less, so they can train cheaper, only slower;
     the rental price per GPU-hour is the same for each, so it does not change the order)."""
@@ -219,25 +250,34 @@ def search_training(config: ModelConfig, cluster: Cluster, workload: TrainWorklo
     check_training_space(cluster, workload, global_batch, space)
     usable = cluster.gpu.memory_bytes * USABLE_MEMORY_FRACTION
     precision, options = workload.precision, workload.activation_options
-    recomputes = _choices(space.recompute, ("none", "selective", "full"))
+    recomputes = _choices(space.recompute, RECOMPUTES)
     closest: list[tuple[float, TrainLayout]] = []
     fitting: list[TrainLayout] = []
     num_candidates = 0
     for shape in training_layouts(config, cluster, global_batch, workload.seq_len, space):
-        zeros = _zero_stages(shape, space)
-        for recompute in recomputes:
-            layout = dataclasses.replace(shape, recompute=recompute, zero=zeros[0])
-            check_training_layout(config, cluster.num_gpus, layout, workload.seq_len,
-                                  experts_over_tp=workload.runtime != "tetrad")
-            totals = peak_bytes_by_zero_stage(config, layout, precision, workload.seq_len,
-                                              options, zeros)
-            num_candidates += len(zeros)
-            fits = [zero for zero, total in zip(zeros, totals) if total <= usable]
-            fitting += [dataclasses.replace(layout, zero=zero) for zero in fits]
-            if fits:
+        tried = recomputes  # what a further offload may still save: less recomputation
+        for offload in space.offload_modes:
+            zeros = _zero_stages(shape, space, offload)
+            if not zeros:
+                continue
+            for recompute in tried:
+                layout = dataclasses.replace(shape, recompute=recompute, zero=zeros[0],
+                                             offload=offload != "none", offload_mode=offload)
+                check_training_layout(config, cluster.num_gpus, layout, workload.seq_len,
+                                      experts_over_tp=workload.runtime != "tetrad")
+                totals = peak_bytes_by_zero_stage(config, layout, precision,
+                                                  workload.seq_len, options, zeros)
+                num_candidates += len(zeros)
+                fits = [zero for zero, total in zip(zeros, totals) if total <= usable]
+                fitting += [layout if zero == layout.zero else
+                            dataclasses.replace(layout, zero=zero) for zero in fits]
+                if fits:
+                    tried = tried[:tried.index(recompute)]
+                    break
+                closest.append((min(totals), dataclasses.replace(
+                    layout, zero=zeros[totals.index(min(totals))])))
+            if not tried:
                 break
-            closest.append((min(totals), dataclasses.replace(
-                layout, zero=zeros[totals.index(min(totals))])))
     if not num_candidates:
         _explain_no_layout(config, cluster, global_batch, workload.seq_len, space)
     if fitting:

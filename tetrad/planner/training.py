@@ -18,8 +18,8 @@ collective (tetrad.planner.eager_comm), and the step time with its own runtime's
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from functools import lru_cache
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
 
 from tetrad.spec.layout import FORWARD_AGAIN
 from tetrad.spec.model import ModelConfig
@@ -29,10 +29,12 @@ from tetrad.planner import comm, eager
 from tetrad.planner.comm import CommLedger
 from tetrad.planner.compute import KernelTimes, optimizer_time, stage_times
 from tetrad.planner.eager_time import eager_step_time
+from tetrad.planner.estimate import TrainingEstimate
 from tetrad.planner.flops import attention_head_dims, training_flops_per_sequence
 from tetrad.planner.layout import TrainLayout, stage_layer_counts
-from tetrad.planner.memory import (ActivationOptions, MemoryBreakdown, stage_params,
-                                   stages_to_check, training_memory)
+from tetrad.planner.offload_time import offload_time
+from tetrad.planner.memory import (ActivationOptions, stage_params, stages_to_check,
+                                   training_memory)
 from tetrad.planner.precision import TrainingPrecision, training_precision
 from tetrad.planner.stacks import check_recompute_ops
 from tetrad.planner.timeline import StepTime, overlapped, paired_share, pipeline_bubble_ratio
@@ -76,49 +78,15 @@ class TrainWorkload:
             raise ConfigError(f"seq_len must be at least 1, got {self.seq_len}")
         check_recompute_ops(self.recompute_ops, self.runtime)
 
-    @property
+    # Cached on the instance (frozen fields never change): the search reads them per layout.
+    @cached_property
     def precision(self) -> TrainingPrecision:
         return self.recipe or training_precision(self.dtype, self.fp32_grads)
 
-    @property
+    @cached_property
     def activation_options(self) -> ActivationOptions:
         return ActivationOptions(self.flash_attention, self.dropout, self.runtime,
                                  self.zero3_live_params, self.recompute_ops)
-
-
-@dataclass(frozen=True)
-class TrainingEstimate:
-    layout: TrainLayout
-    memory: MemoryBreakdown
-    fullest_stage: int
-    usable_memory: float
-    step: StepTime
-    tokens_per_step: int
-    model_flops_per_step: float
-    hardware_flops_per_step: float
-    num_gpus: int
-    peak_flops: float
-    comm: CommLedger = field(compare=False)
-
-    @property
-    def fits(self) -> bool:
-        return self.memory.total <= self.usable_memory
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens_per_step / self.step.total
-
-    @property
-    def tflops_per_gpu(self) -> float:
-        return self.model_flops_per_step / self.step.total / self.num_gpus / 1e12
-
-    @property
-    def hardware_tflops_per_gpu(self) -> float:
-        return self.hardware_flops_per_step / self.step.total / self.num_gpus / 1e12
-
-    @property
-    def mfu(self) -> float:
-        return self.tflops_per_gpu * 1e12 / self.peak_flops
 
 
 def _tp_collective_time(cluster: Cluster, layout: TrainLayout, size: float) -> float:
@@ -300,9 +268,11 @@ def _pipeline_p2p(config: ModelConfig, cluster: Cluster, layout: TrainLayout,
 @lru_cache(maxsize=16384)
 def _bottleneck(config: ModelConfig, cluster: Cluster, workload: TrainWorkload, tp: int, pp: int,
                 cp: int, ep: int, sequence_parallel: bool, recompute: str,
-                micro_batch: int, expert_tp: int, zero: int) -> tuple[int, KernelTimes, float]:
+                micro_batch: int, expert_tp: int,
+                zero3: bool) -> tuple[int, KernelTimes, float]:
     """(slowest stage, its kernel times, its exposed TP/CP/EP time) for one microbatch. Keyed by
-    the fields that decide them, so layouts differing in dp or schedule (ZeRO only through `zero`) share an entry."""
+    the fields that decide them, so layouts differing in dp, schedule or ZeRO stage share an
+    entry (ZeRO-3 alone changes what a kernel reads: `zero3`)."""
     # dp does not change these times; dp = ep keeps the shape a valid layout (ep divides dp*cp).
     shape = TrainLayout(tp=tp, pp=pp, dp=ep, cp=cp, ep=ep, sequence_parallel=sequence_parallel,
                         recompute=recompute, micro_batch=micro_batch)
@@ -315,7 +285,7 @@ def _bottleneck(config: ModelConfig, cluster: Cluster, workload: TrainWorkload, 
                               workload.dropout, precision.compute_dtype,
                               precision.activation_bytes, weight, expert_tp,
                               workload.portable_attention,
-                              "inputs+weights" if zero == 3 else "inputs",
+                              "inputs+weights" if zero3 else "inputs",
                               () if workload.compiled else workload.recompute_ops)
         exposed = _microbatch_comm(config, cluster, shape, workload, kernels, stage, None,
                                    expert_tp)
@@ -335,7 +305,7 @@ def microbatch_durations(config: ModelConfig, cluster: Cluster, layout: TrainLay
     stage, kernels, comm = _bottleneck(
         config, cluster, workload, layout.tp, layout.pp, layout.cp, layout.ep,
         layout.sequence_parallel, layout.recompute, layout.micro_batch, layout.expert_tp,
-        layout.zero)
+        layout.zero == 3)
     comm -= _hidden_by_pairing(config, cluster, layout, workload, stage, kernels)
     backward = kernels.backward + kernels.recompute
     stretch = 1 + comm / (kernels.forward + backward)
@@ -353,7 +323,7 @@ def evaluate_training(config: ModelConfig, cluster: Cluster, layout: TrainLayout
     stage, kernels, microbatch_comm = _bottleneck(
         config, cluster, workload, layout.tp, layout.pp, layout.cp, layout.ep,
         layout.sequence_parallel, layout.recompute, layout.micro_batch, layout.expert_tp,
-        layout.zero)
+        layout.zero == 3)
     ledger = CommLedger()
     if count_bytes:
         _microbatch_comm(config, cluster, layout, workload, kernels, stage, ledger,
@@ -372,15 +342,18 @@ def evaluate_training(config: ModelConfig, cluster: Cluster, layout: TrainLayout
              if layout.zero >= 1 else dense + expert)
     optimizer = optimizer_time(gpu, shard, precision.grad_bytes, precision.param_bytes,
                                precision.optimizer_state_bytes, layout.offload,
-                               gpu.host_memory_bandwidth)
+                               gpu.host_memory_bandwidth, layout.offload_params)
     compute = m * per_microbatch_kernels + optimizer
     dp_exposed = _data_parallel(config, cluster, layout, workload, stage, kernels.forward,
                                 kernels.backward + kernels.recompute, ledger)
     pp_exposed = _pipeline_p2p(config, cluster, layout, workload, stage, ledger)
+    # Parameter offload: the shards cross the host link at each gather and reduction, exposed
+    # as tetrad's runtime makes them (tetrad.planner.offload_time).
+    host_link = offload_time(config, layout, precision, gpu, fullest)
     if count_bytes and workload.runtime == "tetrad":
         # tetrad's runtime counted collective by collective, for the fullest rank.
         ledger = eager.pipeline_ranks(config, layout, workload.seq_len, precision)[fullest].comm
-    communication = m * microbatch_comm + dp_exposed + pp_exposed
+    communication = m * microbatch_comm + dp_exposed + pp_exposed + host_link
     # The slowest stage's times for every stage (the simulator takes one duration per kind):
     # recomputation precedes the input gradient, and zero bubble defers the weight-gradient
     # matmuls (as long as the forward's). Exposed communication stretches them in proportion.
