@@ -111,6 +111,13 @@ def add_parser(subparsers) -> None:
                                   "by cost)")
     distributed.add_argument("--recompute", choices=RECOMPUTE_MODES,
                              help="activation recomputation")
+    distributed.add_argument("--partition-activations", action="store_true", default=None,
+                             help="ZeRO-R: keep each recomputed block's input as this rank's 1/tp "
+                                  "slice, all-gathered before its rerun (--tp 2+, --recompute "
+                                  "full or sqrt)")
+    distributed.add_argument("--offload-activations", action="store_true", default=None,
+                             help="ZeRO-R: keep each recomputed block's input in host memory "
+                                  "until its rerun (--recompute full or sqrt)")
     distributed.add_argument("--zero", type=int, choices=(0, 1, 2, 3),
                              help="0: DDP; 1: shard optimizer state; 2: and gradients; "
                                   "3: and parameters (FSDP)")

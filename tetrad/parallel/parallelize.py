@@ -54,6 +54,7 @@ from tetrad.parallel.engine import (DataParallelEngine, DataParallelOptions, Par
                                     WholeAdamW)
 from tetrad.parallel.expert_parallel import ExpertParallel, apply_expert_parallel
 from tetrad.parallel.fsdp import FullyShardedDataParallel, transformer_units
+from tetrad.parallel.kept_inputs import kept_inputs_of
 from tetrad.parallel.mesh import Group, Mesh
 from tetrad.parallel.offload import Offload
 from tetrad.parallel.pipeline import PipelineExecutor, partition
@@ -95,7 +96,8 @@ def parallelize(model: Transformer, mesh: Mesh, comm: Comm, parallel: ParallelCo
               if parallel.tp > 1 else None)
     if compile:
         apply_compile(model, parallel.pp > 1 and parallel.schedule in SPLIT_BACKWARD)
-    apply_recompute(model, parallel.recompute, stages)
+    apply_recompute(model, parallel.recompute, stages,
+                    kept_inputs_of(parallel, comm, mesh["tp"]))
     pipeline = None
     if parallel.pp > 1:
         pipeline = PipelineExecutor.from_model(

@@ -24,12 +24,16 @@ What selective saves depends on the attention kernel, measured by tests/test_rec
   one block's: about 2 sqrt(N) hidden-state-sized sets in all instead of N. Every block's forward
   runs once more, as under full.
 
+Where full and sqrt keep each checkpoint's input (whole on the device; ZeRO-R's 1/tp share,
+gathered before the rerun; in host memory) is tetrad.parallel.kept_inputs's.
+
 Full and sqrt recomputation re-run a block's communication too (ring attention's K/V hops, expert
 parallelism's all-to-alls) during backward; the byte counters see that traffic.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Sequence
 
 import torch
@@ -41,6 +45,7 @@ from tetrad.memory import storage_id
 from tetrad.spec.layout import RECOMPUTE_MODES as MODES, sqrt_segments
 from tetrad.models.transformer import Transformer
 from tetrad.parallel.context_parallel import RingAttention
+from tetrad.parallel.kept_inputs import KeptInputs
 
 
 class RecomputedAttention:
@@ -59,15 +64,18 @@ class RecomputedAttention:
 class RecomputedBlock:
     """A block's forward under a checkpoint. Installed on the instance, so parameter names (and
     the checkpoint format) stay those of the plain model; it wraps the forward the block has
-    (a compiled one under --compile, which then runs again in backward)."""
+    (a compiled one under --compile, which then runs again in backward). `kept`: where the
+    checkpoint keeps the block's input (ZeRO-R; None: whole, on the device)."""
 
-    def __init__(self, forward: Callable):
+    def __init__(self, forward: Callable, kept: KeptInputs | None = None):
         self.forward = forward
+        self.kept = kept
 
     def __call__(self, x: torch.Tensor, rope, attend=None) -> torch.Tensor:
         if not torch.is_grad_enabled():
             return self.forward(x, rope, attend)
-        return checkpoint(self.forward, x, rope, attend, use_reentrant=False)
+        with self.kept.keeping(x) if self.kept else contextlib.nullcontext():
+            return checkpoint(self.forward, x, rope, attend, use_reentrant=False)
 
 
 class CheckpointedSegment:
@@ -82,10 +90,12 @@ class CheckpointedSegment:
     once, parameters not counted, the kept input included when the rerun saves it): what the
     recomputation adds to what the forward kept, at most, while its backward runs."""
 
-    def __init__(self, blocks: Sequence[nn.Module]):
+    def __init__(self, blocks: Sequence[nn.Module], kept: KeptInputs | None = None):
         self.blocks = list(blocks)
+        self.kept = kept
         self.forwards = [block.forward for block in self.blocks]
         self.region = None
+        self.keeping: contextlib.AbstractContextManager = contextlib.nullcontext()
         self.rerunning = False
         self.rerun_peak_bytes = 0
 
@@ -119,11 +129,17 @@ class CheckpointedSegment:
         if index == 0:
             self.region = _checkpoint_without_reentrant_generator(
                 self.rerun, True, *_DEFAULT_CHECKPOINT_FLAGS, x, rope, attend)
+            # The checkpoint saves its inputs through the hooks below its own, which it pushes
+            # here and pops when the region closes: the kept inputs' hooks go on before it and
+            # come off after it (hooks are a stack).
+            self.keeping = self.kept.keeping(x) if self.kept else contextlib.nullcontext()
+            self.keeping.__enter__()
             next(self.region)
         out = self.forwards[index](x, rope, attend)
         if index == len(self.blocks) - 1:
             region, self.region = self.region, None
             next(region, None)
+            self.keeping.__exit__(None, None, None)
         return out
 
 
@@ -144,11 +160,12 @@ _DEFAULT_CHECKPOINT_FLAGS = (torch.utils.checkpoint.noop_context_fn,
                              torch.utils.checkpoint._DEFAULT_DETERMINISM_MODE, False, True)
 
 
-def apply_sqrt_segments(blocks: Sequence[nn.Module]) -> list[CheckpointedSegment]:
+def apply_sqrt_segments(blocks: Sequence[nn.Module], kept: KeptInputs | None = None
+                        ) -> list[CheckpointedSegment]:
     """--recompute sqrt on one stage's blocks, in the order its forward calls them."""
     segments, start = [], 0
     for size in sqrt_segments(len(blocks)):
-        segment = CheckpointedSegment(blocks[start:start + size])
+        segment = CheckpointedSegment(blocks[start:start + size], kept)
         for index, block in enumerate(segment.blocks):
             block.forward = SegmentForward(segment, index)
         segments.append(segment)
@@ -163,21 +180,41 @@ def recompute_peak_bytes(model: nn.Module) -> int:
                 if isinstance(block.__dict__.get("forward"), SegmentForward)), default=0)
 
 
+def host_activations_peak(model: nn.Module) -> int:
+    """The most bytes of kept block inputs `model` held in host memory at once
+    (--offload-activations; 0 without)."""
+    return max((kept.host_peak_bytes for kept in _kept_inputs(model) if kept.offload),
+               default=0)
+
+
+def _kept_inputs(model: nn.Module) -> list[KeptInputs]:
+    found = {}
+    for block in model.modules():
+        forward = block.__dict__.get("forward")
+        kept = (forward.segment.kept if isinstance(forward, SegmentForward)
+                else getattr(forward, "kept", None))
+        if kept is not None:
+            found[id(kept)] = kept
+    return list(found.values())
+
+
 def apply_recompute(model: Transformer, mode: str,
-                    stages: Sequence[Sequence[int]] | None = None) -> None:
+                    stages: Sequence[Sequence[int]] | None = None,
+                    kept: KeptInputs | None = None) -> None:
     """Recompute `mode` on every block of `model`; `stages`: the layer indices of each pipeline
     stage this rank runs (sqrt cuts each into its own segments; default one stage of every
     layer). Apply after context parallelism (selective recognizes ring attention), after expert
     parallelism and after compilation (full wraps the compiled forward); losses and gradients
-    are unchanged."""
+    are unchanged. `kept`: where full and sqrt keep each checkpoint's input (ZeRO-R's
+    partitioned and offloaded checkpoints; None: whole, on the device)."""
     if mode not in MODES:
         raise ConfigError(f"--recompute must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "sqrt":
         for layers in stages if stages is not None else [range(len(model.layers))]:
-            apply_sqrt_segments([model.layers[layer] for layer in layers])
+            apply_sqrt_segments([model.layers[layer] for layer in layers], kept)
         return
     for block in model.layers:
         if mode == "full":
-            block.forward = RecomputedBlock(block.forward)
+            block.forward = RecomputedBlock(block.forward, kept)
         elif mode == "selective" and not isinstance(block.attn.core, RingAttention):
             block.attn.core = RecomputedAttention(block.attn.core)

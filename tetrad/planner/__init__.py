@@ -15,7 +15,7 @@ from tetrad.spec.model import ModelConfig, ParallelConfig
 from tetrad.hardware.catalog import GPU, Cluster
 from tetrad.hardware.profile import cluster as make_cluster
 from tetrad.planner import eager
-from tetrad.planner.eager_activations import recompute_bytes
+from tetrad.planner.eager_activations import activations_peak, recompute_bytes
 from tetrad.planner.eager_params import rank_stages
 from tetrad.planner.eager_time import rank_time
 from tetrad.planner.comm import CommLedger
@@ -119,6 +119,11 @@ def predict_run(resolved: ResolvedLayout, micro_batch: int, num_microbatches: in
             entry["bytes"]["recompute_peak"] = max(
                 recompute_bytes(model_config, layout, stage, seq_len, workload.precision)
                 for stage in rank_stages(layout, pp_rank))
+    if runtime == "tetrad" and layout.offload_activations:
+        for pp_rank, entry in ([(estimate.fullest_stage, predicted)]
+                               + list(enumerate(predicted.get("stages", ())))):
+            entry["bytes"]["host_activations_peak"] = activations_peak(
+                model_config, layout, seq_len, workload.precision, pp_rank, host=True)
     return predicted
 
 

@@ -20,6 +20,7 @@ from tetrad.planner.layout import TrainLayout
 from tetrad.planner.precision import FP8_BLOCK, TrainingPrecision
 from tetrad.schedules import build_schedule
 from tetrad.schedules.generate import SPLIT_BACKWARD
+from tetrad.spec.runtime_rules import padded
 
 FP32 = 4  # softmax/log-softmax outputs, norms' statistics, log-sum-exp, expert parameters
 INDEX = 8  # int64 token ids, positions and routing indices
@@ -119,14 +120,35 @@ def _moe_bytes(config: ModelConfig, layout: TrainLayout, tokens: int,
     return total
 
 
+def kept_input_bytes(config: ModelConfig, layout: TrainLayout, seq_len: int,
+                     precision: TrainingPrecision) -> float:
+    """What a full or sqrt checkpoint keeps of its block's input for one microbatch: the
+    residual stream, or under --partition-activations this rank's 1/tp share of it, the flat
+    input padded to a multiple of tp (tetrad.parallel.kept_inputs)."""
+    _, stream_tokens = tokens(layout, seq_len)
+    elements = stream_tokens * config.hidden_size
+    if layout.partition_activations:
+        elements = padded(int(elements), layout.tp) // layout.tp
+    return elements * precision.param_bytes
+
+
+def checkpoints(config: ModelConfig, layout: TrainLayout, stage: int) -> int:
+    """The checkpoints full or sqrt recomputation opens in one microbatch of `stage`: one per
+    block, or one per sqrt segment."""
+    blocks = len(stage_blocks(config, layout, stage))
+    return len(sqrt_segments(blocks)) if layout.recompute == "sqrt" else blocks
+
+
 def block_bytes(config: ModelConfig, layout: TrainLayout, layer: int, seq_len: int,
                 precision: TrainingPrecision) -> float:
     """Bytes one block saves for backward, for one microbatch on one rank."""
     act, stream, h = precision.activation_bytes, precision.param_bytes, config.hidden_size
     t, stream_tokens = tokens(layout, seq_len)
     if layout.recompute in FORWARD_AGAIN:
-        # The checkpoint keeps the block's input only (sqrt: a segment's first block's).
-        return stream_tokens * h * stream
+        # The checkpoint keeps the block's input only (sqrt: a segment's first block's), on the
+        # device unless --offload-activations holds it in host memory.
+        return 0.0 if layout.offload_activations else kept_input_bytes(config, layout, seq_len,
+                                                                       precision)
     heads = config.num_heads // layout.tp
     q, kv = heads * config.head_dim, kv_heads_per_rank(config, layout.tp) * config.head_dim
     fp8 = precision.compute_dtype == "fp8"
@@ -211,7 +233,8 @@ def recompute_bytes(config: ModelConfig, layout: TrainLayout, stage: int, seq_le
     blocks = stage_blocks(config, layout, stage)
     if layout.recompute != "sqrt" or not blocks:
         return 0.0
-    plain = dataclasses.replace(layout, recompute="none")
+    plain = dataclasses.replace(layout, recompute="none", partition_activations=False,
+                                offload_activations=False)
     rope = 2 * seq_len // layout.cp * config.head_dim * FP32 if config.position == "rope" else 0
     starts = range(0, len(blocks), sqrt_segments(len(blocks))[0])
     return max(sum(block_bytes(config, plain, layer, seq_len, precision)
@@ -224,24 +247,36 @@ def _actions(schedule: str, pp: int, microbatches: int, vpp: int) -> tuple[tuple
     return build_schedule(schedule, pp, microbatches, vpp, communication=False).actions
 
 
+def host_stage_bytes(config: ModelConfig, layout: TrainLayout, stage: int, seq_len: int,
+                     precision: TrainingPrecision) -> float:
+    """Bytes one microbatch of `stage` keeps in host memory until its backward: the kept block
+    inputs under --offload-activations (0 otherwise)."""
+    if not layout.offload_activations:
+        return 0.0
+    return checkpoints(config, layout, stage) * kept_input_bytes(config, layout, seq_len,
+                                                                 precision)
+
+
 @lru_cache(maxsize=1024)
 def activations_peak(config: ModelConfig, layout: TrainLayout, seq_len: int,
-                     precision: TrainingPrecision, pp_rank: int) -> float:
-    """The most bytes one rank of pipeline rank `pp_rank` keeps for backward at once: one
+                     precision: TrainingPrecision, pp_rank: int, host: bool = False) -> float:
+    """The most bytes one rank of pipeline rank `pp_rank` keeps for backward at once (`host`:
+    of them in host memory, host_stage_bytes; else on the device, stage_bytes): one
     microbatch without a pipeline; with one, the microbatches its schedule has in flight, each
     from its forward to its backward (to its weight-gradient pass W under zero bubble), walked
     through the rank's action list as the executor's meter holds and releases them."""
+    stage_bytes_of = host_stage_bytes if host else stage_bytes
     if layout.pp == 1:
-        return stage_bytes(config, layout, 0, seq_len, precision)
+        return stage_bytes_of(config, layout, 0, seq_len, precision)
     walked, scale = walked_microbatches(layout.schedule, layout.pp, layout.schedule_microbatches)
     release = "W" if layout.schedule in SPLIT_BACKWARD else "B"
     held = peak = 0.0
     for action in _actions(layout.schedule, layout.pp, walked, layout.vpp)[pp_rank]:
         if action.kind == "F":
-            held += stage_bytes(config, layout, action.stage, seq_len, precision)
+            held += stage_bytes_of(config, layout, action.stage, seq_len, precision)
             peak = max(peak, held)
         elif action.kind == release:
-            held -= stage_bytes(config, layout, action.stage, seq_len, precision)
+            held -= stage_bytes_of(config, layout, action.stage, seq_len, precision)
     return peak * scale
 
 

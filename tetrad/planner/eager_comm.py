@@ -19,6 +19,8 @@ residual stream's dtype (the parameters') and S_a of the compute dtype:
        dtype) and combine (the compute dtype) forward, the reverse backward, of the copies that
        cross ranks: T k (ep - 1) / ep of them in the balanced routing assumed (the router decides
        each rank's share).
+  Pa   --partition-activations: before each recomputed forward, the checkpoint's input
+       all-gathered over tp (the flat input padded to tp, the parameters' dtype).
   PP   each stage's output forward (not the last stage's) and its input's gradient backward (not
        the first's), in the parameters' dtype.
   Full recomputation runs each block's forward again up to its last saved tensor (PyTorch's
@@ -48,7 +50,7 @@ from functools import lru_cache
 from tetrad.spec.layout import FORWARD_AGAIN, sqrt_segment_ends
 from tetrad.spec.model import ModelConfig
 from tetrad.planner.comm import CommLedger
-from tetrad.planner.eager_activations import tokens
+from tetrad.planner.eager_activations import checkpoints, kept_input_bytes, tokens
 from tetrad.planner.eager_params import (kv_heads_per_rank, rank_parameters, rank_stages,
                                          stage_blocks)
 from tetrad.planner.eager_state import reduced_together, zero3_units, zero_buckets
@@ -110,6 +112,10 @@ def _activations(ledger: CommLedger, config: ModelConfig, layout: TrainLayout, s
         forwards = 1 + reruns
         blocks = stage_blocks(config, layout, stage)
         ends = set(sqrt_segment_ends(blocks)) if layout.recompute == "sqrt" else set(blocks)
+        if layout.partition_activations:  # each checkpoint's input gathered before its rerun
+            gathered = kept_input_bytes(config, layout, seq_len, precision) * layout.tp
+            ledger.add("all_gather", layout.tp, gathered,
+                       m * reruns * checkpoints(config, layout, stage))
         for layer in blocks:
             tensor_parallel_block(ledger, config, layout, layer, t * h * stream, t * h * act, m,
                                    backwards, reruns, whole_rerun=layer not in ends)

@@ -305,6 +305,9 @@ def stage_activation_bytes(config: ModelConfig, layout: TrainLayout, seq_len: in
     stored, transient = _stage_microbatch_activations(
         config, layout.pp, stage, layout.micro_batch, seq_len, layout.tp, layout.cp,
         layout.sequence_parallel, layout.recompute, options, act_bytes)
+    if layout.recompute in FORWARD_AGAIN:  # all kept are block inputs: ZeRO-R's Pa and Pa+cpu
+        stored *= 0 if layout.offload_activations else 1 / (
+            layout.tp if layout.partition_activations else 1)
     total = stored * in_flight_microbatches(layout, stage) + transient
     if stage == layout.pp - 1:
         tokens = layout.micro_batch * seq_len / layout.cp

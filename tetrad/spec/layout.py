@@ -104,6 +104,10 @@ class ParallelConfig:
     schedule: str = "1f1b"  # naive | gpipe | 1f1b | interleaved | zb | zbv | dualpipe
     microbatches: int = 0  # per pipeline pass; 0 means pp (the fewest that keep every stage busy)
     recompute: str = "none"  # none | selective | full | sqrt
+    # ZeRO-R (docs/distributed.md): the block inputs full/sqrt recomputation keeps, as this
+    # rank's 1/tp flat slice (gathered before the rerun) and/or in host memory.
+    partition_activations: bool = False
+    offload_activations: bool = False
     collectives: str = "backend"  # backend | ring (tetrad's own ring all-reduce on send/recv)
     # TP/SP and EP collectives hidden behind compute (chunked, async). None: the launcher decides
     # (on with NCCL; off on gloo, where the same CPU cores move the bytes and do the matmuls,
@@ -139,6 +143,7 @@ class ParallelConfig:
             raise ConfigError("virtual stages go with the interleaved schedule: use --schedule "
                               "interleaved with --vpp 2 or more, or --vpp 1 with other schedules")
         check_choice("recompute", self.recompute, RECOMPUTE_MODES)
+        self._check_kept_inputs()
         check_choice("collectives", self.collectives, ("backend", "ring"))
         self._check_expert_fold()
         object.__setattr__(self, "stage_layers", tuple(self.stage_layers))  # TOML gives a list
@@ -162,6 +167,21 @@ class ParallelConfig:
         if (self.offload_dir or self.offload_keep) and not self.offload_files:
             raise ConfigError("--offload-dir and --offload-keep are for --offload nvme: add it or "
                               "drop them")
+
+    def _check_kept_inputs(self) -> None:
+        """--partition-activations / --offload-activations act on the block inputs that full and
+        sqrt recomputation keep (selective keeps q, k, v, which tp already splits by heads)."""
+        for flag, on in (("--partition-activations", self.partition_activations),
+                         ("--offload-activations", self.offload_activations)):
+            if on and self.recompute not in FORWARD_AGAIN:
+                raise ConfigError(f"{flag} acts on the block inputs full or sqrt recomputation "
+                                  f"keeps: add --recompute full or sqrt")
+        if self.partition_activations and self.tp == 1:
+            raise ConfigError("--partition-activations splits the kept block inputs over the "
+                              "tensor-parallel ranks: use --tp 2 or more")
+        if self.partition_activations and self.sequence_parallel:
+            raise ConfigError("--partition-activations splits block inputs that sequence "
+                              "parallelism already splits over tp: drop one of them")
 
     @property
     def offload_params(self) -> bool:

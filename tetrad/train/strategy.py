@@ -21,6 +21,7 @@ from tetrad.spec.model import TrainConfig
 from tetrad.parallel.comm import Comm, CommCounter
 from tetrad.parallel.compile import apply_compile
 from tetrad.parallel.mesh import Mesh
+from tetrad.parallel.kept_inputs import kept_inputs_of
 from tetrad.parallel.recompute import apply_recompute
 from tetrad.planner.precision import TrainingPrecision, training_precision
 from tetrad.sharded_tensors import Piece
@@ -106,6 +107,7 @@ def build_strategy(model: nn.Module, config: TrainConfig, device: torch.device,
         # eager by about 1e-7 relative, docs/compile.md).
         if config.compile:
             apply_compile(model)
-        apply_recompute(model, config.parallel.recompute)
+        apply_recompute(model, config.parallel.recompute,
+                        kept=kept_inputs_of(config.parallel))
         return LocalStrategy(model, config, device)
     return MeshStrategy(model, config, device, mesh, collectives)

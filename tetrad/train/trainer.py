@@ -20,7 +20,7 @@ from tetrad.errors import ConfigError, TetradError
 from tetrad.models.transformer import Transformer, count_parameters
 from tetrad.parallel.compile import CompileClock
 from tetrad.parallel.launch import local_device, rank_device
-from tetrad.parallel.recompute import recompute_peak_bytes
+from tetrad.parallel.recompute import host_activations_peak, recompute_peak_bytes
 from tetrad.train import checkpoint as ckpt
 from tetrad.train.data import AnyTokenizer, Dataset
 from tetrad.train.job import PreparedJob, prepare_job
@@ -162,6 +162,8 @@ def train(job: PreparedJob | TrainConfig, make_strategy: Callable[..., Strategy]
     stopped = stop_request.stopped_by != 0
     if config.parallel.recompute == "sqrt":  # what backward's reruns of a segment saved
         held["recompute_peak"] = recompute_peak_bytes(model)
+    if config.parallel.offload_activations:  # the kept block inputs waiting in host memory
+        held["host_activations_peak"] = host_activations_peak(model)
     ranks = strategy.gather(rank_entry(
         strategy.rank, strategy.coords, held, strategy.activations_peak,
         strategy.comm.totals_per_step() if strategy.comm else None, strategy.idle_fraction,
