@@ -21,6 +21,8 @@ them), with B for torch's BACKWARD_INPUT and B followed by W for its FULL_BACKWA
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from tetrad.schedules.actions import Action
 
 ComputeOrder = list[list[Action]]
@@ -31,7 +33,14 @@ def zero_bubble_v(pp: int, microbatches: int, vpp: int = 2) -> ComputeOrder:
     """ZB-V: warm-up forwards down chunk 0 and up chunk 1, a steady state of F B W on each
     chunk in turn, and a cool-down of B's whose W's fill the tail. Built for max(2pp-1, m)
     microbatches (enough to fill the V) with the extra ones then dropped, as torch does."""
-    total = max(2 * pp - 1, microbatches)
+    filled = _filled_v(pp, max(2 * pp - 1, microbatches))
+    return [[a for a in actions if a.microbatch < microbatches] for actions in filled]
+
+
+@lru_cache(maxsize=64)
+def _filled_v(pp: int, total: int) -> tuple[tuple[Action, ...], ...]:
+    """ZB-V's lists for `total` microbatches; every m up to 2pp-1 keeps a part of the same
+    lists, so the planner's many microbatch counts share one build."""
     order = []
     for rank in range(pp):
         down, up = rank, 2 * pp - 1 - rank
@@ -73,8 +82,8 @@ def zero_bubble_v(pp: int, microbatches: int, vpp: int = 2) -> ComputeOrder:
             while weights[chunk] < counts[f"B{chunk}"]:
                 actions.append(Action("W", stage, weights[chunk]))
                 weights[chunk] += 1
-        order.append([a for a in actions if a.microbatch < microbatches])
-    return order
+        order.append(tuple(actions))
+    return tuple(order)
 
 
 def dualpipe_v(pp: int, microbatches: int, vpp: int = 2) -> tuple[ComputeOrder, Pairs]:
