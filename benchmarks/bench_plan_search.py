@@ -3,14 +3,17 @@
     python benchmarks/bench_plan_search.py --model llama3-405b --gpu h100 --num-gpus 16384
 
 The command line is `tetrad plan train`'s; the search it would run (plan_training) is timed
-`--repeat` times with time.perf_counter and the best time printed, each run from cold caches
-so that the figure is that of a single `tetrad plan` invocation.
+`--repeat` times with time.perf_counter and the best and median times printed, each run from
+cold caches so that the figure is that of a single `tetrad plan` invocation; the process's CPU
+time beside (time.process_time: what a loaded machine's other jobs take from the wall clock
+shows there less).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -36,13 +39,15 @@ def main() -> None:
     known, plan_args = parser.parse_known_args()
     search = planner.plan_training
     times: list[float] = []
+    cpu_times: list[float] = []
 
     def timed(*args, **kwargs):
         for _ in range(known.repeat):
             _clear_caches()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             result = search(*args, **kwargs)
             times.append(time.perf_counter() - start)
+            cpu_times.append(time.process_time() - cpu_start)
         return result
 
     planner.plan_training = timed
@@ -55,8 +60,9 @@ def main() -> None:
         finally:
             sys.stdout = stdout
     load = ", ".join(f"{value:.2f}" for value in os.getloadavg())
-    print(f"{' '.join(plan_args)}: best {min(times):.3f} s of {len(times)} "
-          f"(all: {', '.join(f'{t:.3f}' for t in times)}); load average {load}")
+    print(f"{' '.join(plan_args)}: best {min(times):.3f} s of {len(times)}, median "
+          f"{statistics.median(times):.3f} s (all: {', '.join(f'{t:.3f}' for t in times)}); "
+          f"CPU median {statistics.median(cpu_times):.3f} s; load average {load}")
 
 
 if __name__ == "__main__":
