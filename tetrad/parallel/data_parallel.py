@@ -71,10 +71,13 @@ class LaunchInOrder:
 
 
 @torch.no_grad()
-def broadcast_parameters(model: nn.Module, comm: Comm, group: Group) -> None:
-    """Start every replica from rank 0's weights (whatever each process's seed did)."""
+def broadcast_parameters(model: nn.Module, comm: Comm, group: Group,
+                         scattered: frozenset[int] = frozenset()) -> None:
+    """Start every replica from rank 0's weights (whatever each process's seed did); the
+    parameters whose ids are in `scattered` reach their ranks as shards instead (ZeRO-3)."""
     for tensor in [*model.parameters(), *model.buffers()]:
-        comm.broadcast(tensor.data, 0, group, "setup")
+        if id(tensor) not in scattered:
+            comm.broadcast(tensor.data, 0, group, "setup")
 
 
 class DataParallel:

@@ -132,7 +132,6 @@ class FullyShardedDataParallel(ShardedEngine):
                  units: list[tuple[list[nn.Module], list[nn.Parameter]]] | None = None,
                  pipelined: Pipelined | None = None):
         super().__init__(group, comm, compute_dtype, offload, betas, eps, pipelined)
-        broadcast_parameters(model, comm, group)
         names = named_decays(model, param_groups)
         self.units: list[Unit] = []
         self.live_bytes = self.peak_live_bytes = 0
@@ -146,6 +145,9 @@ class FullyShardedDataParallel(ShardedEngine):
             staged = [(index, modules, [p for p in params if id(p) in held])
                       for index, stage in pipelined.stages.items()
                       for modules, params in stage_units(stage)]
+        # Each rank needs only its shard of rank 0's sharded parameters: scattered below.
+        broadcast_parameters(model, comm, group, frozenset(
+            id(p) for _, _, params in staged for p in params if p.requires_grad))
         shard32s = []
         with torch.no_grad():
             for stage, modules, params in staged:
@@ -153,6 +155,9 @@ class FullyShardedDataParallel(ShardedEngine):
                                         group)
                 lo, hi = shard.shard_range
                 flat32 = shard.flatten([p.detach() for p in shard.params], torch.float32)
+                own = torch.empty(hi - lo, dtype=torch.float32, device=flat32.device)
+                comm.scatter(own, flat32 if group.index == 0 else None, 0, group, "setup")
+                flat32[lo:hi] = own  # the rest of this rank's copy is freed unread below
                 shard32s.append(flat32[lo:hi].clone())
                 full = flat32.to(compute_dtype, copy=True)
                 index = len(self.units)
