@@ -14,7 +14,9 @@ DIR and kept, and a later run with the same --keep, --steps and --batch-size reu
 engine (`LLM`, one process, bf16, the setting named); agreement is the share of the 64 positions
 where the setting's continuation has the bf16 engine's token. Mean |Δlogit| is over every
 position of prompt plus the bf16 continuation and the whole vocabulary, the quantized model
-(tetrad.models.quant_model) against the bf16 one, both reading the same tokens.
+(tetrad.models.quant_model) against the bf16 one, both reading the same tokens. "quantize s" is
+the wall time of that quantize_model call: the load's calibration (self-generated tokens, their
+Hessians, GPTQ) and the packing, in this process's threads.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -125,15 +128,18 @@ def main() -> None:
         folder = Path(args.model) if args.model else trained_hf_folder(work, args.steps,
                                                                         args.batch_size)
         reference, prompts, expected = bf16_reference(folder, args)
-        print(f"{'setting':<14} {'mean |dlogit|':>14} {'greedy agreement':>17}")
+        print(f"{'setting':<14} {'mean |dlogit|':>14} {'greedy agreement':>17} "
+              f"{'quantize s':>11}")
         for name, settings in SETTINGS.items():
             tokens = engine_continuations(folder, prompts, **settings)
             agreed = agreement(tokens, expected)
-            error = "-"  # the engine's KV cache: no full forward to compare
+            error = seconds = "-"  # the engine's KV cache: no full forward to compare
             if method := settings.get("quantization"):
+                start = time.perf_counter()
                 quantized = quantize_model(copy.deepcopy(reference), method)
+                seconds = f"{time.perf_counter() - start:.1f}"
                 error = f"{mean_logit_difference(reference, quantized, prompts, expected):.4f}"
-            print(f"{name:<14} {error:>14} {agreed:>16.1%}")
+            print(f"{name:<14} {error:>14} {agreed:>16.1%} {seconds:>11}")
 
 
 if __name__ == "__main__":

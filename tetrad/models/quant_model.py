@@ -3,12 +3,13 @@ tetrad.models.quant's layers, on whatever share of the model this rank holds.
 
 Quantized: every projection of a block (attention, MLPs, routed and shared experts), as the
 planner counts them (tetrad/planner/quantized.py); the router's gate, embeddings, norms and the
-LM head stay in 16 bits. A tensor-parallel rank quantizes its own shard after the split: a
-column-parallel shard's rows keep their own scales; a row-parallel shard, which holds whole rows
-but only some of their columns, takes int8's row scales from the whole model (row_scales, before
-the split), and its int4 column groups are whole groups of the full matrix (the planner's rule:
-widths a multiple of the group). So every rank holds exactly the values one process would, cut
-the same way."""
+LM head stay in 16 bits. The values come from GPTQ on the whole model
+(tetrad.models.quant_calibrate: calibration activations the model samples itself), computed
+before any tensor-parallel split (`whole_model_weights`) and cut after it: a column-parallel
+shard takes its rows (with their scales or groups), a row-parallel shard its columns (int8's
+whole rows' scales; int4's whole groups of the full matrix, the planner's rule: widths a multiple
+of the group). So every rank holds exactly the values one process would, cut the same way; GPTQ
+carries rounding errors across a row's columns, which no shard could do on its own columns."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ import torch
 from torch import nn
 
 from tetrad.models.fp8_weights import FP8WeightLinear
-from tetrad.models.quant import INT4_GROUP, SCALE_DTYPES, Int4Linear, Int8Linear, int8_scales
-
+from tetrad.models.quant import SCALE_DTYPES
+from tetrad.models.quant_calibrate import QuantizedWeight, calibrated_weights
 
 
 def _is_projection(name: str, module: nn.Module) -> bool:
@@ -33,22 +34,21 @@ def _is_projection(name: str, module: nn.Module) -> bool:
             and weight.dim() == 2)
 
 
-def row_scales(model: nn.Module, method: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """int8's scales of every projection of the whole model, by name, taken before a
-    tensor-parallel split: a row-parallel shard holds every row but only some of its columns,
-    and takes its rows' scales from here, so it holds the values one process would. (int4's
-    groups are whole inside a shard: nothing to take.)"""
-    if method != "int8":
+def _projections(model: nn.Module) -> dict[str, nn.Module]:
+    return {name: module for name, module in model.named_modules() if _is_projection(name, module)}
+
+
+def whole_model_weights(model: nn.Module, method: str, dtype: torch.dtype
+                        ) -> dict[str, QuantizedWeight]:
+    """Every projection of the whole `model` quantized by `method`, by name, for the shards a
+    split of it will hold. Its parameters are turned to `dtype` first, in place (as the runner
+    turns a rank's share after the split), so the calibration sees the activations one process
+    serving in `dtype` sees."""
+    if method == "none":
         return {}
-    return {name: int8_scales(module.weight.to(dtype), dtype)
-            for name, module in model.named_modules() if _is_projection(name, module)}
-
-
-def _quantized(weight: torch.Tensor, bias: torch.Tensor | None, method: str,
-               dtype: torch.dtype, packed: bool, scales: torch.Tensor | None) -> nn.Module:
-    if method == "int8":
-        return Int8Linear.quantize(weight, bias, dtype, packed, scales)
-    return Int4Linear.quantize(weight, bias, INT4_GROUP, dtype, packed)
+    for param in model.parameters():  # buffers (rotary frequencies) stay fp32
+        param.data = param.data.to(dtype)
+    return calibrated_weights(model.eval(), _projections(model), method, dtype)
 
 
 def _shard_product(layer: nn.Module):
@@ -64,36 +64,36 @@ def _shard_product(layer: nn.Module):
 
 
 def quantize_model(model: nn.Module, method: str,
-                   whole_rows: dict[str, torch.Tensor] | None = None) -> nn.Module:
+                   whole: dict[str, QuantizedWeight] | None = None) -> nn.Module:
     """Swap `model`'s projections, in place, for int8 or int4 ones on the device and in the
-    16-bit dtype they hold now. `whole_rows`: row_scales of the model before its split, for the
-    shards that hold whole rows. MLA's kv_up keeps the reference layout: its absorbed attention
-    reads the dequantized weight every step, which that layout gives with one multiply."""
-    whole_rows = whole_rows or {}
+    16-bit dtype they hold now. `whole`: whole_model_weights of the model before its split, which
+    a split model needs; without it `model` is a whole one and is calibrated here. MLA's kv_up
+    keeps the reference layout: its absorbed attention reads the dequantized weight every step,
+    which that layout gives with one multiply."""
     if method == "none":
         return model
-    for name, module in list(model.named_modules()):
-        if not _is_projection(name, module):
-            continue
-        weight = module.weight.detach()  # an FP8 checkpoint's dequantized
-        dtype = weight.dtype
+    projections = _projections(model)
+    dtypes = {name: module.weight.dtype for name, module in projections.items()}
+    for name, dtype in dtypes.items():
         if dtype not in SCALE_DTYPES:
             raise ValueError(f"--quantization {method} serves 16-bit activations: {name} is "
                              f"{dtype}")
+    if whole is None and projections:
+        whole = calibrated_weights(model, projections, method, next(iter(dtypes.values())))
+    for name, module in projections.items():
+        held = whole[name]
+        if hasattr(module, "indices"):  # a tensor-parallel shard: its rows or columns
+            held = held.select(module.dim, module.indices[module.tp.index])
         packed = not name.endswith("attn.kv_up")
-        scales = whole_rows.get(name)
-        if scales is not None and len(scales) != weight.shape[0]:
-            scales = None  # a column-parallel shard: its own rows' scales are the same
         # A shard that takes no collective (MLA's heads enter before it) is a plain linear, and
         # replaced like one, so that absorbed attention reads its `weight`.
-        whole = type(module) in (nn.Linear, FP8WeightLinear)
-        if whole or getattr(module, "enters", True) is False:
-            bias = getattr(module, "bias", None)
+        whole_layer = type(module) in (nn.Linear, FP8WeightLinear)
+        if whole_layer or getattr(module, "enters", True) is False:
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child,
-                    _quantized(weight, bias, method, dtype, packed, scales))
+                    held.layer(getattr(module, "bias", None), packed))
         else:  # a tensor-parallel shard: its weight goes, its bias and collectives stay
-            layer = _quantized(weight, None, method, dtype, packed, scales)
+            layer = held.layer(None, packed)
             del module.weight
             module.quantized = layer
             module.weight = None
