@@ -101,7 +101,7 @@ def _fixes(advice: str) -> dict[str, float]:
 def _changes(layout: TrainLayout) -> dict[str, dict]:
     """Every single change the advice may suggest (the most memory-saving setting of each knob
     it names), each applied to `layout`, and all of them together."""
-    order = ("none", "selective", "full")
+    order = ("none", "selective", "full", "sqrt")
     single = {f"--zero {z}": dict(zero=z) for z in range(layout.zero + 1, 4)}
     single.update({f"--recompute {r}": dict(recompute=r) for r in order
                    if order.index(r) > order.index(layout.recompute)})
@@ -111,7 +111,9 @@ def _changes(layout: TrainLayout) -> dict[str, dict]:
         single["--micro-batch 1"] = dict(micro_batch=1,
                                          microbatches=layout.microbatches * layout.micro_batch)
     if layout.zero >= 1 and not layout.offload:
-        single["--offload"] = dict(offload=True)
+        single["--offload optimizer"] = dict(offload_mode="optimizer")
+    if layout.zero == 3 and layout.offload_mode not in ("params", "nvme"):
+        single["--offload params"] = dict(offload_mode="params")
     together: dict = {}
     knobs: dict[str, str] = {}  # each knob once, at its last (most saving) setting
     for flag, change in single.items():
@@ -126,6 +128,8 @@ def _changes(layout: TrainLayout) -> dict[str, dict]:
                                   sequence_parallel=False)),
     ("llama3-8b", 2, TrainLayout(tp=2, micro_batch=8, microbatches=2, sequence_parallel=True,
                                  recompute="selective")),
+    ("llama3-70b", 8, TrainLayout(tp=8, zero=3, micro_batch=4, microbatches=2,
+                                  recompute="sqrt")),
 ])
 def test_fit_advice_lists_exactly_the_changes_that_fit(name, n, layout):
     config, world = preset(name), cluster("h100-sxm", n)

@@ -7,6 +7,7 @@ import dataclasses
 import math
 
 from tetrad.spec.model import ModelConfig
+from tetrad.spec.layout import RECOMPUTE_MODES
 from tetrad.errors import ConfigError
 from tetrad.hardware.catalog import GiB, Cluster
 from tetrad.planner.flops import six_n_d
@@ -264,17 +265,20 @@ def training_fit_advice(config: ModelConfig, cluster: Cluster, workload: TrainWo
     changes = []
     for zero in range(layout.zero + 1, 4):
         changes.append((f"--zero {zero}", dict(zero=zero)))
-    for recompute in ("selective", "full"):
-        if ("none", "selective", "full").index(recompute) > ("none", "selective", "full").index(
-                layout.recompute):
-            changes.append((f"--recompute {recompute}", dict(recompute=recompute)))
-    if layout.tp > 1 and not layout.sequence_parallel:
+    # RECOMPUTE_MODES runs from the most held to the least (√N segments keep fewer inputs).
+    for recompute in RECOMPUTE_MODES[RECOMPUTE_MODES.index(layout.recompute) + 1:]:
+        changes.append((f"--recompute {recompute}", dict(recompute=recompute)))
+    # Sequence parallelism splits the checkpointed inputs as --partition-activations does (which
+    # refuses it), and more.
+    if layout.tp > 1 and not layout.sequence_parallel and not layout.partition_activations:
         changes.append(("--sequence-parallel", dict(sequence_parallel=True)))
     if layout.micro_batch > 1:
         changes.append(("--micro-batch 1", dict(
             micro_batch=1, microbatches=layout.microbatches * layout.micro_batch)))
     if layout.zero >= 1 and not layout.offload:
-        changes.append(("--offload", dict(offload=True)))
+        changes.append(("--offload optimizer", dict(offload_mode="optimizer")))
+    if layout.zero == 3 and not layout.offload_params:
+        changes.append(("--offload params", dict(offload_mode="params")))
     # All of them at once, each knob at its most memory-saving setting.
     every: dict = {}
     flags: dict[str, str] = {}
