@@ -1,8 +1,9 @@
 """--recompute sqrt through the trainer on several ranks: pp2 x dp2 (1F1B, each stage cut into its
 own segments) and tp2 x dp2 (sequence parallel, ZeRO-3) in one spawned job, against one process
-without recomputation (losses to 1e-5; final parameters as every tp / pp layout's,
-tests/test_offload_train.py), and every rank's counted bytes (what the forward keeps, what a
-segment's rerun saves, ZeRO-3's gathered units) and collective bytes equal the planner's."""
+without recomputation (losses to 1e-5 relative, final parameters to 1e-5 absolute: 2 steps
+leave AdamW's rounding on near-zero gradients below that), and every rank's counted bytes (what
+the forward keeps, what a segment's rerun saves, ZeRO-3's gathered units) and collective bytes
+equal the planner's."""
 
 import pytest
 import torch
@@ -14,9 +15,8 @@ from tetrad.train import checkpoint as ckpt
 from tetrad.train.launch import train_worker
 from tetrad.train.trainer import train
 
-RUN_LR = 3e-3
 LAYERS = 5  # segments of 3 and 2 blocks in one process; 2 + 1 and 1 + 1 on the pp stages
-RUN = dict(model="tiny", model_overrides={"num_layers": LAYERS}, lr=RUN_LR, steps=2,
+RUN = dict(model="tiny", model_overrides={"num_layers": LAYERS}, lr=3e-3, steps=2,
            batch_size=4, seq_len=32, warmup_steps=1, sample_tokens=0)
 LAYOUTS = [dict(pp=2, dp=2, schedule="1f1b", microbatches=2, stage_layers=(3, 2)),
            dict(tp=2, dp=2, sequence_parallel=True, zero=3)]
@@ -69,6 +69,6 @@ def test_sqrt_under_pp_and_tp_dp_equals_one_process_and_the_planner(corpus_file,
         finals = final_parameters(tmp_path / f"layout{index}")
         assert set(finals) == set(reference)
         for name, value in reference.items():
-            torch.testing.assert_close(finals[name], value, rtol=1e-4, atol=RUN_LR / 30,
+            torch.testing.assert_close(finals[name], value, rtol=0, atol=1e-5,
                                        msg=lambda m: f"{LAYOUTS[index]} {name}: {m}")
         assert_counted_is_predicted(report)
