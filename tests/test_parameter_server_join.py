@@ -125,11 +125,31 @@ def test_tetrad_train_launches_spares_that_go_home_unneeded(tmp_path, corpus_fil
     assert summary["joined"] == {} and summary["clocks"] == {"0": 3, "1": 3}
 
 
+def test_tetrad_train_joins_a_spare_to_a_sync_run_from_the_step_it_names(tmp_path, corpus_file):
+    """--ps-join-step through the CLI: the spare works from step 2 as a third share of each
+    global batch, and the run trains as one process does on the same batches (the data rule and
+    the exactness of sync joins: tests/test_parameter_server_sync_join.py)."""
+    common = ["train", "--model", "tiny", "--steps", "3", "--batch-size", "6", "--seq-len", "32",
+              "--sample-tokens", "0", "--data", corpus_file]
+    joined, single = tmp_path / "joined.json", tmp_path / "single.json"
+    assert main([*common, "--report", str(joined), "--strategy", "ps", "--nproc", "4",
+                 "--servers", "1", "--ps-spares", "1", "--ps-join-step", "2"]) == 0
+    assert main([*common, "--report", str(single)]) == 0
+    result, reference = json.loads(joined.read_text()), json.loads(single.read_text())
+    summary = result["parameter_server"]
+    assert summary["joined"] == {"2": 2} and summary["updates_applied"] == 3
+    assert [e["role"] for e in result["ranks"]] == ["worker", "worker", "worker", "server"]
+    for step, expected in zip(result["steps"], reference["steps"], strict=True):
+        assert step["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["--ps-mode", "async", "--nproc", "4", "--dp", "2", "--servers", "1", "--ps-spares", "2"],
      "dp 2 workers + 1 servers + 2 spares = 5"),
-    (["--nproc", "4", "--servers", "1", "--ps-spares", "1"],
-     "--ps-spares joins a worker to a --ps-mode async or ssp run"),
+    (["--nproc", "4", "--servers", "1", "--ps-join-step", "2"],
+     "--ps-join-step joins the --ps-spares of a --ps-mode sync run as new workers"),
+    (["--ps-mode", "async", "--nproc", "4", "--servers", "1", "--ps-spares", "1",
+      "--ps-join-step", "2"], "(got --ps-mode async, --ps-spares 1)"),
 ])
 def test_impossible_joins_cost_one_line(capsys, corpus_file, argv, fragment):
     code = main(["train", "--model", "tiny", "--steps", "1", "--data", corpus_file,

@@ -155,8 +155,11 @@ def add_parser(subparsers) -> None:
                     help="1: each server's key range replicated on the next server, which takes "
                          "over when it dies (sync, --servers 2 or more; default 0)")
     ps.add_argument("--ps-spares", type=int, metavar="N",
-                    help="async, ssp: N more worker processes that wait and take a dead worker's "
-                         "place in the running job (default 0)")
+                    help="N more worker processes that wait and take a dead worker's place in the "
+                         "running job (sync: redoing the step it left unfinished; default 0)")
+    ps.add_argument("--ps-join-step", type=int, metavar="K",
+                    help="sync: the spares still waiting join as new workers from step K, each "
+                         "step's batch then cut into one more share per worker")
     parser.set_defaults(run=run)
 
 

@@ -119,7 +119,8 @@ class ParallelConfig:
     ps_mode: str = "sync"  # sync | async | ssp
     staleness: int | None = None  # ssp's bound K; None: PSOptions' default
     ps_replicas: int = 0  # ps: 1 keeps each server's key range on the next server (a standby)
-    ps_spares: int = 0  # ps: idle worker ranks that take a dead worker's place (async, ssp)
+    ps_spares: int = 0  # ps: idle worker ranks that take a dead worker's place
+    ps_join_step: int | None = None  # ps sync: the step from which waiting spares join as workers
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "cp", "tp", "ep", "vpp"):
@@ -215,7 +216,8 @@ class ParallelConfig:
                                          ("--ps-mode", self.ps_mode, "sync"),
                                          ("--staleness", self.staleness, None),
                                          ("--ps-replicas", self.ps_replicas, 0),
-                                         ("--ps-spares", self.ps_spares, 0)):
+                                         ("--ps-spares", self.ps_spares, 0),
+                                         ("--ps-join-step", self.ps_join_step, None)):
                 if value != default:
                     raise ConfigError(f"{flag} configures the parameter server: add --strategy ps "
                                       f"or drop {flag}")
@@ -244,10 +246,12 @@ class ParallelConfig:
                               f"and replays sync steps: it needs --servers 2 or more and --ps-mode "
                               f"sync (got --servers {self.servers}, --ps-mode {self.ps_mode})")
         check_positive("ps_spares", self.ps_spares, allow_zero=True)
-        if self.ps_spares and self.ps_mode == "sync":
-            raise ConfigError("--ps-spares joins a worker to a --ps-mode async or ssp run; a sync "
-                              "run cannot take a replacement worker yet: use --ps-mode async or "
-                              "ssp, or restart the sync run from its checkpoint with --resume")
+        if self.ps_join_step is not None:
+            if self.ps_mode != "sync" or not self.ps_spares:
+                raise ConfigError(f"--ps-join-step joins the --ps-spares of a --ps-mode sync run "
+                                  f"as new workers: add --ps-spares N (got --ps-mode "
+                                  f"{self.ps_mode}, --ps-spares {self.ps_spares})")
+            check_positive("ps_join_step", self.ps_join_step)
 
     @property
     def world_size(self) -> int:

@@ -130,11 +130,13 @@ def launch_training(config: TrainConfig):
     device = local_device(0, config.nproc, config.device)
     job = prepare_for_ranks(config, config.nproc, device)
     parallel = job.config.parallel
-    # Asynchronous parameter servers drop a dead worker (or spare) and go on; rank 0 writes the
-    # report. Replicated servers (--ps-replicas 1) but the scheduler may die: standbys take over.
+    # Asynchronous parameter servers drop a dead worker (or spare) and go on, and a sync run with
+    # spares gives a dead worker's slot to one; rank 0 writes the report. Replicated servers
+    # (--ps-replicas 1) but the scheduler may die: standbys take over.
     scheduler = parallel.dp + parallel.ps_spares
+    workers_may_die = parallel.ps_mode != "sync" or parallel.ps_spares > 0
     expendable = (frozenset(range(1, scheduler))
-                  if parallel.strategy == "ps" and parallel.ps_mode != "sync" else frozenset())
+                  if parallel.strategy == "ps" and workers_may_die else frozenset())
     if parallel.strategy == "ps" and parallel.ps_replicas:
         expendable |= frozenset(range(scheduler + 1, scheduler + parallel.servers))
     return spawn(train_worker, config.nproc, (job,), expendable=expendable,

@@ -42,7 +42,7 @@ def ps_options(config: TrainConfig):
     parallel = config.parallel
     return PSOptions(num_servers=parallel.servers, mode=parallel.ps_mode,
                      staleness=parallel.staleness, replicas=parallel.ps_replicas,
-                     spares=parallel.ps_spares)
+                     spares=parallel.ps_spares, join_step=parallel.ps_join_step)
 
 
 def ps_rank(rank: int, world_size: int, job: PreparedJob, device: torch.device):
