@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from timing import cuda_median_seconds
 
 from tetrad.hardware.catalog import gpu_from_device_name
 
@@ -33,18 +34,8 @@ LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
 
 
-def seconds(call, repeats: int = 5) -> float:
-    for _ in range(2):
-        call()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+def seconds(call) -> float:
+    return cuda_median_seconds(call, warmup=2, repeats=5)
 
 
 def case(backend: str, causal: bool, length: int, peak: float) -> dict:

@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 from pathlib import Path
 
 import torch
+
+from timing import cuda_median_seconds
 
 from tetrad.models.fp8 import (blockwise_loop_matmul, block_scales_per_row,
                                native_block_scaling, quantize_blocks, quantize_tiles,
@@ -44,18 +45,8 @@ SHAPES = (("o_proj", 16384, 2048, 2048), ("ffn_up", 16384, 2048, 5632),
           ("dW_ffn_up", 5632, 16384, 2048))
 
 
-def median_ms(fn, repeats: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def median_ms(fn) -> float:
+    return cuda_median_seconds(fn, warmup=3, repeats=20) * 1e3
 
 
 def main() -> None:

@@ -1,10 +1,12 @@
-"""What the multi-rank benchmarks share: a step timed between barriers, so every rank's clock
-covers the slowest rank's work."""
+"""What the benchmarks share: a step timed between barriers, so every rank's clock covers the
+slowest rank's work; and a GPU call's median time by CUDA events."""
 
 from __future__ import annotations
 
+import statistics
 import time
 
+import torch
 import torch.distributed as dist
 
 
@@ -15,3 +17,19 @@ def timed(fn) -> tuple[float, object]:
     value = fn()
     dist.barrier()
     return time.perf_counter() - started, value
+
+
+def cuda_median_seconds(call, warmup: int, repeats: int) -> float:
+    """The median of `repeats` timings of call() on the GPU, by CUDA events, after `warmup`
+    untimed calls."""
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
