@@ -6,8 +6,8 @@ See docs/pipeline.md."""
 from tetrad.schedules.actions import Action, Schedule, ScheduleError
 from tetrad.schedules.generate import SCHEDULES, build_schedule
 from tetrad.schedules.render import render
-from tetrad.schedules.simulate import Durations, Timeline, peak_in_flight, simulate
+from tetrad.schedules.simulate import ActionCosts, Durations, Timeline, peak_in_flight, simulate
 from tetrad.schedules.validate import validate
 
 __all__ = ["Action", "Schedule", "ScheduleError", "SCHEDULES", "build_schedule", "render",
-           "Durations", "Timeline", "peak_in_flight", "simulate", "validate"]
+           "ActionCosts", "Durations", "Timeline", "peak_in_flight", "simulate", "validate"]

@@ -74,6 +74,26 @@ class Durations:
 
 
 @dataclass(frozen=True)
+class ActionCosts:
+    """Seconds of each action where stages differ (a last stage with the head and the loss, an
+    uneven cut) and communication costs: `seconds[(kind, stage)]` for F, B, W (one stage's chunk,
+    not a rank's pass) and "BW", the whole backward that a split schedule's B runs when its W
+    comes next (`whole_backwards`); SEND_F, SEND_B, RECV_F, RECV_B occupy their rank (posting
+    them), 0 when absent; a message arrives `transfer` after its send. Asynchronous mode only:
+    measured from the executor (benchmarks/bench_pipeline.py) or modelled by a planner."""
+
+    seconds: dict[tuple[str, int], float]
+    transfer: float = 0.0
+
+    def of(self, kind: str, stage: int) -> Fraction:
+        if kind.startswith(("SEND", "RECV")):
+            return Fraction(self.seconds.get((kind, stage), 0.0))
+        if (kind, stage) not in self.seconds:
+            raise ConfigError(f"no cost for {kind} of stage {stage}: give every compute's seconds")
+        return Fraction(self.seconds[kind, stage])
+
+
+@dataclass(frozen=True)
 class Span:
     action: Action
     start: Fraction
@@ -135,11 +155,15 @@ def whole_backwards(actions: Sequence[Action]) -> set[Action]:
 
 
 def simulate(schedule: Schedule, durations: Durations = Durations(),
-             blocking: bool = False, as_executed: bool = False) -> Timeline:
+             blocking: bool = False, as_executed: bool = False,
+             costs: ActionCosts | None = None) -> Timeline:
     """Time every compute; raise ScheduleError naming each rank's stuck action on deadlock.
     `as_executed`: as the executor runs a split schedule, each B of `whole_backwards` taking
-    the whole backward (its input gradient leaves only then) and its W no time."""
-    if not blocking and not schedule.has_communication:
+    the whole backward (its input gradient leaves only then) and its W no time. `costs`, when
+    given, replaces `durations` (asynchronous mode)."""
+    if costs is not None and blocking:
+        raise ConfigError("action costs time the asynchronous mode: drop blocking=True")
+    if not blocking and not schedule.has_communication and costs is None:
         scale, spans = _scaled_compute_spans(schedule, durations, as_executed)
         if spans is not None:
             return Timeline(schedule, tuple(
@@ -147,7 +171,7 @@ def simulate(schedule: Schedule, durations: Durations = Durations(),
                       for action, start, end in rank_spans) for rank_spans in spans),
                 Fraction(max((rank_spans[-1][2] for rank_spans in spans if rank_spans),
                              default=0), scale), peak_in_flight(schedule))
-    run = _Run(schedule, durations, blocking, as_executed)
+    run = _Run(schedule, durations, blocking, as_executed, costs)
     run.go()
     return Timeline(schedule, tuple(tuple(spans) for spans in run.spans),
                     max(run.clock, default=Fraction(0)), peak_in_flight(schedule))
@@ -217,8 +241,10 @@ def _scaled_compute_spans(schedule: Schedule, durations: Durations, as_executed:
 
 class _Run:
     def __init__(self, schedule: Schedule, durations: Durations, blocking: bool,
-                 as_executed: bool) -> None:
+                 as_executed: bool, costs: ActionCosts | None = None) -> None:
         self.schedule, self.durations, self.blocking = schedule, durations, blocking
+        self.costs = costs
+        self.transfer = Fraction(costs.transfer) if costs else Fraction(0)
         self.whole = (set().union(*map(whole_backwards, schedule.actions))
                       if as_executed and schedule.split_backward else set())
         self.with_comm = schedule.has_communication
@@ -255,8 +281,10 @@ class _Run:
             self.spans[rank].append(Span(action, start, end))
             self.finished[action] = self.clock[rank] = end
         elif not self.blocking:
+            if self.costs is not None:
+                self.clock[rank] += self.costs.of(action.kind, action.stage)
             if action.kind.startswith("SEND"):
-                self.arrived[message(action)] = self.clock[rank]
+                self.arrived[message(action)] = self.clock[rank] + self.transfer
             else:
                 self.posted.add(message(action))
         else:  # rendezvous: both sides leave at the later of their two clocks
@@ -269,13 +297,17 @@ class _Run:
         return True
 
     def duration(self, action: Action) -> Fraction:
+        of = (self.durations.of(action.kind, self.schedule) if self.costs is None
+              else self.costs.of(action.kind, action.stage))
         if not self.whole:
-            return self.durations.of(action.kind, self.schedule)
+            return of
         if action.kind == "W" and Action("B", action.stage, action.microbatch) in self.whole:
             return Fraction(0)
         if action in self.whole:
+            if self.costs is not None:
+                return self.costs.of("BW", action.stage)
             return self.durations.of("B", self.schedule) + self.durations.of("W", self.schedule)
-        return self.durations.of(action.kind, self.schedule)
+        return of
 
     def blocker(self, rank: int, action: Action) -> str | None:
         """Why the action cannot run yet, or None when it can."""
@@ -312,9 +344,11 @@ class _Run:
             times.append(self.finished[before])
         source = upstream(action, self.schedule.num_stages)
         if source is not None:
-            if self.with_comm and self.schedule.rank_of(source.stage) != rank:
+            if self.schedule.rank_of(source.stage) == rank:
+                times.append(self.finished[source])
+            elif self.with_comm:
                 times.append(self.arrived[message(Action("RECV_" + action.kind, action.stage,
                                                          action.microbatch))])
             else:
-                times.append(self.finished[source])
+                times.append(self.finished[source] + self.transfer)
         return times

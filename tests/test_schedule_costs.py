@@ -1,0 +1,78 @@
+"""The simulator's per-action costs: stage-by-stage seconds and the time a message takes."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from fractions import Fraction
+
+import pytest
+
+from tetrad.errors import ConfigError
+from tetrad.schedules import ActionCosts, Durations, build_schedule, simulate
+
+LAYOUTS = [("gpipe", 2, 4, 1), ("1f1b", 3, 6, 1), ("interleaved", 2, 4, 2), ("zb", 3, 6, 1),
+           ("zbv", 2, 4, 2), ("dualpipe", 2, 4, 2)]
+
+
+def _uniform(schedule, durations: Durations) -> ActionCosts:
+    """The costs that say what `durations` says, stage by stage."""
+    kinds = ("F", "B", "W") if schedule.split_backward else ("F", "B")
+    seconds = {(kind, stage): float(durations.of(kind, schedule))
+               for kind in kinds for stage in range(schedule.num_stages)}
+    if schedule.split_backward:
+        seconds.update({("BW", stage): float(durations.of("B", schedule)
+                                             + durations.of("W", schedule))
+                        for stage in range(schedule.num_stages)})
+    return ActionCosts(seconds)
+
+
+@pytest.mark.parametrize("name,pp,microbatches,vpp", LAYOUTS)
+@pytest.mark.parametrize("as_executed", [False, True])
+def test_uniform_costs_give_the_durations_timeline(name, pp, microbatches, vpp, as_executed):
+    durations = Durations(forward=1.5, backward=2.5, backward_input=1.0)
+    schedule = build_schedule(name, pp, microbatches, vpp)
+    expected = simulate(schedule, durations, as_executed=as_executed)
+    timed = simulate(schedule, costs=_uniform(schedule, durations), as_executed=as_executed)
+    assert timed.spans == expected.spans and timed.makespan == expected.makespan
+
+
+def test_one_microbatch_walks_every_cost_in_order():
+    # Rank 0: F0, SEND_F, RECV_B, B0; rank 1: RECV_F, F1, B1, SEND_B. Each cost is a distinct
+    # power of two, so the makespan names every term it holds.
+    schedule = build_schedule("gpipe", 2, 1, 1)
+    seconds = {("F", 0): 1, ("F", 1): 2, ("B", 0): 4, ("B", 1): 8, ("SEND_F", 0): 16,
+               ("RECV_F", 1): 32, ("SEND_B", 1): 64, ("RECV_B", 0): 128}
+    timeline = simulate(schedule, costs=ActionCosts(seconds, transfer=256))
+    # F0 + SEND_F + transfer (RECV_F was posted at 32, before the tensor arrived at 273)
+    # + F1 + B1 + SEND_B + transfer + B0; RECV_B's 128 on rank 0 ends before the arrival.
+    assert timeline.makespan == 1 + 16 + 256 + 2 + 8 + 64 + 256 + 4
+    assert [span.end - span.start for span in timeline.spans[1]] == [2, 8]
+
+
+def test_the_slower_last_stage_sets_the_1f1b_steady_state():
+    schedule = build_schedule("1f1b", 2, 8, 1)
+    even = simulate(schedule, costs=ActionCosts({("F", 0): 1, ("F", 1): 1, ("B", 0): 2,
+                                                 ("B", 1): 2}))
+    heavy = simulate(schedule, costs=ActionCosts({("F", 0): 1, ("F", 1): 2, ("B", 0): 2,
+                                                  ("B", 1): 3}))
+    # Rank 1 never waits after its first forward: its F+B of 5 per microbatch sets the pace.
+    assert even.makespan == 1 + 8 * 3 + 2
+    assert heavy.makespan == 1 + 8 * 5 + 2
+    assert heavy.spans[1][0].start == 1
+
+
+def test_a_bare_compute_order_hands_tensors_over_after_the_transfer():
+    built = build_schedule("gpipe", 2, 1, 1)
+    bare = replace(built, actions=tuple(tuple(a for a in rank if a.is_compute)
+                                        for rank in built.actions))
+    costs = {("F", 0): 1, ("F", 1): 1, ("B", 0): 1, ("B", 1): 1}
+    timeline = simulate(bare, costs=ActionCosts(costs, transfer=0.5))
+    assert not bare.has_communication and timeline.makespan == 4 + 2 * Fraction(1, 2)
+
+
+def test_a_compute_without_a_cost_and_blocking_mode_are_refused():
+    schedule = build_schedule("gpipe", 2, 1, 1)
+    with pytest.raises(ConfigError, match="no cost for B of stage 1"):
+        simulate(schedule, costs=ActionCosts({("F", 0): 1, ("F", 1): 1, ("B", 0): 1}))
+    with pytest.raises(ConfigError, match="asynchronous"):
+        simulate(schedule, blocking=True, costs=ActionCosts({}))
