@@ -76,3 +76,14 @@ def test_a_compute_without_a_cost_and_blocking_mode_are_refused():
         simulate(schedule, costs=ActionCosts({("F", 0): 1, ("F", 1): 1, ("B", 0): 1}))
     with pytest.raises(ConfigError, match="asynchronous"):
         simulate(schedule, blocking=True, costs=ActionCosts({}))
+
+
+def test_a_stage_whose_every_backward_runs_whole_needs_no_split_cost():
+    schedule = build_schedule("zbv", 2, 4, 2)
+    durations = Durations(forward=1.0, backward=2.0)
+    costs = _uniform(schedule, durations)
+    whole_only = {key: value for key, value in costs.seconds.items()
+                  if not (key[0] in ("B", "W") and key[1] == 3)}
+    expected = simulate(schedule, durations, as_executed=True)
+    timed = simulate(schedule, costs=ActionCosts(whole_only), as_executed=True)
+    assert timed.spans == expected.spans

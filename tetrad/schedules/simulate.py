@@ -297,17 +297,17 @@ class _Run:
         return True
 
     def duration(self, action: Action) -> Fraction:
-        of = (self.durations.of(action.kind, self.schedule) if self.costs is None
-              else self.costs.of(action.kind, action.stage))
-        if not self.whole:
-            return of
+        kind = action.kind
         if action.kind == "W" and Action("B", action.stage, action.microbatch) in self.whole:
             return Fraction(0)
         if action in self.whole:
-            if self.costs is not None:
-                return self.costs.of("BW", action.stage)
-            return self.durations.of("B", self.schedule) + self.durations.of("W", self.schedule)
-        return of
+            if self.costs is None:
+                return (self.durations.of("B", self.schedule)
+                        + self.durations.of("W", self.schedule))
+            kind = "BW"
+        if self.costs is None:
+            return self.durations.of(kind, self.schedule)
+        return self.costs.of(kind, action.stage)
 
     def blocker(self, rank: int, action: Action) -> str | None:
         """Why the action cannot run yet, or None when it can."""
