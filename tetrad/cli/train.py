@@ -118,6 +118,14 @@ def add_parser(subparsers) -> None:
     distributed.add_argument("--offload-activations", action="store_true", default=None,
                              help="ZeRO-R: keep each recomputed block's input in host memory "
                                   "until its rerun (--recompute full or sqrt)")
+    distributed.add_argument("--zero-bucket-size", type=int, metavar="ELEMENTS",
+                             help="ZeRO-R: ZeRO-3 gathers parameters and reduce-scatters "
+                                  "gradients at most ELEMENTS at a time through two buffers "
+                                  "allocated once (--zero 3; default 0: each unit in one call)")
+    distributed.add_argument("--contiguous-buffers", action="store_true", default=None,
+                             help="ZeRO-R: keep the inputs full or sqrt checkpoints keep in "
+                                  "slots of one device buffer (--pp 1), and ZeRO's gradient "
+                                  "buffers in one block")
     distributed.add_argument("--zero", type=int, choices=(0, 1, 2, 3),
                              help="0: DDP; 1: shard optimizer state; 2: and gradients; "
                                   "3: and parameters (FSDP)")

@@ -108,6 +108,12 @@ class ParallelConfig:
     # rank's 1/tp flat slice (gathered before the rerun) and/or in host memory.
     partition_activations: bool = False
     offload_activations: bool = False
+    # ZeRO-R's constant-size buffers: ZeRO-3 gathers parameters and reduce-scatters gradients
+    # through two reused flat buffers of at most this many elements (0: each unit whole).
+    zero_bucket_size: int = 0
+    # ZeRO-R's defragmentation: full/sqrt checkpoints' kept inputs and ZeRO's gradient shards in
+    # buffers allocated once, each a slice of one contiguous block.
+    contiguous_buffers: bool = False
     collectives: str = "backend"  # backend | ring (tetrad's own ring all-reduce on send/recv)
     # TP/SP and EP collectives hidden behind compute (chunked, async). None: the launcher decides
     # (on with NCCL; off on gloo, where the same CPU cores move the bytes and do the matmuls,
@@ -145,6 +151,7 @@ class ParallelConfig:
                               "interleaved with --vpp 2 or more, or --vpp 1 with other schedules")
         check_choice("recompute", self.recompute, RECOMPUTE_MODES)
         self._check_kept_inputs()
+        self._check_buffers()
         check_choice("collectives", self.collectives, ("backend", "ring"))
         self._check_expert_fold()
         object.__setattr__(self, "stage_layers", tuple(self.stage_layers))  # TOML gives a list
@@ -183,6 +190,28 @@ class ParallelConfig:
         if self.partition_activations and self.sequence_parallel:
             raise ConfigError("--partition-activations splits block inputs that sequence "
                               "parallelism already splits over tp: drop one of them")
+
+    def _check_buffers(self) -> None:
+        """--zero-bucket-size and --contiguous-buffers (ZeRO-R's CB and MD) act on ZeRO-3's
+        collectives, ZeRO's gradient shards and the inputs full/sqrt checkpoints keep."""
+        check_positive("zero_bucket_size", self.zero_bucket_size, allow_zero=True)
+        if self.zero_bucket_size and self.zero != 3:
+            raise ConfigError("--zero-bucket-size bounds ZeRO-3's parameter gathers and gradient "
+                              "reduce-scatters: add --zero 3 (ZeRO-1/2 reduce in 25 MiB buckets)")
+        if not self.contiguous_buffers:
+            return
+        checkpoints = self.recompute in FORWARD_AGAIN
+        if not (checkpoints or self.zero):
+            raise ConfigError("--contiguous-buffers holds ZeRO's gradient shards and the inputs "
+                              "full or sqrt recomputation keeps: add --zero 1, 2 or 3, or "
+                              "--recompute full or sqrt")
+        if checkpoints and self.offload_activations:
+            raise ConfigError("--contiguous-buffers keeps the checkpoints' inputs on the device, "
+                              "--offload-activations in host memory: drop one of them")
+        if checkpoints and self.pp > 1:
+            raise ConfigError("--contiguous-buffers sizes its checkpoint buffer for one "
+                              "microbatch in flight: use it with --pp 1, or --recompute "
+                              "none or selective under a pipeline")
 
     @property
     def offload_params(self) -> bool:

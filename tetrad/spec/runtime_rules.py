@@ -68,6 +68,25 @@ def rooted_share(kind: str, size: int, is_root: bool) -> Fraction:
     return ring_share(kind, size)
 
 
+def bucket_chunks(shard_numel: int, group: int, bucket_elements: int) -> list[tuple[int, int]]:
+    """(start, end) in a rank's shard of a flat ZeRO-3 unit of each collective that moves it
+    through --zero-bucket-size buffers: every rank's piece of at most bucket_elements // group
+    elements (one at least) per call, so a call moves at most the bucket; without a bucket (0)
+    the whole shard in one call."""
+    if not bucket_elements:
+        return [(0, shard_numel)]
+    step = max(1, bucket_elements // group)
+    return [(start, min(start + step, shard_numel)) for start in range(0, shard_numel, step)]
+
+
+def bucket_buffer_elements(shard_numels: Sequence[int], group: int, bucket_elements: int) -> int:
+    """Elements of each of ZeRO-3's two --zero-bucket-size buffers (gather, reduce-scatter): the
+    largest call bucket_chunks makes of the rank's unit shards `shard_numels`."""
+    return group * max((end - start for numel in shard_numels
+                        for start, end in bucket_chunks(numel, group, bucket_elements)),
+                       default=0)
+
+
 def fill_buckets(items: Sequence[Item], nbytes: Callable[[Item], int], bucket_bytes: int,
                  first_bucket_bytes: int | None = None) -> list[list[Item]]:
     """Greedy buckets of about `bucket_bytes`, in reverse registration order (about the order
