@@ -33,6 +33,9 @@ stage's whole weight gradient exists at the end of W). The first stage's B compu
 input is token ids), so it gathers twice per microbatch. A tied embedding is a unit of its own on
 both of its ranks, its gradient shards summed over the two after the step's last backward.
 
+`--zero-bucket-size` moves every gather and reduce-scatter through two buffers of constant size
+instead (zero_buckets.py: ZeRO-R's constant-size buffers), a unit a piece at a time.
+
 The optimizer side (fp32 master shards, host offload, loss scaling, clipping, checkpoints) is the
 ShardedEngine of ZeRO-1/2.
 """
@@ -47,9 +50,11 @@ from torch import nn
 from tetrad.parallel.comm import Comm, Handle
 from tetrad.parallel.data_parallel import broadcast_parameters
 from tetrad.parallel.mesh import Group
-from tetrad.parallel.offload import Offload, host_zeros
+from tetrad.parallel.offload import Offload
 from tetrad.parallel.zero import Pipelined, ShardedEngine, named_decays
-from tetrad.parallel.zero_optimizer import FlatShard, nbytes
+from tetrad.parallel.zero_buckets import ZeroBuckets
+from tetrad.parallel.zero_optimizer import FlatShard, flat_buffers, nbytes
+from tetrad.spec.runtime_rules import padded
 
 SHARDED, GATHERING, GATHERED = "sharded", "gathering", "gathered"
 
@@ -130,7 +135,8 @@ class FullyShardedDataParallel(ShardedEngine):
                  betas: tuple[float, float], eps: float,
                  compute_dtype: torch.dtype = torch.float32, offload: Offload | bool = False,
                  units: list[tuple[list[nn.Module], list[nn.Parameter]]] | None = None,
-                 pipelined: Pipelined | None = None):
+                 pipelined: Pipelined | None = None, bucket_elements: int = 0,
+                 contiguous: bool = False):
         super().__init__(group, comm, compute_dtype, offload, betas, eps, pipelined)
         names = named_decays(model, param_groups)
         self.units: list[Unit] = []
@@ -148,6 +154,15 @@ class FullyShardedDataParallel(ShardedEngine):
         # Each rank needs only its shard of rank 0's sharded parameters: scattered below.
         broadcast_parameters(model, comm, group, frozenset(
             id(p) for _, _, params in staged for p in params if p.requires_grad))
+        shard_numels = [padded(sum(p.numel() for p in params if p.requires_grad), group.size)
+                        // group.size for _, _, params in staged]
+        device = next(p.device for _, _, params in staged for p in params)
+        # --contiguous-buffers: every unit's gradient shard a slice of one block.
+        grad_shards = iter(flat_buffers(shard_numels, compute_dtype,
+                                        None if self.offload.params else device, contiguous))
+        # --zero-bucket-size: gathers and reduce-scatters through two buffers of that size.
+        self.bucketed = (ZeroBuckets(comm, group, bucket_elements, shard_numels, compute_dtype,
+                                    device) if bucket_elements else None)
         shard32s = []
         with torch.no_grad():
             for stage, modules, params in staged:
@@ -161,13 +176,9 @@ class FullyShardedDataParallel(ShardedEngine):
                 shard32s.append(flat32[lo:hi].clone())
                 full = flat32.to(compute_dtype, copy=True)
                 index = len(self.units)
-                if self.offload.params:
-                    param_shard = self.offload.keep(f"unit{index}.params", full[lo:hi])
-                    grad_shard = host_zeros(hi - lo, compute_dtype)
-                else:
-                    param_shard = full[lo:hi].clone()
-                    grad_shard = torch.zeros(hi - lo, dtype=compute_dtype, device=full.device)
-                unit = Unit(index, shard, full, param_shard, grad_shard, stage=stage)
+                param_shard = (self.offload.keep(f"unit{index}.params", full[lo:hi])
+                               if self.offload.params else full[lo:hi].clone())
+                unit = Unit(index, shard, full, param_shard, next(grad_shards), stage=stage)
                 for param, view in zip(shard.params, shard.views(full)):
                     param.data = view
                 self._hook_modules(unit, modules)
@@ -188,16 +199,19 @@ class FullyShardedDataParallel(ShardedEngine):
             return
         unit.full.untyped_storage().resize_(nbytes(unit.full))
         source = unit.param_shard
-        if self.offload.params:  # host -> device, kept until the gather is done
-            if self.offload.files is not None:  # the unit after it, in this pass's direction
-                following = self._neighbour(unit, -1 if in_backward() else 1)
-                self.offload.files.read_ahead([following.param_shard] if following else [])
-            unit.staged = source = unit.param_shard.to(unit.full.device, copy=True)
-        # The collective writes into storage autograd saved for backward; that is intended (the
-        # data is the same weights), so keep the version counter from flagging it.
-        with torch.autograd._unsafe_preserve_version_counter(unit.full):
-            unit.handle = self.comm.all_gather(unit.full, source, self.group, "params",
-                                               async_op=True)
+        if self.offload.files is not None:  # the unit after it, in this pass's direction
+            following = self._neighbour(unit, -1 if in_backward() else 1)
+            self.offload.files.read_ahead([following.param_shard] if following else [])
+        if self.bucketed is not None:
+            unit.handle = self.bucketed.gather(unit.shard, unit.full, source, unit)
+        else:
+            if self.offload.params:  # host -> device, kept until the gather is done
+                unit.staged = source = unit.param_shard.to(unit.full.device, copy=True)
+            # The collective writes into storage autograd saved for backward; that is intended
+            # (the data is the same weights), so keep the version counter from flagging it.
+            with torch.autograd._unsafe_preserve_version_counter(unit.full):
+                unit.handle = self.comm.all_gather(unit.full, source, self.group, "params",
+                                                   async_op=True)
         unit.state = GATHERING
         self.live_bytes += nbytes(unit.full)
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
@@ -282,11 +296,16 @@ class FullyShardedDataParallel(ShardedEngine):
             return
         unit.reduced = True
         shard = unit.shard
-        grads = shard.flatten([p.grad if p.grad is not None else torch.zeros_like(p)
-                               for p in shard.params], self.compute_dtype)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in shard.params]
         for param in shard.params:
             param.grad = None
         self._free(unit)
+        if self.bucketed is not None:
+            if self.before_reduce is not None:
+                self.before_reduce(dict(zip(map(id, shard.params), grads)))
+            self.bucketed.reduce_scatter(shard, grads, unit.grad_shard)
+            return
+        grads = shard.flatten(grads, self.compute_dtype)
         self._retire()  # at most one unit's full gradient in flight
         self._prepare_reduce(shard, grads)
         grads.div_(self.group.size)
@@ -296,6 +315,8 @@ class FullyShardedDataParallel(ShardedEngine):
         self.pending = (unit, grads, handle)
 
     def _retire(self) -> None:
+        if self.bucketed is not None:
+            self.bucketed.finish()
         if self.pending is not None:
             unit, grads, handle = self.pending
             handle.wait()
@@ -339,6 +360,8 @@ class FullyShardedDataParallel(ShardedEngine):
         params = sum(nbytes(u.param_shard) for u in self.units)
         grads = sum(nbytes(u.grad_shard) for u in self.units)
         held = {"params": self.live_bytes, "grads": 0, "params_gathered_peak": self.peak_live_bytes}
+        if self.bucketed is not None:
+            held["zero_buffers"] = self.bucketed.bytes_held()
         if not self.offload.params:
             return held | {"params": params + self.live_bytes, "grads": grads}
         # An fp32 shard is its own master copy: counted here (optimizer_bytes leaves it out).

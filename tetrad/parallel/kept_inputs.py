@@ -10,7 +10,13 @@ segment's) input, [batch, seq, hidden], which every tensor-parallel rank holds w
 - `--offload-activations`: the kept tensor (the share, or the whole input) waits in host memory
   (pinned when a GPU copies it back) and is copied to the device before the rerun.
 
-Both act on the one place torch's non-reentrant checkpoint stores its inputs: it saves them as
+- `--contiguous-buffers`: the kept tensors (whole or shares) are copied into one buffer on the
+  device with a slot per checkpoint of a microbatch (ZeRO-R's memory defragmentation, DeepSpeed's
+  contiguous_memory_optimization), allocated at the first checkpoint, when a slot's size is
+  known, and reused for the rest of the run, so these long-lived tensors never sit between the
+  short-lived ones. The run report's activation_buffer is the most bytes of it in use at once.
+
+All act on the one place torch's non-reentrant checkpoint stores its inputs: it saves them as
 saved tensors through whatever saved-tensor hooks are active when the checkpoint opens, so the
 hooks here sit between the checkpoint and the hooks below them (the ActivationMeter). A device
 share is passed on to those hooks, so the meter counts the share; a host copy is not (it is not
@@ -31,7 +37,7 @@ from tetrad.memory import storage_id
 from tetrad.parallel.comm import Comm
 from tetrad.parallel.mesh import Group
 from tetrad.parallel.offload import host_copy
-from tetrad.spec.layout import ParallelConfig
+from tetrad.spec.layout import FORWARD_AGAIN, ParallelConfig
 from tetrad.spec.runtime_rules import padded
 
 TAG = "activations"
@@ -40,22 +46,30 @@ TAG = "activations"
 def kept_inputs_of(parallel: ParallelConfig, comm: Comm | None = None,
                    tp_group: Group | None = None) -> "KeptInputs | None":
     """Where `parallel`'s recomputed blocks keep their inputs (None: whole, on the device)."""
-    if not (parallel.partition_activations or parallel.offload_activations):
+    contiguous = parallel.contiguous_buffers and parallel.recompute in FORWARD_AGAIN
+    if not (parallel.partition_activations or parallel.offload_activations or contiguous):
         return None
     return KeptInputs(comm, tp_group if parallel.partition_activations else None,
-                      parallel.offload_activations)
+                      parallel.offload_activations, contiguous)
 
 
 class KeptInputs:
     """Where recomputed blocks keep their inputs: partitioned over `group` (None: whole) and/or
-    in host memory (`offload`). host_peak_bytes: the most host bytes held at once so far."""
+    in host memory (`offload`) or in slots of one device buffer (`contiguous`; `slots`, the
+    checkpoints of one microbatch, set by tetrad.parallel.recompute). host_peak_bytes and
+    buffer_peak_bytes: the most bytes held at once so far in host memory and in the buffer."""
 
-    def __init__(self, comm: Comm | None, group: Group | None, offload: bool):
+    def __init__(self, comm: Comm | None, group: Group | None, offload: bool,
+                 contiguous: bool = False):
         self.comm = comm
         self.group = group if group is not None and group.size > 1 else None
         self.offload = offload
-        self.host_bytes = 0
-        self.host_peak_bytes = 0
+        self.contiguous = contiguous
+        self.slots = 0
+        self.buffer: torch.Tensor | None = None  # [slots, slot elements]
+        self.free_slots: list[int] = []
+        self.host_bytes = self.host_peak_bytes = 0
+        self.buffer_bytes = self.buffer_peak_bytes = 0
 
     def keeping(self, kept: torch.Tensor) -> contextlib.AbstractContextManager:
         """Saved-tensor hooks to hold while a checkpoint with input `kept` saves its inputs."""
@@ -69,6 +83,8 @@ class KeptInputs:
             stored = self._share(tensor.detach())
             if self.offload:
                 return True, (self._to_host(stored), tensor.shape, tensor.device)
+            if self.contiguous:  # held by the buffer, which the report counts apart
+                return True, (self._to_slot(stored), tensor.shape, None)
             return True, (outer_pack(stored) if outer_pack else stored, tensor.shape, None)
 
         def unpack(packed):
@@ -78,7 +94,7 @@ class KeptInputs:
             stored, shape, device = inner
             if device is not None:
                 stored = stored.to(device, non_blocking=True)
-            elif outer_unpack:
+            elif outer_unpack and not self.contiguous:
                 stored = outer_unpack(stored)
             return self._whole(stored, shape)
 
@@ -115,3 +131,23 @@ class KeptInputs:
 
     def _freed(self, nbytes: int) -> None:
         self.host_bytes -= nbytes
+
+    def _to_slot(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` copied into a free slot of the buffer (a view of it, shaped like `tensor`),
+        which returns to the free slots when autograd drops the checkpoint."""
+        if self.buffer is None:
+            self.buffer = tensor.new_empty((self.slots, tensor.numel()))
+            self.free_slots = list(range(self.slots - 1, -1, -1))
+        assert self.free_slots and self.buffer.shape[1] == tensor.numel(), \
+            (self.slots, self.buffer.shape, tensor.shape)
+        index = self.free_slots.pop()
+        slot = self.buffer[index].view(tensor.shape).copy_(tensor)
+        nbytes = tensor.numel() * tensor.element_size()
+        self.buffer_bytes += nbytes
+        self.buffer_peak_bytes = max(self.buffer_peak_bytes, self.buffer_bytes)
+        weakref.finalize(slot, self._slot_freed, index, nbytes)
+        return slot
+
+    def _slot_freed(self, index: int, nbytes: int) -> None:
+        self.free_slots.append(index)
+        self.buffer_bytes -= nbytes

@@ -151,7 +151,7 @@ def _data_parallel(model: Transformer, replicated: dict[str, nn.Parameter], mesh
         return DataParallel(replicated, group, comm, options)
     sharded = dict(param_groups=options.group_parameters(view), betas=options.betas,
                    eps=options.eps, compute_dtype=options.compute_dtype,
-                   offload=Offload.of(parallel))
+                   offload=Offload.of(parallel), contiguous=parallel.contiguous_buffers)
     # ZeRO-2/3 reduce every microbatch: under a pipeline, stage by stage, after each backward of
     # a stage the executor runs (ZeRO-1 just reduces after the step's last backward).
     pipelined = None
@@ -167,7 +167,7 @@ def _data_parallel(model: Transformer, replicated: dict[str, nn.Parameter], mesh
         units = None if pipelined else [(modules, [p for p in params if id(p) in ids])
                                         for modules, params in transformer_units(model)]
         engine = FullyShardedDataParallel(view, group, comm, units=units, pipelined=pipelined,
-                                          **sharded)
+                                          bucket_elements=parallel.zero_bucket_size, **sharded)
     if pipelined is not None:
         pipeline.after_stage_backward = engine.after_stage_backward
         pipeline.sum_tied_gradient = False  # the engine sums its shards of it

@@ -107,10 +107,15 @@ class CheckpointedSegment:
         # Read now, not when the segment was made: ZeRO-3 moves the parameters into its flat
         # buffers after recomputation is applied.
         parameters = {storage_id(p) for block in self.blocks for p in block.parameters()}
+        # --contiguous-buffers: the kept input is a slot of a buffer; the rerun saves the slot.
+        slotted = (storage_id(self.kept.buffer) if self.kept and self.kept.buffer is not None
+                   else None)
 
         def counted(tensor: torch.Tensor):
             key = storage_id(tensor)
-            if key not in parameters:
+            if key == slotted:
+                saved[key] = tensor.numel() * tensor.element_size()
+            elif key not in parameters:
                 saved[key] = tensor.untyped_storage().nbytes()
             return pack(tensor)
 
@@ -187,6 +192,13 @@ def host_activations_peak(model: nn.Module) -> int:
                default=0)
 
 
+def activation_buffer_peak(model: nn.Module) -> int:
+    """The most bytes of --contiguous-buffers' checkpoint buffer `model` used at once (0
+    without)."""
+    return max((kept.buffer_peak_bytes for kept in _kept_inputs(model) if kept.contiguous),
+               default=0)
+
+
 def _kept_inputs(model: nn.Module) -> list[KeptInputs]:
     found = {}
     for block in model.modules():
@@ -209,8 +221,12 @@ def apply_recompute(model: Transformer, mode: str,
     partitioned and offloaded checkpoints; None: whole, on the device)."""
     if mode not in MODES:
         raise ConfigError(f"--recompute must be one of {', '.join(MODES)}, got {mode!r}")
+    stages = stages if stages is not None else [range(len(model.layers))]
+    if kept is not None and kept.contiguous:  # a slot per checkpoint of one microbatch
+        kept.slots = sum(len(sqrt_segments(len(layers))) if mode == "sqrt" else len(layers)
+                         for layers in stages)
     if mode == "sqrt":
-        for layers in stages if stages is not None else [range(len(model.layers))]:
+        for layers in stages:
             apply_sqrt_segments([model.layers[layer] for layer in layers], kept)
         return
     for block in model.layers:

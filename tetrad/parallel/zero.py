@@ -26,8 +26,8 @@ out alike, and their gradient shards are summed over the two ranks after the ste
 backward (on the last stage its gradient waits whole until the stage's backward ends, as its
 bucket goes last).
 
-Mixed precision: with bf16/fp16 the model's parameters and gradients are in that dtype, the
-master weights fp32; with fp16 the loss is scaled and a step whose gradients overflow is skipped.
+Mixed precision: bf16/fp16 parameters and gradients, fp32 master weights; fp16 scales the loss
+and skips a step whose gradients overflow. --contiguous-buffers: gradient buffers in one block.
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ from tetrad.parallel.data_parallel import (LaunchInOrder, bucket_params, broadca
 from tetrad.parallel.engine import DEFAULT_BUCKET_BYTES, Counted, LossScaler, Placement
 from tetrad.parallel.mesh import Group
 from tetrad.parallel.offload import Offload
-from tetrad.parallel.zero_optimizer import (FlatShard, ShardedAdamW, counted_segments, nbytes,
-                                            scatter_state, shard_pieces)
+from tetrad.parallel.zero_optimizer import (FlatShard, ShardedAdamW, counted_segments,
+                                            flat_buffers, nbytes, scatter_state, shard_pieces)
 from tetrad.sharded_tensors import Piece
-from tetrad.spec.runtime_rules import stage_buckets
+from tetrad.spec.runtime_rules import padded, stage_buckets
 
 NORM_TAG = "grad_norm"
 
@@ -248,7 +248,8 @@ class ZeroDataParallel(ShardedEngine):
     def __init__(self, model: nn.Module, group: Group, comm: Comm, stage: int,
                  param_groups: list[dict], betas: tuple[float, float], eps: float,
                  compute_dtype: torch.dtype = torch.float32, offload: Offload | bool = False,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, pipelined: Pipelined | None = None):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, pipelined: Pipelined | None = None,
+                 contiguous: bool = False):
         assert stage in (1, 2) and (pipelined is None or stage == 2), (stage, pipelined)
         super().__init__(group, comm, compute_dtype, offload, betas, eps, pipelined)
         self.stage = stage
@@ -264,6 +265,10 @@ class ZeroDataParallel(ShardedEngine):
         self.grad_shards: list[torch.Tensor] = []
         self.handles: list[Handle] = []
         self.pending: list[int] = []  # stage 2: buckets whose reduce-scatter is in flight
+        # ZeRO-1's whole gradient buckets, ZeRO-2's shards (--contiguous-buffers: one block).
+        grad_buffers = iter(flat_buffers([padded(sum(p.numel() for p in b), group.size) // (
+            1 if stage == 1 else group.size) for b in buckets], compute_dtype, params[0].device,
+            contiguous))
         shard32s = []
         with torch.no_grad():
             for index, bucket in enumerate(buckets):
@@ -278,16 +283,12 @@ class ZeroDataParallel(ShardedEngine):
                 self.shards.append(shard)
                 self.flat_params.append(flat)
                 self.param_shards.append(flat[lo:hi])
+                grads = next(grad_buffers)
                 if stage == 1:
-                    grads = torch.zeros_like(flat)
                     for param, view in zip(bucket, shard.views(grads)):
                         param.grad = view
-                    self.flat_grads.append(grads)
-                    self.grad_shards.append(grads[lo:hi])
-                else:
-                    self.flat_grads.append(None)
-                    self.grad_shards.append(torch.zeros(hi - lo, dtype=compute_dtype,
-                                                        device=flat.device))
+                self.flat_grads.append(grads if stage == 1 else None)
+                self.grad_shards.append(grads[lo:hi] if stage == 1 else grads)
         self._init_optimizer(shard32s)
         # Buckets launch in order within each stage (one stage without a pipeline): per stage a
         # LaunchInOrder, and each bucket's place in it.
@@ -392,6 +393,6 @@ class ZeroDataParallel(ShardedEngine):
             grads.zero_()
 
     def _device_bytes(self) -> dict[str, int]:
-        grads = (self.flat_grads if self.stage == 1 else self.grad_shards)
         return {"params": sum(nbytes(f) for f in self.flat_params),
-                "grads": sum(nbytes(g) for g in grads)}
+                "grads": sum(nbytes(g) for g in (self.flat_grads if self.stage == 1
+                                                   else self.grad_shards))}

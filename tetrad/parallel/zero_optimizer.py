@@ -19,13 +19,29 @@ from torch import nn
 
 from tetrad.parallel.engine import Counted, Placement
 from tetrad.parallel.mesh import Group
-from tetrad.parallel.offload import Offload
+from tetrad.parallel.offload import Offload, host_zeros
 from tetrad.sharded_tensors import Piece
 from tetrad.spec.runtime_rules import padded
 
 
 def nbytes(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+
+def flat_buffers(sizes: list[int], dtype: torch.dtype, device: torch.device | None,
+                 contiguous: bool = False) -> list[torch.Tensor]:
+    """Zeroed flat buffers of `sizes` elements on `device` (None: in host memory, pinned when a
+    GPU copies to and from it): each an allocation of its own, or with `contiguous` (ZeRO-R's
+    defragmentation, DeepSpeed's contiguous_gradients) slices of one block allocated once, so
+    the allocator never has to fit them between other tensors."""
+    def allocate(numel: int) -> torch.Tensor:
+        if device is None:
+            return host_zeros(numel, dtype)
+        return torch.zeros(numel, dtype=dtype, device=device)
+
+    if not contiguous:
+        return [allocate(numel) for numel in sizes]
+    return list(allocate(sum(sizes)).split(sizes))
 
 
 @dataclass

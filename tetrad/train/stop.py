@@ -73,7 +73,8 @@ def memory_bytes(device: torch.device) -> int:
 
 # What a rank holds in its device's memory, by the run report's byte names; host_* bytes are in
 # host memory (the same memory on a CPU run), disk_* bytes in --offload nvme's files.
-DEVICE_BYTES = ("params", "params_gathered_peak", "grads", "optimizer", "activations_peak")
+DEVICE_BYTES = ("params", "params_gathered_peak", "grads", "optimizer", "activations_peak",
+                "zero_buffers", "activation_buffer")
 
 
 def device_bytes(held: dict[str, float]) -> float:

@@ -16,11 +16,13 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from tetrad.spec.model import ModelConfig, TrainConfig
+from tetrad.spec.layout import FORWARD_AGAIN
 from tetrad.errors import ConfigError, TetradError
 from tetrad.models.transformer import Transformer, count_parameters
 from tetrad.parallel.compile import CompileClock
 from tetrad.parallel.launch import local_device, rank_device
-from tetrad.parallel.recompute import host_activations_peak, recompute_peak_bytes
+from tetrad.parallel.recompute import (activation_buffer_peak, host_activations_peak,
+                                       recompute_peak_bytes)
 from tetrad.train import checkpoint as ckpt
 from tetrad.train.data import AnyTokenizer, Dataset
 from tetrad.train.job import PreparedJob, prepare_job
@@ -164,6 +166,8 @@ def train(job: PreparedJob | TrainConfig, make_strategy: Callable[..., Strategy]
         held["recompute_peak"] = recompute_peak_bytes(model)
     if config.parallel.offload_activations:  # the kept block inputs waiting in host memory
         held["host_activations_peak"] = host_activations_peak(model)
+    if config.parallel.contiguous_buffers and config.parallel.recompute in FORWARD_AGAIN:
+        held["activation_buffer"] = activation_buffer_peak(model)  # the kept inputs' slots
     ranks = strategy.gather(rank_entry(
         strategy.rank, strategy.coords, held, strategy.activations_peak,
         strategy.comm.totals_per_step() if strategy.comm else None, strategy.idle_fraction,
