@@ -11,6 +11,7 @@ The small API the trainer and the CLI use:
 
 from __future__ import annotations
 
+from tetrad.spec.layout import FORWARD_AGAIN
 from tetrad.spec.model import ModelConfig, ParallelConfig
 from tetrad.hardware.catalog import GPU, Cluster
 from tetrad.hardware.profile import cluster as make_cluster
@@ -134,6 +135,10 @@ def _rank_bytes(memory: MemoryBreakdown, layout: TrainLayout, ledger: CommLedger
     if layout.zero == 3:
         held["params_gathered_peak"] = memory.params_gathered
     held.update(memory.offloaded(layout.offload_mode))
+    if layout.zero == 3 and layout.zero_bucket_size:
+        held["zero_buffers"] = memory.zero_buffers
+    if layout.contiguous_buffers and layout.recompute in FORWARD_AGAIN:
+        held["activation_buffer"] = memory.activation_buffer
     return {"bytes": {**held, "activations_peak": memory.activations},
             "comm_bytes": dict(ledger.sent), "comm_payload_bytes": dict(ledger.payload),
             "comm_calls": ledger.calls_by_kind()}

@@ -70,6 +70,7 @@ from functools import lru_cache
 from tetrad.spec.model import ModelConfig
 from tetrad.planner.comm import CommLedger
 from tetrad.planner.eager_activations import activations_peak
+from tetrad.planner.eager_buffers import activation_buffer_bytes, zero_buffer_bytes
 from tetrad.planner.eager_comm import rank_comm
 from tetrad.planner.eager_state import ModelState, model_state
 from tetrad.planner.layout import TrainLayout
@@ -83,11 +84,13 @@ class RankBytes:
     state: ModelState
     activations: float
     comm: CommLedger = field(compare=False)
+    zero_buffers: float = 0.0  # ZeRO-R's buffers (eager_buffers)
+    activation_buffer: float = 0.0
 
     @property
     def total(self) -> float:
         return (self.state.params + self.state.grads + self.state.optimizer
-                + self.activations)
+                + self.activations + self.zero_buffers + self.activation_buffer)
 
 
 @lru_cache(maxsize=256)
@@ -97,5 +100,7 @@ def pipeline_ranks(config: ModelConfig, layout: TrainLayout, seq_len: int,
     pipeline rank alike, up to the routing)."""
     return tuple(RankBytes(model_state(config, layout, precision, rank),
                            activations_peak(config, layout, seq_len, precision, rank),
-                           rank_comm(config, layout, seq_len, precision, rank))
+                           rank_comm(config, layout, seq_len, precision, rank),
+                           zero_buffer_bytes(config, layout, precision, rank),
+                           activation_buffer_bytes(config, layout, seq_len, precision))
                  for rank in range(layout.pp))

@@ -146,9 +146,11 @@ def block_bytes(config: ModelConfig, layout: TrainLayout, layer: int, seq_len: i
     t, stream_tokens = tokens(layout, seq_len)
     if layout.recompute in FORWARD_AGAIN:
         # The checkpoint keeps the block's input only (sqrt: a segment's first block's), on the
-        # device unless --offload-activations holds it in host memory.
-        return 0.0 if layout.offload_activations else kept_input_bytes(config, layout, seq_len,
-                                                                       precision)
+        # device unless --offload-activations holds it in host memory or --contiguous-buffers
+        # in a buffer of its own (eager_buffers).
+        if layout.offload_activations or layout.contiguous_buffers:
+            return 0.0
+        return kept_input_bytes(config, layout, seq_len, precision)
     heads = config.num_heads // layout.tp
     q, kv = heads * config.head_dim, kv_heads_per_rank(config, layout.tp) * config.head_dim
     fp8 = precision.compute_dtype == "fp8"
@@ -234,7 +236,7 @@ def recompute_bytes(config: ModelConfig, layout: TrainLayout, stage: int, seq_le
     if layout.recompute != "sqrt" or not blocks:
         return 0.0
     plain = dataclasses.replace(layout, recompute="none", partition_activations=False,
-                                offload_activations=False)
+                                offload_activations=False, contiguous_buffers=False)
     rope = 2 * seq_len // layout.cp * config.head_dim * FP32 if config.position == "rope" else 0
     starts = range(0, len(blocks), sqrt_segments(len(blocks))[0])
     return max(sum(block_bytes(config, plain, layer, seq_len, precision)

@@ -36,7 +36,8 @@ group has more than one rank); a tied embedding's gradient all-reduced between i
 ranks after the last backward (ZeRO-2/3: their 1/N shard of it); the gradients (DDP: all-reduce
 over dp * cp; ZeRO-1: reduce-scatter of the padded buckets, ZeRO-2: per microbatch, then the
 parameters all-gathered; ZeRO-3: per microbatch each padded unit gathered for forward and again
-for backward, under zero bubble a third time for W but on the first stage, and reduce-scattered),
+for backward, under zero bubble a third time for W but on the first stage, and reduce-scattered;
+--zero-bucket-size cuts each into calls of at most that many elements: runtime_rules.bucket_chunks),
 the tp sum of gradients held in part (sequence-parallel replicas, shared kv rows; with ZeRO-2/3
 per microbatch) and the experts' fp32 gradients summed over their edp replicas. Under a
 pipeline "per microbatch" means per (stage, microbatch): ZeRO-2 reduces a stage's buckets and
@@ -57,7 +58,7 @@ from tetrad.planner.eager_state import reduced_together, zero3_units, zero_bucke
 from tetrad.planner.layout import TrainLayout
 from tetrad.planner.precision import TrainingPrecision
 from tetrad.schedules.generate import SPLIT_BACKWARD
-from tetrad.spec.runtime_rules import padded
+from tetrad.spec.runtime_rules import bucket_chunks, padded
 
 FP32 = 4
 INDEX = 8
@@ -177,9 +178,10 @@ def _gradients(ledger: CommLedger, config: ModelConfig, layout: TrainLayout,
             # Unit by unit: gathered for its forward, again for its backward (zero bubble's W a
             # third time, but on the first stage, whose B computes nothing), reduce-scattered.
             gathers = 3 if layout.schedule in SPLIT_BACKWARD and stage > 0 else 2
-            for unit in units.all:
-                ledger.add("all_gather", n, unit * pb, gathers * m)
-                ledger.add("reduce_scatter", n, unit * gb, m)
+            for unit in units.all:  # --zero-bucket-size: a call per bucket of it
+                for start, end in bucket_chunks(unit // n, n, layout.zero_bucket_size):
+                    ledger.add("all_gather", n, (end - start) * n * pb, gathers * m)
+                    ledger.add("reduce_scatter", n, (end - start) * n * gb, m)
 
 
 def _scalars(ledger: CommLedger, config: ModelConfig, layout: TrainLayout,

@@ -64,10 +64,13 @@ class MemoryBreakdown:
     host_params: float = 0.0  # --offload params: ZeRO-3's parameter shard
     disk_params: float = 0.0  # --offload nvme: in files
     disk_optimizer: float = 0.0
+    zero_buffers: float = 0.0  # --zero-bucket-size: ZeRO-3's gather and reduce-scatter buffers
+    activation_buffer: float = 0.0  # --contiguous-buffers: the checkpoints' kept inputs
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.kv_cache
+        return (self.params + self.grads + self.optimizer + self.activations + self.kv_cache
+                + self.zero_buffers + self.activation_buffer)
 
     def offloaded(self, mode: str) -> dict[str, float]:
         """The host and disk bytes of offload `mode` (ParallelConfig.offload_mode), by the run
@@ -321,12 +324,8 @@ def stage_activation_bytes(config: ModelConfig, layout: TrainLayout, seq_len: in
 
 def eager_breakdown(rank: eager.RankBytes) -> MemoryBreakdown:
     """One rank's bytes under the `tetrad` runtime profile, as a breakdown."""
-    state = rank.state
-    return MemoryBreakdown(state.params, state.grads, state.optimizer, rank.activations,
-                           params_gathered=state.params_gathered,
-                           host_optimizer=state.host_optimizer, host_grads=state.host_grads,
-                           host_params=state.host_params, disk_params=state.disk_params,
-                           disk_optimizer=state.disk_optimizer)
+    return MemoryBreakdown(**vars(rank.state), activations=rank.activations,
+                           zero_buffers=rank.zero_buffers, activation_buffer=rank.activation_buffer)
 
 
 def training_memory(config: ModelConfig, layout: TrainLayout, precision: TrainingPrecision,
