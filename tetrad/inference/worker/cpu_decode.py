@@ -5,8 +5,10 @@ The eager forward of a Llama-family layer at one token is ~30 torch ops (norms, 
 SiLU, residual adds) around four matmuls; each costs a dispatch and an allocation, and the
 bf16 matmuls at one row read their weights several times slower than memory allows. The fused
 layer does the same arithmetic in one call, streaming each weight once (fp32 accumulation) and
-rounding to the model's dtype where the eager ops do. Prefill, mixed steps and every model this
-does not cover (below) run the model's own forward.
+rounding to the model's dtype where the eager ops do. `--quantization int8|int4` projections are
+streamed from the very tensors their layers hold (quant_rows.cpp reads torch's packed layouts),
+dequantized in registers. Prefill, mixed steps and every model this does not cover (below) run
+the model's own forward.
 """
 
 from __future__ import annotations
@@ -17,18 +19,32 @@ from torch.nn import functional as F
 
 from tetrad.inference.worker.attention.base import StepContext
 from tetrad.inference.worker.cpu_kernels import load_cpu_kernels
+from tetrad.models.quant import Int4Linear, Int8Linear
 
 
-def _plain_linear(module: nn.Module, dtype: torch.dtype) -> bool:
-    """An unquantized, unsharded projection without bias whose weight the kernel streams."""
-    return (type(module) is nn.Linear and module.bias is None and module.weight.dtype == dtype
-            and module.weight.is_contiguous())
+def streamed_weight(module: nn.Module, dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """What linear_rows multiplies by for an unsharded projection without bias computing in
+    `dtype`: (weight, None) for a plain one, (values, scales) for an int8 one on torch's packed
+    CPU path, (packed values, scales_and_offsets) for an int4 one in torch's CPU layout; None for
+    any other (biased, sharded, fp8, a reference-path quantized layer)."""
+    if getattr(module, "bias", None) is not None:
+        return None
+    if type(module) is nn.Linear:
+        weight = module.weight
+        return (weight, None) if weight.dtype == dtype and weight.is_contiguous() else None
+    if type(module) is Int8Linear and module.packed and not module.values.is_cuda:
+        return (module.values, module.scales) if module.dtype == dtype else None
+    if type(module) is Int4Linear and module.kernel == "cpu":
+        return (module.values, module.scales_and_offsets) if module.dtype == dtype else None
+    return None
 
 
 def fused_decode_refusal(model: nn.Module, pool_dtype: torch.dtype) -> str | None:
     """Why the fused step cannot run `model` (None when it can): it covers single-device
     Llama-family decoders (RMSNorm, rotary, SwiGLU, no biases, no experts, no MLA) in fp32, bf16
-    or fp16 whose KV pool holds the model's dtype."""
+    or fp16 whose KV pool holds the model's dtype, their projections plain or quantized on
+    torch's packed CPU paths (streamed_weight)."""
     config = getattr(model, "config", None)
     if config is None or getattr(model, "layers", None) is None or model.rotary is None:
         return "not a rotary decoder"
@@ -41,9 +57,11 @@ def fused_decode_refusal(model: nn.Module, pool_dtype: torch.dtype) -> str | Non
     for block in model.layers:
         linears = (block.attn.qkv, block.attn.out, block.mlp.up, block.mlp.down)
         norms = (block.attn_norm.weight, block.mlp_norm.weight)
-        if not all(_plain_linear(linear, dtype) for linear in linears) or \
+        if any(streamed_weight(linear, dtype) is None for linear in linears) or \
                 any(norm.dtype != dtype for norm in norms):
-            return "quantized, sharded or biased projections"
+            return "sharded, biased or fp8 projections, or quantized off torch's packed CPU path"
+    if model.lm_head is not None and streamed_weight(model.lm_head, dtype) is None:
+        return "an output head the kernel does not read"
     return None
 
 
@@ -56,11 +74,19 @@ class FusedCpuDecode:
         config = model.config
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.eps = config.norm_eps
-        self.layers = [(block.attn_norm.weight, block.attn.qkv.weight, block.attn.out.weight,
-                        block.mlp_norm.weight, block.mlp.up.weight, block.mlp.down.weight)
-                       for block in model.layers]
-        head = model.lm_head if model.lm_head is not None else model.embed
-        self.head_weight = head.weight
+        dtype = model.embed.weight.dtype
+        self.layers = []
+        for block in model.layers:
+            (qkv, qkv_scales), (out, out_scales), (up, up_scales), (down, down_scales) = (
+                streamed_weight(linear, dtype)
+                for linear in (block.attn.qkv, block.attn.out, block.mlp.up, block.mlp.down))
+            self.layers.append((
+                (block.attn_norm.weight, qkv, out, block.mlp_norm.weight, up, down),
+                dict(qkv_scales=qkv_scales, out_scales=out_scales, up_scales=up_scales,
+                     down_scales=down_scales)))
+        self.head_weight, self.head_scales = (
+            (model.embed.weight, None) if model.lm_head is None
+            else streamed_weight(model.lm_head, dtype))
 
     @staticmethod
     def fits(context: StepContext) -> bool:
@@ -74,11 +100,11 @@ class FusedCpuDecode:
         attention = context.attention
         x = F.embedding(input_ids, self.model.embed.weight)  # [seqs, hidden]
         cos, sin = self.model.rotary(positions)  # [seqs, head_dim] each, fp32
-        for index, weights in enumerate(self.layers):
+        for index, (weights, scales) in enumerate(self.layers):
             k_cache, v_cache = self.kv_cache.layer(index)
             x = torch.ops.tetrad.decode_layer(
                 x, *weights, self.eps, cos, sin, self.num_heads, self.num_kv_heads, k_cache,
                 v_cache, attention.decode_tables, attention.decode_lens, attention.step.slots,
-                attention.rows_read)
+                attention.rows_read, **scales)
         x = self.model.norm(x[context.logits_indices])
-        return torch.ops.tetrad.linear_rows(x, self.head_weight)
+        return torch.ops.tetrad.linear_rows(x, self.head_weight, scales=self.head_scales)

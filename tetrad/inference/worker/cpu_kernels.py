@@ -1,6 +1,6 @@
 """The engine's C++ CPU kernels (paged_decode.cpp: decode attention read in place from the paged
 pool; decode_step.cpp: a Llama-family layer's decode step as one op, and the matmul that streams
-weights for a few rows), built into one library with the machine's C++ compiler on first use and
+weights for a few rows, stream_rows.h; quant_rows.cpp: the same for int8 and int4 weights), built into one library with the machine's C++ compiler on first use and
 loaded as torch.ops.tetrad.*.
 
 No build system is needed: one g++ call against torch's own headers and libraries. The library
@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("paged_decode.cpp", "decode_step.cpp"))
+                for name in ("paged_decode.cpp", "decode_step.cpp", "quant_rows.cpp"))
+HEADERS = (Path(__file__).with_name("stream_rows.h"),)  # in the cache key, not on the command
 # -march=native: the library is built on the machine that runs it (the cache is per machine);
 # -ffast-math lets the compiler vectorize exp and the dot products (the kernel keeps no inf).
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared",
@@ -80,7 +81,7 @@ def _build(target: Path) -> None:
 @cache
 def load_cpu_kernels() -> None:
     """Build (once per machine) and load the kernels; KernelUnavailable says why not."""
-    key = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES)
+    key = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES + HEADERS)
                          + torch.__version__.encode()
                          + " ".join(FLAGS).encode() + _cpu_identity().encode()).hexdigest()[:16]
     folder = _cache_dir()

@@ -7,33 +7,19 @@
 // QKV, rotary, the paged attention (paged_decode.cpp), the output projection and residual,
 // RMSNorm, gate/up, SiLU * up, down and residual. The elementwise steps round to the model's
 // dtype where torch's eager ops would (a norm's fp32 result cast, then times its weight; SiLU,
-// then the product), so the step follows the eager forward's numerics.
-// Built with paged_decode.cpp into one library by tetrad/inference/worker/cpu_kernels.py.
+// then the product), so the step follows the eager forward's numerics. Projections may be
+// int8 or int4 (quant_rows.cpp), read in the layouts tetrad.models.quant holds them in.
+// Built with paged_decode.cpp and quant_rows.cpp into one library by cpu_kernels.py.
 
-#include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/linear.h>
-#include <c10/util/irange.h>
 #include <torch/library.h>
 
 #include <cmath>
-#include <cstring>
-#include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define TETRAD_AVX2 1
-#endif
-
-// The dtypes the model runs in (fp64 goes to torch).
-#define TETRAD_DISPATCH(TYPE, NAME, ...)                            \
-  AT_DISPATCH_SWITCH(TYPE, NAME,                                    \
-                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)      \
-                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__)   \
-                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+#include "stream_rows.h"
 
 namespace tetrad {
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -42,108 +28,25 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
                         const std::optional<at::Tensor>& new_v,
                         const std::optional<at::Tensor>& slots,
                         const std::optional<at::Tensor>& rows_read);
+at::Tensor quantized_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales);
 }
 
 namespace {
 
-// Rows of the activations per pass over the weights: each weight row is loaded once for them.
-constexpr int64_t kRowsPerPass = 4;
-// Past this many rows a matmul is compute-bound: torch's blocked kernels do better.
-constexpr int64_t kMaxStreamedRows = 8;
-
-inline float to_float(float v) { return v; }
-inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
-inline float to_float(c10::Half v) { return static_cast<float>(v); }
-
-#ifdef TETRAD_AVX2
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {  // bf16 is the high half of an fp32
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-inline __m256 load8(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-#endif
-
-// out[m][n] = sum_k x[m][k] * w[n][k] for output rows [n0, n1), M rows of x (fp32, [M, K]),
-// NR weight rows at a time so that NR * M accumulators are in flight.
-template <int M, int NR, typename W>
-void dot_rows(const float* x, const W* w, int64_t K, int64_t n0, int64_t n1, float* out,
-              int64_t out_stride) {
-  int64_t n = n0;
-#ifdef TETRAD_AVX2
-  const int64_t K8 = K - K % 8;
-  for (; n + NR <= n1; n += NR) {
-    __m256 acc[NR][M];
-    for (int r = 0; r < NR; ++r)
-      for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K8; k += 8) {
-      __m256 xs[M];
-      for (int m = 0; m < M; ++m) xs[m] = _mm256_loadu_ps(x + m * K + k);
-      for (int r = 0; r < NR; ++r) {
-        const __m256 wv = load8(w + (n + r) * K + k);
-        for (int m = 0; m < M; ++m) acc[r][m] = _mm256_fmadd_ps(wv, xs[m], acc[r][m]);
-      }
-    }
-    for (int r = 0; r < NR; ++r)
-      for (int m = 0; m < M; ++m) {
-        float sum = hsum(acc[r][m]);
-        for (int64_t k = K8; k < K; ++k) sum += x[m * K + k] * to_float(w[(n + r) * K + k]);
-        out[m * out_stride + n + r] = sum;
-      }
-  }
-#endif
-  for (; n < n1; ++n)
-    for (int m = 0; m < M; ++m) {
-      float sum = 0.f;
-      for (int64_t k = 0; k < K; ++k) sum += x[m * K + k] * to_float(w[n * K + k]);
-      out[m * out_stride + n] = sum;
-    }
-}
-
-template <typename W>
-void dot_chunk(int64_t rows, const float* x, const W* w, int64_t K, int64_t n0, int64_t n1,
-               float* out, int64_t out_stride) {
-  switch (rows) {
-    case 1: return dot_rows<1, 4>(x, w, K, n0, n1, out, out_stride);
-    case 2: return dot_rows<2, 4>(x, w, K, n0, n1, out, out_stride);
-    case 3: return dot_rows<3, 2>(x, w, K, n0, n1, out, out_stride);
-    default: return dot_rows<4, 2>(x, w, K, n0, n1, out, out_stride);
-  }
-}
-
-// x [M, K] (fp32) times w [N, K]^T -> out [M, N] fp32, the weights streamed once per
-// kRowsPerPass rows of x, output rows split over torch's threads.
-template <typename W>
-void stream_matmul(const float* x, int64_t M, const W* w, int64_t N, int64_t K, float* out) {
-  // A grain of whole cache lines of output keeps threads off each other's lines.
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    for (int64_t m = 0; m < M; m += kRowsPerPass)
-      dot_chunk(std::min(kRowsPerPass, M - m), x + m * K, w, K, n0, n1, out + m * N, N);
-  });
-}
-
-std::vector<float> as_floats(const at::Tensor& x) {
-  const auto flat = x.contiguous();
-  std::vector<float> values(flat.numel());
-  TETRAD_DISPATCH(flat.scalar_type(), "as_floats", [&] {
-    const scalar_t* src = flat.data_ptr<scalar_t>();
-    for (const auto i : c10::irange(values.size())) values[i] = to_float(src[i]);
-  });
-  return values;
-}
+using namespace tetrad::stream;
 
 // x [M, K] @ w [N, K]^T (+ bias) in x's dtype. Few rows stream the weights here (fp32
-// accumulation); more rows, or weights this kernel does not read, go to at::linear.
+// accumulation); more rows, or weights this kernel does not read, go to at::linear. With
+// `scales`, w is quantized as tetrad.models.quant holds it (quant_rows.cpp).
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w,
-                       const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear_rows: shapes");
+                       const std::optional<at::Tensor>& bias,
+                       const std::optional<at::Tensor>& scales) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "linear_rows: shapes");
+  if (scales.has_value()) {
+    auto y = tetrad::quantized_rows(x, w, *scales);
+    return bias.has_value() ? y.add_(*bias) : y;
+  }
+  TORCH_CHECK(x.size(1) == w.size(1), "linear_rows: shapes");
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
   if (M > kMaxStreamedRows || !w.is_contiguous() || w.scalar_type() != x.scalar_type() ||
       x.scalar_type() == at::kDouble)
@@ -187,21 +90,26 @@ void rotate(T* head, const float* cos, const float* sin, int64_t head_dim) {
 // One decoder layer for `T` decode tokens (one per sequence): x [T, hidden] -> [T, hidden].
 // qkv_w [(heads + 2 kv_heads) * head_dim, hidden], out_w [hidden, heads * head_dim],
 // up_w [2 ffn, hidden] (gate rows first), down_w [hidden, ffn]; cos, sin [T, head_dim] fp32;
-// the cache arguments are paged_decode's (the new K/V written at `slots`).
+// the cache arguments are paged_decode's (the new K/V written at `slots`). A projection with
+// scales is quantized (linear_rows), its weight int8 [N, K] or torch's packed int4 [N, K / 2].
 at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& attn_norm_w, const at::Tensor& qkv_w,
                         const at::Tensor& out_w, const at::Tensor& mlp_norm_w,
                         const at::Tensor& up_w, const at::Tensor& down_w, double eps,
                         const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
                         int64_t num_kv_heads, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& tables, const at::Tensor& context_lens,
-                        const at::Tensor& slots, const std::optional<at::Tensor>& rows_read) {
+                        const at::Tensor& slots, const std::optional<at::Tensor>& rows_read,
+                        const std::optional<at::Tensor>& qkv_scales,
+                        const std::optional<at::Tensor>& out_scales,
+                        const std::optional<at::Tensor>& up_scales,
+                        const std::optional<at::Tensor>& down_scales) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decode_layer: x [tokens, hidden]");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(),
               "decode_layer: fp32 cos and sin [tokens, head_dim]");
   const int64_t tokens = x.size(0), hidden = x.size(1);
   const int64_t head_dim = cos.size(1), q_size = num_heads * head_dim;
-  const int64_t kv_size = num_kv_heads * head_dim, ffn = down_w.size(1);
-  TORCH_CHECK(qkv_w.size(0) == q_size + 2 * kv_size && up_w.size(0) == 2 * ffn,
+  const int64_t kv_size = num_kv_heads * head_dim, ffn = up_w.size(0) / 2;
+  TORCH_CHECK(qkv_w.size(0) == q_size + 2 * kv_size && up_w.size(0) % 2 == 0,
               "decode_layer: projection shapes");
   auto h = at::empty_like(x);
   at::Tensor residual;
@@ -218,7 +126,7 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& attn_norm_w, cons
         dst[i] = static_cast<T>(to_float(dst[i]) + to_float(src[i]));
     };
     norm(x, attn_norm_w);
-    auto qkv = linear_rows(h, qkv_w, std::nullopt);  // [tokens, q + 2 kv]
+    auto qkv = linear_rows(h, qkv_w, std::nullopt, qkv_scales);  // [tokens, q + 2 kv]
     T* qkv_data = qkv.data_ptr<T>();
     const int64_t row = q_size + 2 * kv_size;
     for (const auto t : c10::irange(tokens)) {
@@ -238,9 +146,9 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& attn_norm_w, cons
                                          slots, rows_read);  // [1, heads, tokens, dim]
     residual = x.clone();
     add_into(residual, linear_rows(attended.transpose(1, 2).reshape({tokens, q_size}), out_w,
-                                   std::nullopt));
+                                   std::nullopt, out_scales));
     norm(residual, mlp_norm_w);
-    auto gate_up = linear_rows(h, up_w, std::nullopt);  // [tokens, 2 ffn]
+    auto gate_up = linear_rows(h, up_w, std::nullopt, up_scales);  // [tokens, 2 ffn]
     auto act = at::empty({tokens, ffn}, x.options());
     const T* gu = gate_up.data_ptr<T>();
     T* a = act.data_ptr<T>();
@@ -250,7 +158,7 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& attn_norm_w, cons
         const T silu = static_cast<T>(g / (1.f + std::exp(-g)));
         a[t * ffn + f] = static_cast<T>(to_float(silu) * to_float(gu[t * 2 * ffn + ffn + f]));
       }
-    add_into(residual, linear_rows(act, down_w, std::nullopt));
+    add_into(residual, linear_rows(act, down_w, std::nullopt, down_scales));
   });
   return residual;
 }
@@ -258,11 +166,12 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& attn_norm_w, cons
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tetrad, m) {
-  m.def("linear_rows(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");
+  m.def("linear_rows(Tensor x, Tensor w, Tensor? bias=None, Tensor? scales=None) -> Tensor");
   m.def("decode_layer(Tensor x, Tensor attn_norm_w, Tensor qkv_w, Tensor out_w, "
         "Tensor mlp_norm_w, Tensor up_w, Tensor down_w, float eps, Tensor cos, Tensor sin, "
         "int num_heads, int num_kv_heads, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor tables, "
-        "Tensor context_lens, Tensor slots, Tensor(c!)? rows_read=None) -> Tensor");
+        "Tensor context_lens, Tensor slots, Tensor(c!)? rows_read=None, Tensor? qkv_scales=None, "
+        "Tensor? out_scales=None, Tensor? up_scales=None, Tensor? down_scales=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tetrad, CPU, m) {

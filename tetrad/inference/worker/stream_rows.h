@@ -1,0 +1,129 @@
+// The weight-streaming matmul decode_step.cpp and quant_rows.cpp share: a few rows of fp32
+// activations against weights read once, widened to fp32 in registers (AVX2), fp32 accumulation,
+// output rows split over torch's threads. Weights: fp32, bf16, fp16 or int8 (whose scales the
+// caller applies).
+
+#pragma once
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/irange.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define TETRAD_AVX2 1
+#endif
+
+// The dtypes the model runs in (fp64 goes to torch).
+#define TETRAD_DISPATCH(TYPE, NAME, ...)                            \
+  AT_DISPATCH_SWITCH(TYPE, NAME,                                    \
+                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)      \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__)   \
+                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
+namespace tetrad::stream {
+
+// Rows of the activations per pass over the weights: each weight row is loaded once for them.
+constexpr int64_t kRowsPerPass = 4;
+// Past this many rows a matmul is compute-bound: torch's blocked kernels do better.
+constexpr int64_t kMaxStreamedRows = 8;
+
+inline float to_float(float v) { return v; }
+inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+inline float to_float(c10::Half v) { return static_cast<float>(v); }
+inline float to_float(int8_t v) { return static_cast<float>(v); }
+
+#ifdef TETRAD_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {  // bf16 is the high half of an fp32
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+// out[m][n] = sum_k x[m][k] * w[n][k] for output rows [n0, n1), M rows of x (fp32, [M, K]),
+// NR weight rows at a time so that NR * M accumulators are in flight.
+template <int M, int NR, typename W>
+void dot_rows(const float* x, const W* w, int64_t K, int64_t n0, int64_t n1, float* out,
+              int64_t out_stride) {
+  int64_t n = n0;
+#ifdef TETRAD_AVX2
+  const int64_t K8 = K - K % 8;
+  for (; n + NR <= n1; n += NR) {
+    __m256 acc[NR][M];
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K8; k += 8) {
+      __m256 xs[M];
+      for (int m = 0; m < M; ++m) xs[m] = _mm256_loadu_ps(x + m * K + k);
+      for (int r = 0; r < NR; ++r) {
+        const __m256 wv = load8(w + (n + r) * K + k);
+        for (int m = 0; m < M; ++m) acc[r][m] = _mm256_fmadd_ps(wv, xs[m], acc[r][m]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < M; ++m) {
+        float sum = hsum(acc[r][m]);
+        for (int64_t k = K8; k < K; ++k) sum += x[m * K + k] * to_float(w[(n + r) * K + k]);
+        out[m * out_stride + n + r] = sum;
+      }
+  }
+#endif
+  for (; n < n1; ++n)
+    for (int m = 0; m < M; ++m) {
+      float sum = 0.f;
+      for (int64_t k = 0; k < K; ++k) sum += x[m * K + k] * to_float(w[n * K + k]);
+      out[m * out_stride + n] = sum;
+    }
+}
+
+template <typename W>
+void dot_chunk(int64_t rows, const float* x, const W* w, int64_t K, int64_t n0, int64_t n1,
+               float* out, int64_t out_stride) {
+  switch (rows) {
+    case 1: return dot_rows<1, 4>(x, w, K, n0, n1, out, out_stride);
+    case 2: return dot_rows<2, 4>(x, w, K, n0, n1, out, out_stride);
+    case 3: return dot_rows<3, 2>(x, w, K, n0, n1, out, out_stride);
+    default: return dot_rows<4, 2>(x, w, K, n0, n1, out, out_stride);
+  }
+}
+
+// x [M, K] (fp32) times w [N, K]^T -> out [M, N] fp32, the weights streamed once per
+// kRowsPerPass rows of x, output rows split over torch's threads.
+template <typename W>
+void stream_matmul(const float* x, int64_t M, const W* w, int64_t N, int64_t K, float* out) {
+  // A grain of whole cache lines of output keeps threads off each other's lines.
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t m = 0; m < M; m += kRowsPerPass)
+      dot_chunk(std::min(kRowsPerPass, M - m), x + m * K, w, K, n0, n1, out + m * N, N);
+  });
+}
+
+inline std::vector<float> as_floats(const at::Tensor& x) {
+  const auto flat = x.contiguous();
+  std::vector<float> values(flat.numel());
+  TETRAD_DISPATCH(flat.scalar_type(), "as_floats", [&] {
+    const scalar_t* src = flat.data_ptr<scalar_t>();
+    for (const auto i : c10::irange(values.size())) values[i] = to_float(src[i]);
+  });
+  return values;
+}
+
+}  // namespace tetrad::stream
