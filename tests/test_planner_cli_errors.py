@@ -190,3 +190,16 @@ def test_stack_and_overlap_flags(capsys):
     assert steps["2021"] > steps["megatron"]
     assert steps["2021+flash"] < steps["2021"]
     assert steps["no-reduce-overlap"] == pytest.approx(steps["2021"], rel=1e-9)
+
+
+def test_serve_ep_skips_layouts_it_cannot_spread_over(capsys):
+    """--tp 1 --ep 4 on 8 GPUs: the pipeline depths that leave dp 8 or 4 are planned, those that
+    leave dp 2 or 1 (too few ranks for 4 expert groups) are skipped, not an error."""
+    args = ["plan", "serve", "--model", "configs/deepseek-v3-tiny.toml", "--gpu", "h100",
+            "--num-gpus", "8", "--tp", "1", "--ep", "4", "--top", "20", "--json"]
+    assert main(args) == 0
+    planned = {(c["parallel"]["pp"], c["parallel"]["dp"], c["parallel"]["ep"])
+               for c in json.loads(capsys.readouterr().out)["configs"]}
+    depths = [pp for pp in (1, 2, 4, 8) if (8 // pp) % 4 == 0]
+    assert planned == {(pp, 8 // pp, 4) for pp in depths}
+    _refused(capsys, args + ["--pp", "4"], "ep 4 cannot spread over any layout of the 8 GPUs")

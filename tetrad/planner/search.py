@@ -40,7 +40,7 @@ from tetrad.schedules.generate import V_SHAPED
 from tetrad.planner.rules import check_degrees, divisors, valid_tp_degrees
 from tetrad.planner.memory import peak_bytes_by_zero_stage
 from tetrad.planner.serving import (ServeLayout, ServeWorkload, ServingEstimate,
-                                    check_serve_layout, evaluate_serving)
+                                    check_serve_layout, evaluate_serving, experts_spread)
 from tetrad.planner.quantized import quantization_refusal
 from tetrad.planner.training import (USABLE_MEMORY_FRACTION, TrainingEstimate, TrainWorkload,
                                      evaluate_training)
@@ -354,7 +354,8 @@ def serving_layouts(config: ModelConfig, cluster: Cluster, space: ServeSpace):
                 eps += [e for e in divisors(tp * dp) if config.num_experts % e == 0
                         and e % tp == 0 and e > 1]
             for ep in _choices(space.ep, eps):
-                yield ServeLayout(tp, pp, dp, ep)
+                if experts_spread(tp, dp, ep):  # a given ep skips the pp that leave too few dp
+                    yield ServeLayout(tp, pp, dp, ep)
 
 
 def search_serving(config: ModelConfig, cluster: Cluster, workload: ServeWorkload,
@@ -377,9 +378,13 @@ def search_serving(config: ModelConfig, cluster: Cluster, workload: ServeWorkloa
         raise ConfigError(refusals[0])
     if not estimates:
         check_degrees(config, space.tp or 1, space.pp or 1, space.ep or 1, training=False)
-        raise ConfigError(f"tp*pp = {(space.tp or 1) * (space.pp or 1)} does not divide the "
-                          f"{cluster.num_gpus} GPUs, or ep {space.ep} cannot spread over them: "
-                          f"change the given degrees")
+        given = (space.tp or 1) * (space.pp or 1)
+        if cluster.num_gpus % given or not space.ep:
+            raise ConfigError(f"tp*pp = {given} does not divide the {cluster.num_gpus} GPUs: "
+                              f"change the given degrees")
+        raise ConfigError(f"ep {space.ep} cannot spread over any layout of the "
+                          f"{cluster.num_gpus} GPUs with the given degrees: ep must divide tp*dp "
+                          f"and be a multiple or divisor of tp (dp = GPUs / (tp*pp))")
     fitting = [e for e in estimates if e.fits]
     if fitting:
         fitting.sort(key=(lambda e: (e.request_s, -e.decode_tokens_per_s)) if rank_by == "time"

@@ -115,10 +115,15 @@ def check_serve_layout(config: ModelConfig, num_gpus: int, layout: ServeLayout) 
     if layout.tp * layout.pp * layout.dp != num_gpus:
         raise ConfigError(f"tp*pp*dp = {layout.tp}*{layout.pp}*{layout.dp} = "
                           f"{layout.tp * layout.pp * layout.dp}, but there are {num_gpus} GPUs")
-    if layout.ep > 1 and ((layout.tp * layout.dp) % layout.ep
-                          or (layout.ep % layout.tp and layout.tp % layout.ep)):
+    if not experts_spread(layout.tp, layout.dp, layout.ep):
         raise ConfigError(f"ep {layout.ep} must divide tp*dp = {layout.tp * layout.dp} and be a "
                           f"multiple or divisor of tp {layout.tp}")
+
+
+def experts_spread(tp: int, dp: int, ep: int) -> bool:
+    """Whether ep ranks can hold the experts of a tp x dp group: ep divides tp*dp and either
+    spreads whole experts from the tp group outward or splits within it."""
+    return ep == 1 or ((tp * dp) % ep == 0 and (ep % tp == 0 or tp % ep == 0))
 
 
 def model_weight_bytes(config: ModelConfig, dtype: str) -> float:
