@@ -4,9 +4,13 @@ without offload, next to what the planner predicts for it.
     PYTHONPATH=. .venv/bin/python benchmarks/bench_offload.py [--profile PROFILE.json]
         [--pairs 12] [--modes params nvme]
 
-The host link's bandwidth is the calibrated profile's (`tetrad calibrate`: on a CPU the streaming
-bandwidth, a copy reading and writing every byte; tetrad.planner.offload_time), measured at the
-start unless --profile gives one. One spawned rank (gloo, one thread) builds the same model under
+The host link is the calibrated profile's (`tetrad calibrate`, measured at the start unless
+--profile gives one): the offload's own copies, a fixed cost per copy and a rate
+(tetrad.calibrate.compute.host_copy_costs; tetrad.planner.offload_time). Since other jobs change
+a shared machine's speed from minute to minute, the rank also reruns that measurement, and the
+streaming bandwidth, between the pairs of steps; each row is predicted three ways: by the old rule
+(every copy reading and writing each byte at the streaming bandwidth, no fixed cost), by the
+profile's copy costs, and by the copy costs measured beside the steps. One spawned rank (gloo, one thread) builds the same model under
 ZeRO-3 once per mode and runs the trainer's step (microbatches, reduction, clipping, AdamW) on
 each in turn, --pairs times after a warm-up step: every offload step is timed right beside a
 step without offload, so a drift of the machine's load falls on both sides of each difference.
@@ -29,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.bench_time_prediction import calibrated
+from benchmarks.bench_time_prediction import calibrated, load
 from tetrad.spec.model import ParallelConfig, TrainConfig
 
 MODEL = {"num_layers": 4, "hidden_size": 512, "num_heads": 8, "num_kv_heads": 8,
@@ -46,6 +50,8 @@ def mode_config(mode: str, folder: str) -> TrainConfig:
 
 def rank(rank_index: int, world_size: int, modes: list[str], pairs: int, folder: str) -> dict:
     import torch
+
+    from tetrad.calibrate import compute
 
     from tetrad.models.transformer import Transformer
     from tetrad.parallel.comm import Comm, CommCounter
@@ -73,18 +79,38 @@ def rank(rank_index: int, world_size: int, modes: list[str], pairs: int, folder:
     for run in runs.values():
         step(run)  # warm-up
     times: dict[str, list[float]] = {mode: [] for mode in runs}
+    timer = compute.Timer(torch.device("cpu"), budget_s=0.05)
+    copies, streams = [], []
     for _ in range(pairs):
         for mode, run in runs.items():
             times[mode].append(step(run))
-    return times
+        copies.append(compute.host_copy_costs(timer))
+        streams.append(compute.stream_bandwidth(timer))
+    return {"times": times, "copies": copies, "streams": streams}
 
 
-def predicted_totals(modes: list[str], profile: Path, folder: str) -> dict[str, float]:
+def beside_steps(profile: Path, measured: dict):
+    """The profile with the copy costs and the streaming bandwidth measured between the steps
+    (medians), and the same under the old rule (no copy costs)."""
+    from dataclasses import replace
+
     from tetrad.hardware.profile import load_profile
+
+    gpu = load_profile(profile)
+    latency = statistics.median(latency for latency, _ in measured["copies"])
+    rate = statistics.median(rate for _, rate in measured["copies"])
+    stream = statistics.median(measured["streams"])
+    beside = replace(gpu, host_memory_bandwidth=stream, efficiency=replace(
+        gpu.efficiency, host_copy_s=latency, host_copy_bandwidth=rate))
+    old_rule = replace(beside, efficiency=replace(beside.efficiency, host_copy_s=0.0,
+                                                  host_copy_bandwidth=0.0))
+    return beside, old_rule
+
+
+def predicted_totals(modes: list[str], gpu, folder: str) -> dict[str, float]:
     from tetrad.planner import predict_training
     from tetrad.spec.presets import resolve_model
 
-    gpu = load_profile(profile)
     config = resolve_model("tiny", MODEL)
     return {mode: predict_training(config, mode_config(mode, folder).parallel, BATCH // ACCUM,
                                    SEQ, num_microbatches=ACCUM, gpu=gpu)["step_time_s"]["total"]
@@ -103,24 +129,32 @@ def main() -> int:
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="tetrad-offload-bench-"))
     profile = args.profile or calibrated(folder / "profile.json")
-    bandwidth = load_profile(profile).host_memory_bandwidth
-    print(f"host link: a copy at the profile's streaming bandwidth, {bandwidth / 1e9:.2f} GB/s",
-          file=sys.stderr)
-    times = spawn(rank, 1, (args.modes, args.pairs, str(folder)), timeout_s=3600)[0]
-    predicted = predicted_totals(args.modes, profile, str(folder))
-    print("| offload | step ms (median) | predicted ms | cost ms (median of pairs) | "
+    gpu = load_profile(profile)
+    print(f"{load()}; profile: streaming {gpu.host_memory_bandwidth / 1e9:.2f} GB/s, a copy "
+          f"{gpu.efficiency.host_copy_s * 1e6:.1f} us + bytes at "
+          f"{gpu.efficiency.host_copy_bandwidth / 1e9:.2f} GB/s", file=sys.stderr)
+    measured = spawn(rank, 1, (args.modes, args.pairs, str(folder)), timeout_s=3600)[0]
+    times = measured["times"]
+    beside, old_rule = beside_steps(profile, measured)
+    print(f"{load()}; beside the steps: streaming {beside.host_memory_bandwidth / 1e9:.2f} GB/s, "
+          f"a copy {beside.efficiency.host_copy_s * 1e6:.1f} us + bytes at "
+          f"{beside.efficiency.host_copy_bandwidth / 1e9:.2f} GB/s")
+    print("| offload | host link | step ms (median) | predicted ms | cost ms (median of pairs) | "
           "predicted cost ms | error | cost / step | predicted | error |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for mode in args.modes:
-        steps, base = times[mode], times["none"]
-        cost = statistics.median(a - b for a, b in zip(steps, base))
-        share = statistics.median((a - b) / b for a, b in zip(steps, base))
-        cost_predicted = predicted[mode] - predicted["none"]
-        share_predicted = cost_predicted / predicted["none"]
-        print(f"| {mode} | {statistics.median(steps) * 1e3:.1f} | {predicted[mode] * 1e3:.1f} | "
-              f"{cost * 1e3:.1f} | {cost_predicted * 1e3:.1f} | "
-              f"{(cost_predicted - cost) / cost:+.1%} | {share:.1%} | {share_predicted:.1%} | "
-              f"{(share_predicted - share) / share:+.1%} |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for rule, device in (("old rule (streaming, beside)", old_rule), ("profile", gpu),
+                         ("copy costs beside", beside)):
+        predicted = predicted_totals(args.modes, device, str(folder))
+        for mode in args.modes:
+            steps, base = times[mode], times["none"]
+            cost = statistics.median(a - b for a, b in zip(steps, base))
+            share = statistics.median((a - b) / b for a, b in zip(steps, base))
+            cost_predicted = predicted[mode] - predicted["none"]
+            share_predicted = cost_predicted / predicted["none"]
+            print(f"| {mode} | {rule} | {statistics.median(steps) * 1e3:.1f} | "
+                  f"{predicted[mode] * 1e3:.1f} | {cost * 1e3:.1f} | {cost_predicted * 1e3:.1f} | "
+                  f"{(cost_predicted - cost) / cost:+.1%} | {share:.1%} | {share_predicted:.1%} | "
+                  f"{(share_predicted - share) / share:+.1%} |")
     print(f"none: {statistics.median(times['none']) * 1e3:.1f} ms measured, "
           f"{predicted['none'] * 1e3:.1f} ms predicted")
     return 0

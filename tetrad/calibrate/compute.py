@@ -34,6 +34,8 @@ MATMUL_SHAPES = {"cpu": CPU_MATMUL_SHAPES,
 ELEMENTWISE_ELEMENTS = {"cpu": 2**22, "cuda": 2**26}
 OPTIMIZER_SMALL_TENSORS = 64  # tiny tensors: the per-tensor cost
 OPTIMIZER_LARGE_ELEMENTS = 2**21  # one large tensor: the per-element cost
+# fp32 elements of the offload copies timed: 1 to 16 MiB, a ZeRO-3 unit's shard.
+HOST_COPY_ELEMENTS = (2**18, 2**20, 2**22)
 
 
 class Timer:
@@ -176,3 +178,27 @@ def optimizer_costs(timer: Timer, bandwidth: float) -> tuple[float, float]:
     # gradient, read and write the weight and both moments.
     streamed = OPTIMIZER_LARGE_ELEMENTS * 4 * (1 + 2 * 2 + 1)
     return per_tensor, min(bandwidth, streamed / seconds)
+
+
+def host_copy_costs(timer: Timer) -> tuple[float, float]:
+    """(seconds per copy, bytes per second) of the copies `--offload params` makes of a shard
+    (tetrad/parallel/fsdp.py): each into a tensor of its own on the other side, host -> device
+    before a gather and device -> host after a reduction. On a CPU both are a fresh allocation
+    whose pages the copy faults in, dearer than a stream into memory already mapped (which
+    `stream_bandwidth` times). A least-squares line through the medians of both directions at
+    HOST_COPY_ELEMENTS, a ZeRO-3 unit's shard sizes."""
+    host = torch.device("cpu")
+    pinned = torch.cuda.is_available()
+    points = []
+    for elements in HOST_COPY_ELEMENTS:
+        source = torch.randn(elements).pin_memory() if pinned else torch.randn(elements)
+        on_device = torch.randn(elements, device=timer.device)
+        inward = timer.median(lambda: source.to(timer.device, copy=True))
+        outward = timer.median(lambda: on_device.to(host, copy=True))
+        points.append((elements * source.element_size(), (inward + outward) / 2))
+    mean_bytes = statistics.fmean(nbytes for nbytes, _ in points)
+    mean_s = statistics.fmean(seconds for _, seconds in points)
+    slope = (sum((nbytes - mean_bytes) * (seconds - mean_s) for nbytes, seconds in points)
+             / sum((nbytes - mean_bytes) ** 2 for nbytes, _ in points))
+    slope = max(slope, 1e-15)
+    return max(0.0, mean_s - slope * mean_bytes), 1.0 / slope

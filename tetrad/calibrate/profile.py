@@ -96,7 +96,8 @@ def _with_whole_step(device: GPU, measured_step: float | None,
 
 
 def _single_device(timer: compute.Timer, device_type: str, show_progress: bool) -> dict:
-    steps = ["peaks", "matmul curve", "attention", "bandwidth", "operators", "optimizer"]
+    steps = ["peaks", "matmul curve", "attention", "bandwidth", "operators", "optimizer",
+             "host copies"]
     if device_type == "cpu":  # the calibration model trains on CPU only
         steps.append("training step")
     progress = tqdm(steps, desc="calibrate compute", disable=not show_progress,
@@ -118,6 +119,8 @@ def _single_device(timer: compute.Timer, device_type: str, show_progress: bool) 
             out["operators"] = compute.operator_costs(timer)
         elif step == "optimizer":
             out["optimizer"] = compute.optimizer_costs(timer, out["bandwidth"])
+        elif step == "host copies":
+            out["host_copy"] = compute.host_copy_costs(timer)
         else:
             out["step"] = step_seconds(training_step())
     progress.close()
@@ -189,6 +192,7 @@ def _profile(device_type: str, single: dict, fits: list) -> GPU:
         inter_latency_s=links.inter_latency_s if links else (p2p[0] if p2p else 0.0),
         matmul_curve=curve, op_forward_s=forward_op, op_backward_s=backward_op,
         optimizer_tensor_s=per_tensor, optimizer_memory=min(1.0, optimizer_rate / nominal),
+        host_copy_s=single["host_copy"][0], host_copy_bandwidth=single["host_copy"][1],
         collectives=tuple(fits),
         concurrent_ranks=_cores() if device_type == "cpu" else 0)
     if catalog:

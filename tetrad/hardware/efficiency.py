@@ -55,6 +55,9 @@ class EfficiencyProfile:
     call_compute_s: a rank's time outside the wait that one collective call between
         computations costs (the call layer's host work, the compute after it slower), measured
         on 2 ranks within the cores.
+    host_copy_s / host_copy_bandwidth: one copy of a shard into a tensor of its own across the
+        host link, as parameter offload makes it, = host_copy_s + bytes / host_copy_bandwidth
+        (0: the link's bandwidth alone; tetrad.planner.offload_time).
     """
 
     matmul: float
@@ -81,6 +84,8 @@ class EfficiencyProfile:
     sync_wait_back_to_back: tuple[tuple[int, float], ...] = ()
     call_cpu: tuple[tuple[int, float], ...] = ()
     call_compute_s: float = 0.0
+    host_copy_s: float = 0.0
+    host_copy_bandwidth: float = 0.0
 
     def slowdown(self, ranks: int) -> float:
         """Factor on a rank's compute when `ranks` compute at once: the measured points,

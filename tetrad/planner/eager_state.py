@@ -142,15 +142,6 @@ def _expert_state(experts: list[Param]) -> tuple[float, float, float]:
     return elements * FP32, elements * FP32, elements * 2 * FP32 + len(experts) * FP32
 
 
-def zero3_shards(config: ModelConfig, layout: TrainLayout, pp_rank: int) -> dict[int, int]:
-    """Elements of the ZeRO-3 parameter shard a rank of pipeline rank `pp_rank` holds, by
-    stage (its replicated parameters' padded units over the group)."""
-    replicated = [p for p in rank_parameters(config, layout, pp_rank)
-                  if not p.frozen and not p.expert]
-    return {stage: units.total // layout.zero_group
-            for stage, units in zero3_units(replicated, layout.zero_group).items()}
-
-
 @lru_cache(maxsize=1024)
 def model_state(config: ModelConfig, layout: TrainLayout, precision: TrainingPrecision,
                 pp_rank: int) -> ModelState:
