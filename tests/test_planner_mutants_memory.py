@@ -10,12 +10,12 @@ import pytest
 
 from tetrad.planner.layout import TrainLayout, stage_layer_counts
 from tetrad.planner.memory import (ActivationOptions, activation_bytes_per_layer,
-                                   gathered_params_bytes, in_flight_microbatches,
-                                   kv_bytes_per_token, model_state_bytes, stage_activation_bytes,
-                                   stage_params, training_memory)
+                                   in_flight_microbatches, kv_bytes_per_token, model_state_bytes,
+                                   stage_activation_bytes, stage_params, training_memory)
 from tetrad.planner.model_stats import (embedding_params, head_params, layer_params, norm_params,
                                         position_params)
 from tetrad.planner.precision import training_precision
+from tetrad.planner.weight_copies import gathered_params_bytes
 from tetrad.spec.model import ModelConfig
 from tetrad.spec.presets import preset
 

@@ -24,6 +24,8 @@ from tetrad.planner.model_stats import (embedding_params, head_params, kv_replic
                                         layer_params, norm_params, position_params)
 from tetrad.planner.precision import TrainingPrecision
 from tetrad.planner.timeline import pipeline_in_flight
+from tetrad.planner.weight_copies import (UNSHARDED_GRAD_BYTES, fp8_weight_copy_bytes,
+                                          gathered_params_bytes, keeps_stage_whole)
 
 
 # Which training code's tensors are counted: "megatron", Korthikanti et al.'s accounting of
@@ -45,6 +47,7 @@ class ActivationOptions:
     runtime: str = "megatron"  # see RUNTIMES; "tetrad" fixes the two above (SDPA, no dropout)
     zero3_live_params: float = 0.0  # see gathered_params_bytes
     recompute_ops: tuple[str, ...] = ()  # RECOMPUTE_OPS run again in backward, not stored
+    zero3_whole_stage_under_pp: bool = False  # FSDP2's, weight_copies.keeps_stage_whole
 
     def __post_init__(self) -> None:
         if self.runtime not in RUNTIMES:
@@ -150,65 +153,26 @@ def zero_state_bytes(num_params: float, group: int, zero: int, offload: bool,
 
 
 def model_state_bytes(config: ModelConfig, layout: TrainLayout, precision: TrainingPrecision,
-                      stage: int, live_params: float = 0.0) -> tuple[float, float, float]:
+                      stage: int, live_params: float = 0.0,
+                      whole_stage_under_pp: bool = False) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes on one GPU of `stage` (ZeRO, Rajbhandari et al. 2020):
-    dense parameters shard over dp*cp, expert parameters over their own group, dp*cp/ep."""
+    dense parameters shard over dp*cp, expert parameters over their own group, dp*cp/ep. FSDP2
+    under pipeline parallelism (weight_copies.keeps_stage_whole) adds the whole stage gathered
+    and its unsharded fp32 gradients in place of the shards'."""
     dense, expert = stage_params(config, layout.pp, stage, layout.tp, layout.ep,
                                  layout.expert_tp)
     params, grads, optimizer = zero_state_bytes(dense, layout.zero_group, layout.zero,
                                                 layout.offload, precision, layout.offload_params)
     expert_params, expert_grads, expert_optimizer = zero_state_bytes(
         expert, layout.expert_zero_group, layout.zero, layout.offload, precision)
+    whole = keeps_stage_whole(layout, whole_stage_under_pp)
+    if whole:
+        grads, expert_grads = (dense + expert) * UNSHARDED_GRAD_BYTES, 0.0
     return (params + expert_params
-            + gathered_params_bytes(config, layout, precision, live_params)
-            + fp8_weight_copy_bytes(config, layout, precision, stage, live_params),
+            + gathered_params_bytes(config, layout, precision, live_params,
+                                    (dense + expert) if whole else 0.0)
+            + fp8_weight_copy_bytes(config, layout, precision, stage, live_params, whole),
             grads + expert_grads, optimizer + expert_optimizer)
-
-
-# FP8 training keeps, beside each 16-bit weight of the block linears, an FP8 copy in both
-# usages: row-wise for the forward GEMM and a physically transposed column-wise one for the
-# backward's data gradient, since Hopper's FP8 GEMMs take only the TN layout (Transformer
-# Engine's docs, "Performance considerations: handling transposes"). Megatron-Core casts them at
-# a step's first microbatch and reuses them for the rest (is_first_microbatch), so they live all
-# step: one byte each, two per weight.
-FP8_WEIGHT_COPY_BYTES = 2.0
-
-
-def fp8_weight_copy_bytes(config: ModelConfig, layout: TrainLayout,
-                          precision: TrainingPrecision, stage: int,
-                          live_params: float = 0.0) -> float:
-    """Bytes of the FP8 weight copies one GPU of `stage` holds in fp8 training: its share of
-    every block linear (tensor- and expert-sharded matmul weights), or under ZeRO-3 only the
-    gathered units' (cast after each gather, freed with them)."""
-    if precision.compute_dtype != "fp8":
-        return 0.0
-    if layout.zero >= 3:
-        gathered = gathered_params_bytes(config, layout, precision, live_params)
-        return gathered / precision.param_bytes * FP8_WEIGHT_COPY_BYTES
-    counts = stage_layer_counts(config.num_layers, layout.pp)
-    first = stage_first_layer(counts, stage)
-    linear = 0.0
-    for layer in range(first, first + counts[stage]):
-        params = layer_params(config, layer)
-        linear += (params.tp_sharded / layout.tp + kv_replica_params(config, layout.tp)
-                   + params.experts / (layout.ep * layout.expert_tp))
-    return linear * FP8_WEIGHT_COPY_BYTES
-
-
-def gathered_params_bytes(config: ModelConfig, layout: TrainLayout,
-                          precision: TrainingPrecision, live_params: float = 0.0) -> float:
-    """ZeRO-3's whole parameters on one GPU at the peak: FSDP gathers one block while
-    prefetching the next, two full blocks in flight; DeepSpeed gathers sub-modules and keeps at
-    most `live_params` elements whole (stage3_max_live_parameters), when that is fewer."""
-    if layout.zero < 3:
-        return 0.0
-    blocks = 2 * _biggest_layer(config) / layout.tp
-    return (min(blocks, live_params) if live_params else blocks) * precision.param_bytes
-
-
-@lru_cache(maxsize=256)
-def _biggest_layer(config: ModelConfig) -> int:
-    return max(layer_params(config, layer).total for layer in range(config.num_layers))
 
 
 @lru_cache(maxsize=8192)
@@ -352,12 +316,22 @@ def stage_memory(config: ModelConfig, layout: TrainLayout, precision: TrainingPr
     """One GPU of pipeline `stage` under Megatron's fused kernels (training_memory's fullest is
     the largest of these; `tetrad plan --web` draws every stage's)."""
     params, grads, optimizer = model_state_bytes(config, layout, precision, stage,
-                                                 options.zero3_live_params)
+                                                 options.zero3_live_params,
+                                                 options.zero3_whole_stage_under_pp)
     activations = stage_activation_bytes(config, layout, seq_len, options,
                                          precision.activation_bytes, stage)
     return MemoryBreakdown(params, grads, optimizer, activations,
-                           params_gathered=gathered_params_bytes(
-                               config, layout, precision, options.zero3_live_params))
+                           params_gathered=_gathered_at_peak(config, layout, precision,
+                                                             options, stage))
+
+
+def _gathered_at_peak(config: ModelConfig, layout: TrainLayout, precision: TrainingPrecision,
+                      options: ActivationOptions, stage: int) -> float:
+    whole = 0.0
+    if keeps_stage_whole(layout, options.zero3_whole_stage_under_pp):
+        whole = sum(stage_params(config, layout.pp, stage, layout.tp, layout.ep,
+                                 layout.expert_tp))
+    return gathered_params_bytes(config, layout, precision, options.zero3_live_params, whole)
 
 
 def peak_bytes_by_zero_stage(config: ModelConfig, layout: TrainLayout,
@@ -375,7 +349,8 @@ def peak_bytes_by_zero_stage(config: ModelConfig, layout: TrainLayout,
     for zero in zeros:
         with_zero = dataclasses.replace(layout, zero=zero)
         totals.append(max(sum(model_state_bytes(config, with_zero, precision, stage,
-                                                options.zero3_live_params)) + act
+                                                options.zero3_live_params,
+                                                options.zero3_whole_stage_under_pp)) + act
                           for stage, act in zip(stages, activations)))
     return totals
 

@@ -15,6 +15,7 @@ from tetrad.planner.layout import check_training_layout
 from tetrad.planner.memory import kv_bytes_per_token, training_memory
 from tetrad.planner.precision import element_bytes
 from tetrad.planner.model_stats import active_parameters, count_parameters
+from tetrad.planner.runtime_memory import runtime_reserve
 from tetrad.planner.search import SearchResult
 from tetrad.planner.serving import ServeWorkload, ServingEstimate, model_weight_bytes
 from tetrad.planner.training import TrainingEstimate, TrainWorkload
@@ -54,7 +55,10 @@ def training_config_json(estimate: TrainingEstimate, tokens: float = 0.0,
                        "params_gathered": _gib(estimate.memory.params_gathered),
                        "model_states_formula": _gib(
                            estimate.memory.params + estimate.memory.grads
-                           + estimate.memory.optimizer - estimate.memory.params_gathered)},
+                           + estimate.memory.optimizer - estimate.memory.params_gathered),
+                       # Held beside the tensors; `usable` is the GPU's memory less these.
+                       **{key: _gib(value) for key, value in runtime_reserve(
+                           estimate.layout).lines(estimate.memory.total).items()}},
         "fullest_stage": estimate.fullest_stage,
         "step_time_s": {key: _round(value) for key, value in estimate.step.as_dict().items()},
         "tokens_per_s": _round(estimate.tokens_per_s),
@@ -189,7 +193,9 @@ def training_text(config: ModelConfig, cluster: Cluster, workload: TrainWorkload
               f"{best['fullest_stage']}): params {memory['params']:.1f} GiB, grads "
               f"{memory['grads']:.1f}, optimizer {memory['optimizer']:.1f}, activations "
               f"{memory['activations']:.1f}; total {memory['total']:.1f} of "
-              f"{memory['usable']:.1f} usable"]
+              f"{memory['usable']:.1f} usable (held besides: CUDA context "
+              f"{memory['cuda_context']:.1f}, NCCL buffers {memory['nccl_buffers']:.1f}, "
+              f"allocator reserve {memory['allocator_reserve']:.1f})"]
     if memory["params_gathered"]:
         lines.append(f"ZeRO-3: params include {memory['params_gathered']:.2f} GiB of parameters "
                      f"gathered whole at the peak; the ZeRO paper's sharded model states "

@@ -42,8 +42,8 @@ from tetrad.planner.memory import peak_bytes_by_zero_stage
 from tetrad.planner.serving import (ServeLayout, ServeWorkload, ServingEstimate,
                                     check_serve_layout, evaluate_serving, experts_spread)
 from tetrad.planner.quantized import quantization_refusal
-from tetrad.planner.training import (USABLE_MEMORY_FRACTION, TrainingEstimate, TrainWorkload,
-                                     evaluate_training)
+from tetrad.planner.runtime_memory import usable_tensor_memory
+from tetrad.planner.training import TrainingEstimate, TrainWorkload, evaluate_training
 
 MIN_CP_TOKENS = 2048
 MAX_MICRO_BATCH = 16
@@ -248,7 +248,6 @@ def search_training(config: ModelConfig, cluster: Cluster, workload: TrainWorklo
     if rank_by == "cost":
         return _search_by_cost(config, cluster, workload, global_batch, space, top)
     check_training_space(cluster, workload, global_batch, space)
-    usable = cluster.gpu.memory_bytes * USABLE_MEMORY_FRACTION
     precision, options = workload.precision, workload.activation_options
     recomputes = _choices(space.recompute, RECOMPUTES)
     closest: list[tuple[float, TrainLayout]] = []
@@ -268,6 +267,7 @@ def search_training(config: ModelConfig, cluster: Cluster, workload: TrainWorklo
                 totals = peak_bytes_by_zero_stage(config, layout, precision,
                                                   workload.seq_len, options, zeros)
                 num_candidates += len(zeros)
+                usable = usable_tensor_memory(cluster.gpu.memory_bytes, layout)
                 fits = [zero for zero, total in zip(zeros, totals) if total <= usable]
                 fitting += [layout if zero == layout.zero else
                             dataclasses.replace(layout, zero=zero) for zero in fits]

@@ -37,7 +37,7 @@ STACKS: dict[str, dict] = {
     # parallelism as PyTorch's context_parallel ring, head-tail load-balanced like TE's.
     "torchtitan": dict(flash_attention=True, dropout=False, overlap_grad_reduce=True,
                        overlap_param_gather=True, overlap_tp_comm=False, overlap_p2p=True,
-                       portable_attention=True),
+                       portable_attention=True, zero3_whole_stage_under_pp=True),
     # tetrad's own runtime: bucketed async DDP, FSDP-style prefetch, isend/irecv pipeline, its
     # own tensors counted (tetrad.planner.eager).
     "tetrad": dict(flash_attention=True, dropout=False, overlap_grad_reduce=True,

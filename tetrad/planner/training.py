@@ -36,14 +36,11 @@ from tetrad.planner.offload_time import offload_time
 from tetrad.planner.memory import (ActivationOptions, stage_params, stages_to_check,
                                    training_memory)
 from tetrad.planner.precision import TrainingPrecision, training_precision
+from tetrad.planner.runtime_memory import usable_tensor_memory
 from tetrad.planner.stacks import check_recompute_ops
+from tetrad.planner.weight_copies import UNSHARDED_GRAD_BYTES, keeps_stage_whole
 from tetrad.planner.timeline import StepTime, overlapped, paired_share, pipeline_bubble_ratio
 from tetrad.schedules.generate import V_SHAPED
-
-# Memory the framework cannot use for tensors: CUDA context, NCCL buffers, allocator
-# fragmentation (PyTorch's caching allocator typically strands a few percent).
-USABLE_MEMORY_FRACTION = 0.95
-
 
 @dataclass(frozen=True)
 class TrainWorkload:
@@ -65,6 +62,7 @@ class TrainWorkload:
     # spread over a node's rails, so each crosses nodes at one NIC's bandwidth; its activation
     # checkpointing re-runs the gather hooks, one more all-gather under full recomputation.
     zero3_per_parameter: bool = False
+    zero3_whole_stage_under_pp: bool = False  # FSDP2's under pp (planner.weight_copies)
     portable_attention: bool = False  # FlashAttention-2 / Triton, not the vendor's kernels
     # DeepSeek-V3's dispatch kernels (report section 3.2.2): a token crosses the network once per
     # node that holds any of its experts, then fans out over NVLink; with group-limited routing
@@ -86,7 +84,8 @@ class TrainWorkload:
     @cached_property
     def activation_options(self) -> ActivationOptions:
         return ActivationOptions(self.flash_attention, self.dropout, self.runtime,
-                                 self.zero3_live_params, self.recompute_ops)
+                                 self.zero3_live_params, self.recompute_ops,
+                                 zero3_whole_stage_under_pp=self.zero3_whole_stage_under_pp)
 
 
 def _tp_collective_time(cluster: Cluster, layout: TrainLayout, size: float) -> float:
@@ -212,20 +211,24 @@ def _data_parallel(config: ModelConfig, cluster: Cluster, layout: TrainLayout,
         group = comm.place_group(cluster, size, cluster.node_size if flat else stride)
         grads = elements * precision.grad_bytes
         params = elements * precision.param_bytes
+        zero = layout.zero
+        if keeps_stage_whole(layout, workload.zero3_whole_stage_under_pp):
+            # One gather and one fp32 reduce-scatter a step (weight_copies): ZeRO-1's pattern.
+            zero, grads = 1, elements * UNSHARDED_GRAD_BYTES
         reduce_time = comm.reduce_scatter_time(cluster, group, grads)
         gather_time = comm.all_gather_time(cluster, group, params)
-        if layout.zero == 0:
+        if zero == 0:
             exposed += overlapped(comm.all_reduce_time(cluster, group, grads), backward,
                                   workload.overlap_grad_reduce, interference)
             ledger.add("all_reduce", size, grads)
-        elif layout.zero == 1:
+        elif zero == 1:
             exposed += overlapped(reduce_time, backward, workload.overlap_grad_reduce,
                                   interference)
             exposed += overlapped(gather_time, forward, workload.overlap_param_gather,
                                   interference)
             ledger.add("reduce_scatter", size, grads)
             ledger.add("all_gather", size, params)
-        elif layout.zero == 2:
+        elif zero == 2:
             exposed += m * overlapped(reduce_time, backward, workload.overlap_grad_reduce,
                                       interference)
             exposed += overlapped(gather_time, forward, workload.overlap_param_gather,
@@ -369,7 +372,7 @@ def evaluate_training(config: ModelConfig, cluster: Cluster, layout: TrainLayout
     sequences = layout.global_batch
     return TrainingEstimate(
         layout=layout, memory=memory, fullest_stage=fullest,
-        usable_memory=gpu.memory_bytes * USABLE_MEMORY_FRACTION,
+        usable_memory=usable_tensor_memory(gpu.memory_bytes, layout),
         step=step,
         tokens_per_step=sequences * workload.seq_len,
         model_flops_per_step=model_flops * sequences,
