@@ -93,7 +93,8 @@ def test_host_checkpoints_in_one_process_equal_it_and_the_planner(plain, corpus_
     assert_report_is_the_planners(host)
 
 
-def assert_layouts_equal_one_process(plain, corpus_file, folder, layouts) -> None:
+def assert_layouts_equal_one_process(plain, corpus_file, folder, layouts) -> list[dict]:
+    """Trains `layouts` on 4 ranks in one spawned job and checks them; returns their reports."""
     configs = [run_config(corpus_file, ParallelConfig(**layout), folder / f"layout{index}")
                for index, layout in enumerate(layouts)]
     reports = run_ranks(layouts_job, 4, configs, timeout_s=1100)[0]
@@ -109,6 +110,7 @@ def assert_layouts_equal_one_process(plain, corpus_file, folder, layouts) -> Non
                                        msg=lambda m: f"{layouts[index]} {name}: {m}")
         assert_report_is_the_planners(report, ids_slack=global_ids // 2)
         assert report["ranks"][0]["comm_bytes"]["all_gather"] > 0
+    return reports
 
 
 # Four spawned ranks training two layouts take minutes on a loaded 2-core machine.
