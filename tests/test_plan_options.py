@@ -78,7 +78,9 @@ def test_training_ranked_by_cost_searches_fewer_gpus_for_fewer_gpu_seconds_per_t
     def gpu_seconds(item):
         return item["num_gpus"] / item["tokens_per_s"]
 
-    assert [gpu_seconds(item) for item in by_cost] == sorted(map(gpu_seconds, by_cost))
+    # Ranked on the exact times; the JSON's 4 significant digits may tie or swap neighbours.
+    seconds = [gpu_seconds(item) for item in by_cost]
+    assert all(first <= second * (1 + 1e-3) for first, second in zip(seconds, seconds[1:]))
     assert gpu_seconds(by_cost[0]) <= gpu_seconds(by_time[0])
     assert by_cost[0]["tokens_per_dollar"] >= by_time[0]["tokens_per_dollar"]
     assert all(item["num_gpus"] == 64 for item in by_time)
@@ -198,14 +200,16 @@ def test_compile_counts_fused_kernels_and_rematerialized_pointwise_outputs(capsy
     compiled = _plan_json(capsys, *argv, "--compile")
     assert compiled["stack"]["runtime"] == "megatron" and compiled["stack"]["compiled"]
     assert compiled["recompute_ops"] == ["activation", "norm"]
-    fused = _plan_json(capsys, *argv[:-1], "torchtitan", "--recompute-ops", "norm,activation")
+    fused = _plan_json(capsys, *argv[:-1], "megatron", "--recompute-ops", "norm,activation")
     # The same bytes as the fused stack recomputing the same ops; fewer than eager's.
     assert compiled["configs"][0]["memory_gib"] == fused["configs"][0]["memory_gib"]
     assert (compiled["configs"][0]["memory_gib"]["activations"]
             < eager["configs"][0]["memory_gib"]["activations"])
-    # Inductor recomputes inside kernels the backward runs anyway: no time of their own.
+    # Inductor recomputes inside kernels the backward runs anyway: no time of their own (against
+    # the eager stack of the same attention kernel and TP, recomputing them as kernels).
+    titan = _plan_json(capsys, *argv[:-1], "torchtitan", "--recompute-ops", "norm,activation")
     assert (compiled["configs"][0]["step_time_s"]["total"]
-            < fused["configs"][0]["step_time_s"]["total"])
+            < titan["configs"][0]["step_time_s"]["total"])
 
 
 def test_recompute_ops_refused_in_one_line_where_they_cannot_run(capsys):

@@ -1,7 +1,8 @@
 """Collective times of the planner against a step-by-step ring and against where a group's ranks
 really sit: groups placed by listing their members' ranks, ring collectives inside a node timed
 step by step (each step one latency plus its chunk over the link), across nodes by the
-rail-optimized bandwidth and a tree's latency, and the byte ledger against its own definition."""
+rail-optimized bandwidth and a tree's latency (all-reduce) or a ring's (reduce-scatter, all-gather),
+and the byte ledger against its own definition."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def test_ring_collectives_inside_a_node_step_by_step(n, size_bytes):
 
 
 @pytest.mark.parametrize("size,stride", [(16, 1), (32, 1), (64, 1), (8, 8), (16, 4), (4, 16)])
-def test_collectives_across_nodes_use_a_nic_per_member_and_a_tree(size, stride):
+def test_collectives_across_nodes_use_a_nic_per_member_and_a_tree_or_ring(size, stride):
     group = comm.place_group(CLUSTER, size, stride)
     per_node, nodes = group.members_per_node, group.num_nodes
     bandwidth = min(INTRA, per_node * NIC) if per_node > 1 else NIC
@@ -79,8 +80,10 @@ def test_collectives_across_nodes_use_a_nic_per_member_and_a_tree(size, stride):
     s = 5e8
     assert comm.all_reduce_time(CLUSTER, group, s) == pytest.approx(
         comm.latency(CLUSTER, group, 2) + 2 * (size - 1) / size * s / bandwidth)
+    # NCCL's all-gather is a ring only: size - 1 steps, nodes - 1 of them over the network.
+    ring = (size - nodes) * PROFILE.intra_latency_s + (nodes - 1) * PROFILE.inter_latency_s
     assert comm.all_gather_time(CLUSTER, group, s) == pytest.approx(
-        comm.latency(CLUSTER, group, 1) + (size - 1) / size * s / bandwidth)
+        ring + (size - 1) / size * s / bandwidth)
     # All-to-all: the members of this node over NVLink, the others over the NIC, side by side.
     on_node = (per_node - 1) / size * s / INTRA
     off_node = (size - per_node) / size * s / NIC

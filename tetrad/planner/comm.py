@@ -4,8 +4,11 @@ time = latency + bytes / bandwidth. A group of `size` ranks whose members sit `s
 rank grid (tp innermost) stays inside one node when size * stride fits in it; otherwise it spans
 nodes with `members_per_node` of its ranks in each. NCCL then runs one ring per member of a node,
 each crossing nodes on its own NIC (rail-optimized fabric), so the ring's bus bandwidth is
-min(NVLink, members_per_node * NIC). Latency: a ring step per rank inside the node, a tree
-(2 log2 of the node count steps) across nodes, as NCCL switches to at scale.
+min(NVLink, members_per_node * NIC). Latency, as NCCL's own tuning model counts it
+(src/graph/tuning.cc, ncclTopoTuneModel): an all-reduce runs a tree across nodes at scale, a
+ring step per rank inside the node and 2 log2 of the node count steps across; reduce-scatter and
+all-gather have no tree algorithm in NCCL (ring, or NVLS inside a node), so their ring takes
+n - 1 steps, of which the node count minus one cross the network and the rest stay inside a node.
 
 Bytes *sent* per rank (for the run report's comm_bytes) follow the ring algorithms, by the share
 the runtime's byte counter counts (tetrad.spec.runtime_rules.ring_share): all-reduce 2(n-1)/n * S,
@@ -51,10 +54,20 @@ def bus_bandwidth(cluster: Cluster, group: Group) -> float:
 
 
 def latency(cluster: Cluster, group: Group, ring_steps_per_rank: int) -> float:
-    """Latency of a collective whose ring takes `ring_steps_per_rank` * (n - 1) steps."""
+    """Latency of an all-reduce (`ring_steps_per_rank` 2): ring steps inside the node, a tree
+    across nodes."""
     profile = cluster.gpu.efficiency
     intra_steps = ring_steps_per_rank * (group.members_per_node - 1)
     inter_steps = 2 * math.ceil(math.log2(group.num_nodes)) if group.num_nodes > 1 else 0
+    return intra_steps * profile.intra_latency_s + inter_steps * profile.inter_latency_s
+
+
+def ring_latency(cluster: Cluster, group: Group) -> float:
+    """Latency of a reduce-scatter or all-gather: one ring of n - 1 steps around every rank, the
+    node count minus one of them over the network (NCCL's nsteps and nInterSteps)."""
+    profile = cluster.gpu.efficiency
+    inter_steps = group.num_nodes - 1
+    intra_steps = group.size - 1 - inter_steps
     return intra_steps * profile.intra_latency_s + inter_steps * profile.inter_latency_s
 
 
@@ -71,7 +84,7 @@ def all_gather_time(cluster: Cluster, group: Group, full_bytes: float) -> float:
     if group.size == 1 or full_bytes == 0:
         return 0.0
     n = group.size
-    return latency(cluster, group, 1) + (n - 1) / n * full_bytes / bus_bandwidth(cluster, group)
+    return ring_latency(cluster, group) + (n - 1) / n * full_bytes / bus_bandwidth(cluster, group)
 
 
 reduce_scatter_time = all_gather_time

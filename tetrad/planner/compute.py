@@ -20,7 +20,9 @@ from tetrad.spec.model import ModelConfig
 from tetrad.hardware.catalog import GPU
 from tetrad.planner.flops import Gemm, attention_core_flops, attention_head_dims, head_gemm, \
     layer_gemms
+from tetrad.planner import op_checkpoint
 from tetrad.planner.layout import stage_first_layer, stage_layer_counts
+from tetrad.planner.unfused import activation_traffic, norm_traffic, rope_traffic
 
 BACKWARD_ATTENTION_FACTOR = 2.5  # FlashAttention-2 paper, section 3.1.2: 5 matmuls vs 2
 
@@ -186,15 +188,17 @@ def attention_times(config: ModelConfig, gpu: GPU, micro_batch: int, seq_len: in
 
 
 def _elementwise_bytes(config: ModelConfig, layer: int, tp: int, sequence_parallel: bool,
-                       dropout: bool, act_bytes: float) -> tuple[float, int]:
-    """Forward bytes per token of a block's bandwidth-bound kernels, and their count."""
+                       dropout: bool, act_bytes: float, eager: bool = False) -> tuple[float, int]:
+    """Forward bytes per token of a block's bandwidth-bound kernels, and their count (`eager`:
+    unfused model code, tetrad.planner.unfused)."""
     h = config.hidden_size
     replicated_split = tp if sequence_parallel else 1
-    # Two norms (read + write) and two residual adds (two reads + one write); a parallel block
-    # adds attention's and the MLP's outputs to the input in one three-way add.
+    norm, norm_kernels = norm_traffic(config, act_bytes, eager)
+    # Two norms and two residual adds (two reads + one write); a parallel block adds
+    # attention's and the MLP's outputs to the input in one three-way add.
     adds = (4 * h, 1) if config.parallel_block else (6 * h, 2)
-    replicated = (4 * h + adds[0]) * act_bytes + (2 * h * (1 + act_bytes) if dropout else 0)
-    kernels = 2 + adds[1] + (2 if dropout else 0)
+    replicated = 2 * h * norm + adds[0] * act_bytes + (2 * h * (1 + act_bytes) if dropout else 0)
+    kernels = 2 * norm_kernels + adds[1] + (2 if dropout else 0)
     heads = -(-config.num_heads // tp)
     kv_heads = -(-config.num_kv_heads // tp)
     if config.position == "rope":
@@ -202,14 +206,14 @@ def _elementwise_bytes(config: ModelConfig, layer: int, tp: int, sequence_parall
             rotated = heads * config.qk_rope_head_dim + config.qk_rope_head_dim
         else:  # partial rotary reads and writes only the rotated dims
             rotated = (heads + kv_heads) * config.rotary_dims
-        sharded = 2 * rotated * act_bytes
-        kernels += 1
+        per_element, rope_kernels = rope_traffic(act_bytes, eager)
+        sharded = rotated * per_element
+        kernels += rope_kernels
     else:
         sharded = 0.0
-    if config.qk_norm:  # read and write every query and key head
-        sharded += 2 * (heads + kv_heads) * config.head_dim * act_bytes
-        kernels += 2
-    gated = config.mlp == "swiglu"
+    if config.qk_norm:  # every query and key head
+        sharded += (heads + kv_heads) * config.head_dim * norm
+        kernels += 2 * norm_kernels
     if config.is_moe_layer(layer):
         ffn = -(-config.moe_ffn_hidden_size // tp)
         k = config.num_experts_per_token
@@ -218,8 +222,9 @@ def _elementwise_bytes(config: ModelConfig, layer: int, tp: int, sequence_parall
         kernels += 4
     else:
         width = -(-config.ffn_hidden_size // tp)
-    sharded += (3 if gated else 2) * width * act_bytes
-    return replicated / replicated_split + sharded, kernels + 1
+    per_element, activation_kernels = activation_traffic(config, act_bytes, eager)
+    sharded += width * per_element
+    return replicated / replicated_split + sharded, kernels + activation_kernels
 
 
 @lru_cache(maxsize=8192)
@@ -228,21 +233,29 @@ def layer_times(config: ModelConfig, gpu: GPU, layer: int, micro_batch: int, seq
                 dropout: bool, compute_dtype: str, act_bytes: float, weight_bytes: float,
                 group_tokens: int | None = None, expert_tp: int | None = None,
                 portable_attention: bool = False, fp8_casts: str = "",
-                recompute_ops: tuple[str, ...] = ()) -> KernelTimes:
+                recompute_ops: tuple[str, ...] = (), eager: bool = False,
+                selective_op: bool = False) -> KernelTimes:
     """One block, one microbatch (see layer_gemms for the expert-parallel arguments;
-    fp8_cast_time for `fp8_casts`; `recompute_ops`: memory.RECOMPUTE_OPS run again)."""
+    fp8_cast_time for `fp8_casts`; `recompute_ops`: memory.RECOMPUTE_OPS run again; `eager`:
+    element-wise work as unfused model code runs it, tetrad.planner.unfused; `selective_op`:
+    selective recomputation as torchtitan's op-level policy, tetrad.planner.op_checkpoint)."""
     tokens = micro_batch * seq_len // cp
     matmul = sum(gemm_time(gpu, g, compute_dtype, act_bytes, weight_bytes, fp8_casts)
                  for g in layer_gemms(config, layer, tokens, tp, ep, group_tokens, expert_tp))
     attention_forward, attention_backward = attention_times(
         config, gpu, micro_batch, seq_len, tp, cp, flash, dropout, act_bytes, portable_attention)
     per_token, num_kernels = _elementwise_bytes(config, layer, tp, sequence_parallel, dropout,
-                                                act_bytes)
+                                                act_bytes, eager)
     elementwise = bandwidth_time(gpu, per_token * tokens, num_kernels)
     forward = matmul + attention_forward + elementwise
     backward = 2 * matmul + attention_backward + 2 * elementwise
     if recompute in FORWARD_AGAIN:
         again = forward
+    elif recompute == "selective" and selective_op and op_checkpoint.applies(config, layer):
+        # Every second matmul and every element-wise op again; the attention's output is kept.
+        again = elementwise + sum(gemm_time(gpu, g, compute_dtype, act_bytes, weight_bytes,
+                                            fp8_casts)
+                                  for g in op_checkpoint.recomputed_matmuls(config, tokens, tp))
     elif recompute == "selective":
         again = attention_forward
     else:
@@ -274,13 +287,15 @@ def _pointwise_again(config: ModelConfig, layer: int, tp: int, sequence_parallel
 
 @lru_cache(maxsize=1024)
 def head_times(config: ModelConfig, gpu: GPU, micro_batch: int, seq_len: int, tp: int, cp: int,
-               compute_dtype: str, act_bytes: float, weight_bytes: float) -> KernelTimes:
+               compute_dtype: str, act_bytes: float, weight_bytes: float,
+               eager: bool = False) -> KernelTimes:
     """The final norm, LM head and cross-entropy (fp32 logits, read and written both ways)."""
     tokens = micro_batch * seq_len // cp
     matmul = gemm_time(gpu, head_gemm(config, tokens, tp), compute_dtype, act_bytes, weight_bytes)
     logits = tokens * -(-config.vocab_size // tp)
     loss = bandwidth_time(gpu, logits * (act_bytes + 4 + 4), 2)
-    norm = bandwidth_time(gpu, tokens * config.hidden_size * 2 * act_bytes, 1)
+    per_element, norm_kernels = norm_traffic(config, act_bytes, eager)
+    norm = bandwidth_time(gpu, tokens * config.hidden_size * per_element, norm_kernels)
     forward = matmul + loss + norm
     return KernelTimes(forward, 2 * matmul + loss + 2 * norm, 0.0, matmul, 0.0)
 
@@ -290,10 +305,12 @@ def stage_times(config: ModelConfig, gpu: GPU, num_stages: int, stage: int, micr
                 flash: bool, dropout: bool, compute_dtype: str, act_bytes: float,
                 weight_bytes: float, expert_tp: int | None = None,
                 portable_attention: bool = False, fp8_casts: str = "inputs",
-                recompute_ops: tuple[str, ...] = ()) -> KernelTimes:
+                recompute_ops: tuple[str, ...] = (), eager: bool = False,
+                selective_op: bool = False) -> KernelTimes:
     """Kernel time of one microbatch through one pipeline stage (its blocks, plus the LM head on
     the last stage). Dense and MoE blocks are timed once each and multiplied. `expert_tp` below
-    tp: experts whole over tensor ranks too, each rank routing its 1/tp of the tokens."""
+    tp: experts whole over tensor ranks too, each rank routing its 1/tp of the tokens; `eager`:
+    unfused element-wise model code (tetrad.planner.unfused); `selective_op`: see layer_times."""
     counts = stage_layer_counts(config.num_layers, num_stages)
     first = stage_first_layer(counts, stage)
     layers = range(first, first + counts[stage])
@@ -308,15 +325,16 @@ def stage_times(config: ModelConfig, gpu: GPU, num_stages: int, stage: int, micr
         if expert_tp is not None and expert_tp != tp:
             expert_args = (micro_batch * seq_len // cp // tp * ep, expert_tp)
         total = total + layer_times(config, gpu, moe_layer, *args, *expert_args,
-                                    portable_attention, fp8, recompute_ops).scaled(num_moe)
+                                    portable_attention, fp8, recompute_ops, eager,
+                                    selective_op).scaled(num_moe)
     if len(layers) - num_moe:
         dense_layer = next(layer for layer in layers if not config.is_moe_layer(layer))
         total = total + layer_times(config, gpu, dense_layer, *args, None, None,
-                                    portable_attention, fp8, recompute_ops
-                                    ).scaled(len(layers) - num_moe)
+                                    portable_attention, fp8, recompute_ops, eager,
+                                    selective_op).scaled(len(layers) - num_moe)
     if stage == num_stages - 1:
         total = total + head_times(config, gpu, micro_batch, seq_len, tp, cp, compute_dtype,
-                                   act_bytes, weight_bytes)
+                                   act_bytes, weight_bytes, eager)
     return total
 
 
