@@ -18,6 +18,7 @@ Ranks are gloo processes with --threads threads each (on a GPU machine: NCCL, on
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 
 import torch
@@ -30,6 +31,7 @@ from tetrad.parallel.comm import Comm
 from tetrad.parallel.launch import spawn
 from tetrad.parallel.mesh import build_mesh
 from tetrad.parallel.pipeline import PipelineExecutor
+from tetrad.parallel.pipeline.measured import MeasuredCosts, measured_costs
 from tetrad.schedules import simulate
 from tetrad.schedules.generate import V_SHAPED
 from timing import timed
@@ -101,7 +103,7 @@ def bench_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
             return sum(loss.item() for loss in losses) / args.microbatches
 
         times = {"tetrad": [], "torch": []}
-        idle = []
+        idle, events, compute = [], [], []
         for step in range(args.warmup + args.steps):
             seconds, stats = timed(lambda: executor.step(tokens))
             executor.module.zero_grad(set_to_none=True)
@@ -114,12 +116,49 @@ def bench_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
                 times["tetrad"].append(seconds)
                 times["torch"].append(torch_seconds)
                 idle.append(stats.idle_fraction)
+                events.append(stats.events)
+                compute.append(stats.compute_s)
         results[name] = {"tetrad_s": statistics.median(times["tetrad"]),
                          "torch_s": statistics.median(times["torch"]),
                          "idle_fraction": statistics.median(idle),
                          "simulated": simulate(plan).bubble_fraction,
-                         "as_executed": simulate(plan, as_executed=True).bubble_fraction}
+                         "as_executed": simulate(plan, as_executed=True).bubble_fraction,
+                         "events": events, "compute_s": compute, "plan": plan}
     return results
+
+
+def replayed(per_rank: list[dict], name: str) -> tuple[MeasuredCosts, list[float]]:
+    """The executor's own action costs of this run, and per rank the idle fraction that the
+    simulation of those costs (as executed) predicts for a step of head + makespan + tail."""
+    measured = measured_costs(list(zip(*(r[name]["events"] for r in per_rank))))
+    timeline = simulate(per_rank[0][name]["plan"], as_executed=True, costs=measured.costs)
+    step = measured.head_s + float(timeline.makespan) + measured.tail_s
+    return measured, [1 - sum(float(s.end - s.start) for s in spans) / step
+                      for spans in timeline.spans]
+
+
+def bookkeeping(per_rank: list[dict], name: str) -> float:
+    """Mean share of a step that computes' actions spent outside the executor's compute timer
+    and outside their waits (the measured idle fraction counts it idle; the replay, busy)."""
+    shares = []
+    for result in per_rank:
+        for events, compute_s in zip(result[name]["events"], result[name]["compute_s"]):
+            step = next(end - start for kind, *_, start, end in events if kind == "STEP")
+            actions = sum(end - start for kind, *_, start, end in events
+                          if kind in ("F", "B", "BW", "W"))
+            waits = sum(end - start for kind, *_, start, end in events if kind.startswith("WAIT"))
+            shares.append((actions - waits - compute_s) / step)
+    return statistics.fmean(shares)
+
+
+def describe(measured: MeasuredCosts) -> str:
+    by_kind: dict[str, list[str]] = {}
+    for (kind, stage), seconds in sorted(measured.costs.seconds.items(),
+                                         key=lambda item: (item[0][0], item[0][1])):
+        by_kind.setdefault(kind, []).append(f"{seconds * 1e3:.2f}")
+    return ("ms per stage: " + "; ".join(f"{kind} {' '.join(v)}" for kind, v in by_kind.items())
+            + f"; transfer {measured.costs.transfer * 1e3:.2f} ({measured.transfer_samples} "
+            f"messages); head {measured.head_s * 1e3:.2f}, tail {measured.tail_s * 1e3:.2f}")
 
 
 def main() -> None:
@@ -130,15 +169,22 @@ def main() -> None:
           f"hidden={args.hidden} layers={args.layers} vocab={args.vocab} "
           f"threads/rank={args.threads}; forward+backward per step, median of {args.steps}")
     print(f"{'schedule':<9}{'tetrad s':>10}{'torch s':>10}{'tetrad/torch':>14}{'tok/s tetrad':>14}"
-          f"  idle fraction: measured per rank (tetrad), mean; simulated, as executed")
+          f"  idle fraction: measured per rank (tetrad), mean; simulated, as executed; "
+          f"replayed per rank (the run's own action costs), mean, measured - replayed")
     for name in args.schedules:
         tetrad = max(r[name]["tetrad_s"] for r in per_rank)
         reference = max(r[name]["torch_s"] for r in per_rank)
         idle = [r[name]["idle_fraction"] for r in per_rank]
+        replay = replayed(per_rank, name)[1]
         print(f"{name:<9}{tetrad:>10.3f}{reference:>10.3f}{tetrad / reference:>14.2f}"
               f"{tokens / tetrad:>14,.0f}  {' '.join(f'{x:.2f}' for x in idle)}, "
               f"{statistics.mean(idle):.3f}; {per_rank[0][name]['simulated']:.3f}, "
-              f"{per_rank[0][name]['as_executed']:.3f}")
+              f"{per_rank[0][name]['as_executed']:.3f}; {' '.join(f'{x:.2f}' for x in replay)}, "
+              f"{statistics.mean(replay):.3f}, {statistics.mean(idle) - statistics.mean(replay):+.3f}")
+    for name in args.schedules:
+        print(f"{name:<9}{describe(replayed(per_rank, name)[0])}; inside computes, outside "
+              f"the compute timer: {bookkeeping(per_rank, name):.3f} of the step")
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

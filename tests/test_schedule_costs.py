@@ -87,3 +87,22 @@ def test_a_stage_whose_every_backward_runs_whole_needs_no_split_cost():
     expected = simulate(schedule, durations, as_executed=True)
     timed = simulate(schedule, costs=ActionCosts(whole_only), as_executed=True)
     assert timed.spans == expected.spans
+
+
+def test_measured_costs_read_the_executors_events():
+    from tetrad.parallel.pipeline.measured import measured_costs
+
+    rank0 = [("STEP", -1, -1, 0.0, 100.0), ("F", 0, 0, 1.0, 11.0), ("SEND_F", 0, 0, 11.0, 12.0),
+             ("RECV_B", 0, 0, 12.0, 13.0), ("WAIT_B", 0, 0, 13.0, 30.0),
+             ("BW", 0, 0, 13.0, 40.0), ("W", 0, 0, 40.0, 40.5)]
+    rank1 = [("STEP", -1, -1, 0.2, 99.0), ("RECV_F", 1, 0, 0.5, 1.0), ("WAIT_F", 1, 0, 1.0, 14.0),
+             ("F", 1, 0, 1.0, 20.0), ("B", 1, 0, 20.0, 28.0), ("SEND_B", 1, 0, 28.0, 29.0),
+             ("W", 1, 0, 29.0, 33.0)]
+    measured = measured_costs([[rank0, rank1]])
+    # Waits are the bubble, not a cost; the W of a whole backward only marks it done.
+    assert measured.costs.seconds == {
+        ("F", 0): 10.0, ("SEND_F", 0): 1.0, ("RECV_B", 0): 1.0, ("BW", 0): 10.0,
+        ("RECV_F", 1): 0.5, ("F", 1): 6.0, ("B", 1): 8.0, ("SEND_B", 1): 1.0, ("W", 1): 4.0}
+    # Both receivers waited before the send: arrivals 2 and 1 after the sends.
+    assert measured.costs.transfer == 1.5 and measured.transfer_samples == 2
+    assert measured.head_s == pytest.approx(0.65) and measured.tail_s == pytest.approx(59.5)

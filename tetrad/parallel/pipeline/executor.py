@@ -63,6 +63,10 @@ class StepStats:
     step_s: float
     peak_activation_bytes: int  # saved for backward, every in-flight microbatch at once
     peak_in_flight: int  # most (stage, microbatch) pairs holding activations at once
+    # (kind, stage, microbatch, start, end) by time.perf_counter (one clock for every process
+    # of a machine): each action ("BW": a split B that ran the whole backward), "WAIT_F" /
+    # "WAIT_B" for a compute blocked on its received input, and "STEP" around them all.
+    events: tuple[tuple[str, int, int, float, float], ...] = ()
 
     @property
     def idle_fraction(self) -> float:
@@ -168,6 +172,7 @@ class PipelineExecutor:
                               f"multiple of {num_microbatches} or change --microbatches")
         started = self._clock()
         self._compute_s = self._wait_s = 0.0
+        self._events = []
         self._sent_bytes = self._in_flight = self._peak_in_flight = 0
         # Built per step: a data-parallel engine (ZeRO) may have moved the parameters into flat
         # buffers of another dtype since construction, and the meter must know their storages.
@@ -181,7 +186,11 @@ class PipelineExecutor:
                       (inputs.shape[0], inputs.shape[1] // self.module[0].sequence_shards,
                        self.config.hidden_size), loss_scale, zero, zero.clone())
         for action in self.actions:
+            began = self._clock()
             self._run[action.kind](action, state)
+            kind = ("BW" if action.kind == "B" and (action.stage, action.microbatch)
+                    in self.whole_backwards else action.kind)
+            self._events.append((kind, action.stage, action.microbatch, began, self._clock()))
         self._wait(*(handle for _, handle in state.sends))
         assert not (state.inputs or state.roots or state.deferred or state.outgoing
                     or state.incoming), "the schedule left work undone"
@@ -192,9 +201,11 @@ class PipelineExecutor:
         metrics = torch.stack([state.loss, state.aux])
         self.comm.all_reduce(metrics, self.group, "metrics")
         loss, aux = metrics.tolist()
+        ended = self._clock()
+        self._events.append(("STEP", -1, -1, started, ended))
         return StepStats(loss, aux if self.config.is_moe else None, self._sent_bytes,
-                         self._compute_s, self._wait_s, self._clock() - started,
-                         self.meter.peak_bytes, self._peak_in_flight)
+                         self._compute_s, self._wait_s, ended - started,
+                         self.meter.peak_bytes, self._peak_in_flight, tuple(self._events))
 
     def _forward(self, action: Action, state: _Step) -> None:
         key = (action.stage, action.microbatch)
@@ -299,7 +310,9 @@ class PipelineExecutor:
             producer = stage - 1 if direction == "F" else stage + 1
             return state.outgoing.pop((direction, producer, microbatch))
         buffer, handle = state.incoming.pop((direction, *key))
+        began = self._clock()
         self._wait(handle)
+        self._events.append(("WAIT_" + direction, *key, began, self._clock()))
         return buffer
 
     def _wait(self, *handles) -> None:
