@@ -10,8 +10,14 @@ Schedule1F1B / ScheduleZBVZeroBubble / ScheduleDualPipeV on the very same stage 
 schedules: two per rank, placed in a V), alternating step by step so load from other processes
 hits both alike. Next to each rank's measured idle fraction, the simulator's bubble fraction for
 the same schedule (forward 1, backward 2, split evenly into B and W), ideal and as the executor
-runs it (a B whose W comes next takes the whole backward: simulate(..., as_executed=True)). A step is timed between two barriers; the median of --steps timed
-steps follows --warmup untimed ones. Before timing, the first losses are checked to agree.
+runs it (a B whose W comes next takes the whole backward: simulate(..., as_executed=True)); and
+"replayed": the simulation, as executed, of this run's own costs, read from the executor's events
+of the timed steps (tetrad/parallel/pipeline/measured.py: every stage's F, B, W and whole B, the
+time posting each send and receive holds a rank, a message's transfer, the step's head and tail
+around the actions; the head and loss on the last stage are in its F and B). A loaded machine
+moves every cost, and the replay with them; the gap measured - replayed is what the simulator
+still misses. The costs are printed per schedule, with the load average. A step is timed
+between two barriers; the median of --steps timed steps follows --warmup untimed ones. Before timing, the first losses are checked to agree.
 Ranks are gloo processes with --threads threads each (on a GPU machine: NCCL, one GPU per rank).
 """
 
