@@ -63,6 +63,7 @@ class TrainWorkload:
     # checkpointing re-runs the gather hooks, one more all-gather under full recomputation.
     zero3_per_parameter: bool = False
     zero3_whole_stage_under_pp: bool = False  # FSDP2's under pp (planner.weight_copies)
+    fp8_saved_inputs: bool = False  # Transformer Engine's FP8 linears (planner.fp8_inputs)
     portable_attention: bool = False  # FlashAttention-2 / Triton, not the vendor's kernels
     # DeepSeek-V3's dispatch kernels (report section 3.2.2): a token crosses the network once per
     # node that holds any of its experts, then fans out over NVLink; with group-limited routing
@@ -70,9 +71,6 @@ class TrainWorkload:
     node_limited_dispatch: bool = False
     recompute_ops: tuple[str, ...] = ()  # memory.RECOMPUTE_OPS run again in the backward
     compiled: bool = False  # torch.compile: recompute_ops at no kernel of their own (stacks.py)
-    eager_elementwise: bool = False  # unfused element-wise model code (planner.unfused)
-    selective_op: bool = False  # selective as torchtitan's op-level policy (planner.op_checkpoint)
-    eager_loss: bool = False  # cross-entropy over an fp32 copy of the logits (planner.unfused)
 
     def __post_init__(self) -> None:
         if self.seq_len < 1:
@@ -87,9 +85,10 @@ class TrainWorkload:
     @cached_property
     def activation_options(self) -> ActivationOptions:
         return ActivationOptions(self.flash_attention, self.dropout, self.runtime,
-                                 self.zero3_live_params, self.recompute_ops, self.selective_op,
-                                 self.eager_loss,
-                                 zero3_whole_stage_under_pp=self.zero3_whole_stage_under_pp)
+                                 self.zero3_live_params, self.recompute_ops,
+                                 zero3_whole_stage_under_pp=self.zero3_whole_stage_under_pp,
+                                 fp8_saved_inputs=(self.fp8_saved_inputs
+                                                   and self.precision.compute_dtype == "fp8"))
 
 
 def _tp_collective_time(cluster: Cluster, layout: TrainLayout, size: float) -> float:
@@ -293,8 +292,7 @@ def _bottleneck(config: ModelConfig, cluster: Cluster, workload: TrainWorkload, 
                               precision.activation_bytes, weight, expert_tp,
                               workload.portable_attention,
                               "inputs+weights" if zero3 else "inputs",
-                              () if workload.compiled else workload.recompute_ops,
-                              workload.eager_elementwise, workload.selective_op)
+                              () if workload.compiled else workload.recompute_ops)
         exposed = _microbatch_comm(config, cluster, shape, workload, kernels, stage, None,
                                    expert_tp)
         total = kernels.forward + kernels.backward + kernels.recompute + exposed
