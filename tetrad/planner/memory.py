@@ -18,13 +18,14 @@ from functools import lru_cache
 from tetrad.spec.layout import FORWARD_AGAIN, sqrt_segments
 from tetrad.spec.model import ModelConfig
 from tetrad.errors import ConfigError
-from tetrad.planner import eager
+from tetrad.planner import eager, op_checkpoint
 from tetrad.planner.fp8_inputs import fp8_saved_input_bytes
 from tetrad.planner.layout import TrainLayout, stage_first_layer, stage_layer_counts
 from tetrad.planner.model_stats import (embedding_params, head_params, kv_replica_params,
                                         layer_params, norm_params, position_params)
 from tetrad.planner.precision import TrainingPrecision
 from tetrad.planner.timeline import pipeline_in_flight
+from tetrad.planner.unfused import loss_bytes_per_logit
 from tetrad.planner.weight_copies import (UNSHARDED_GRAD_BYTES, fp8_weight_copy_bytes,
                                           gathered_params_bytes, keeps_stage_whole)
 
@@ -48,6 +49,8 @@ class ActivationOptions:
     runtime: str = "megatron"  # see RUNTIMES; "tetrad" fixes the two above (SDPA, no dropout)
     zero3_live_params: float = 0.0  # see gathered_params_bytes
     recompute_ops: tuple[str, ...] = ()  # RECOMPUTE_OPS run again in backward, not stored
+    selective_op: bool = False  # selective as torchtitan's op-level policy (planner.op_checkpoint)
+    eager_loss: bool = False  # cross-entropy over an fp32 copy of the logits (planner.unfused)
     zero3_whole_stage_under_pp: bool = False  # FSDP2's, weight_copies.keeps_stage_whole
     fp8_saved_inputs: bool = False  # Transformer Engine's FP8 linears (planner.fp8_inputs)
 
@@ -188,6 +191,8 @@ def activation_bytes_per_layer(config: ModelConfig, layer: int, micro_batch: int
     if recompute in FORWARD_AGAIN:
         # Only the block's input (sqrt: only a segment's first block's; the stage counts them).
         return tokens * h * act_bytes / replicated_split
+    if recompute == "selective" and options.selective_op and op_checkpoint.applies(config, layer):
+        return tokens * op_checkpoint.kept_bytes_per_token(config, tp, sequence_parallel, act_bytes)
     mask = 1.0 if options.dropout else 0.0
     # Inputs of the two norms and of the first matmul of each sub-block, two dropout masks.
     replicated = 4 * h * act_bytes + 2 * h * mask
@@ -266,7 +271,7 @@ def _stage_microbatch_activations(config: ModelConfig, num_stages: int, stage: i
                  * sum(1 for other in layers if config.is_moe_layer(other) == is_moe)
                  for is_moe, layer in kinds.items())
     transient = 0.0
-    if recompute == "full" and kinds:
+    if (recompute == "full" or recompute == "selective" and options.selective_op) and kinds:
         # The block being recomputed holds its full activations during its backward.
         transient = max(activation_bytes_per_layer(config, layer, *args, "none", options,
                                                    act_bytes) for layer in kinds.values())
@@ -285,11 +290,11 @@ def stage_activation_bytes(config: ModelConfig, layout: TrainLayout, seq_len: in
     total = stored * in_flight_microbatches(layout, stage) + transient
     if stage == layout.pp - 1:
         tokens = layout.micro_batch * seq_len / layout.cp
-        # The head's input, its 16-bit logits and their fp32 copy for the cross-entropy; the
-        # last stage runs each microbatch's backward right after its forward, so only one.
+        # The head's input and the cross-entropy's logits at its peak; the last stage runs each
+        # microbatch's backward right after its forward, so only one.
         split = layout.tp if layout.sequence_parallel else 1
-        total += tokens * (config.hidden_size * act_bytes / split
-                           + config.vocab_size / layout.tp * (act_bytes + 4))
+        total += tokens * (config.hidden_size * act_bytes / split + config.vocab_size / layout.tp
+                           * loss_bytes_per_logit(act_bytes, options.eager_loss))
     return total
 
 

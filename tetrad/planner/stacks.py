@@ -36,10 +36,15 @@ STACKS: dict[str, dict] = {
                       zero3_live_params=1e9, zero3_per_parameter=True),
     # torchtitan (FSDP2): flash attention, reduce-scatter and next-block all-gather prefetched
     # behind compute, whole blocks gathered; no TP overlap (async TP is opt-in); context
-    # parallelism as PyTorch's context_parallel ring, head-tail load-balanced like TE's.
+    # parallelism as PyTorch's context_parallel ring, head-tail load-balanced like TE's; eager
+    # model code, whose norms, rotary embedding and SwiGLU run op by op (planner.unfused)
+    # unless compiled (torch.compile takes the blocks, not the loss, which stays eager:
+    # planner.unfused.loss_bytes_per_logit); selective recomputation as its op-level policy
+    # (planner.op_checkpoint).
     "torchtitan": dict(flash_attention=True, dropout=False, overlap_grad_reduce=True,
                        overlap_param_gather=True, overlap_tp_comm=False, overlap_p2p=True,
-                       portable_attention=True, zero3_whole_stage_under_pp=True),
+                       portable_attention=True, eager_elementwise=True, selective_op=True,
+                       eager_loss=True, zero3_whole_stage_under_pp=True),
     # tetrad's own runtime: bucketed async DDP, FSDP-style prefetch, isend/irecv pipeline, its
     # own tensors counted (tetrad.planner.eager).
     "tetrad": dict(flash_attention=True, dropout=False, overlap_grad_reduce=True,
@@ -73,10 +78,13 @@ def compile_fields(name: str) -> dict:
     (torch._functorch.partitioners.min_cut_rematerialization_partition) recomputes their
     pointwise outputs in the backward rather than saving them: the norms' and the activation's
     (memory.RECOMPUTE_OPS), inside backward kernels that read their inputs anyway, so at no
-    kernel of their own (TrainWorkload.compiled). On tetrad's runtime that replaces the eager operators the `tetrad`
-    profile counts by fused kernels: the megatron profile's, whose H100 step time was within 0.5%
-    of tetrad's compiled step (BENCHMARKS.md, "Training on one GPU", 2026-11-26)."""
-    fields: dict = {"recompute_ops": ("activation", "norm"), "compiled": True}
+    kernel of their own (TrainWorkload.compiled); the element-wise chains eager model code runs
+    op by op become one kernel each (TrainWorkload.eager_elementwise off). On tetrad's runtime
+    that replaces the eager operators the `tetrad` profile counts by fused kernels: the megatron
+    profile's, whose H100 step time was within 0.5% of tetrad's compiled step (BENCHMARKS.md,
+    "Training on one GPU", 2026-11-26)."""
+    fields: dict = {"recompute_ops": ("activation", "norm"), "compiled": True,
+                    "eager_elementwise": False}
     if STACKS[name].get("runtime") == "tetrad":
         fields["runtime"] = "megatron"
     return fields

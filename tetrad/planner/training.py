@@ -71,6 +71,9 @@ class TrainWorkload:
     node_limited_dispatch: bool = False
     recompute_ops: tuple[str, ...] = ()  # memory.RECOMPUTE_OPS run again in the backward
     compiled: bool = False  # torch.compile: recompute_ops at no kernel of their own (stacks.py)
+    eager_elementwise: bool = False  # unfused element-wise model code (planner.unfused)
+    selective_op: bool = False  # selective as torchtitan's op-level policy (planner.op_checkpoint)
+    eager_loss: bool = False  # cross-entropy over an fp32 copy of the logits (planner.unfused)
 
     def __post_init__(self) -> None:
         if self.seq_len < 1:
@@ -85,7 +88,8 @@ class TrainWorkload:
     @cached_property
     def activation_options(self) -> ActivationOptions:
         return ActivationOptions(self.flash_attention, self.dropout, self.runtime,
-                                 self.zero3_live_params, self.recompute_ops,
+                                 self.zero3_live_params, self.recompute_ops, self.selective_op,
+                                 self.eager_loss,
                                  zero3_whole_stage_under_pp=self.zero3_whole_stage_under_pp,
                                  fp8_saved_inputs=(self.fp8_saved_inputs
                                                    and self.precision.compute_dtype == "fp8"))
@@ -292,7 +296,8 @@ def _bottleneck(config: ModelConfig, cluster: Cluster, workload: TrainWorkload, 
                               precision.activation_bytes, weight, expert_tp,
                               workload.portable_attention,
                               "inputs+weights" if zero3 else "inputs",
-                              () if workload.compiled else workload.recompute_ops)
+                              () if workload.compiled else workload.recompute_ops,
+                              workload.eager_elementwise, workload.selective_op)
         exposed = _microbatch_comm(config, cluster, shape, workload, kernels, stage, None,
                                    expert_tp)
         total = kernels.forward + kernels.backward + kernels.recompute + exposed
