@@ -116,7 +116,8 @@ def print_profiles(folder: Path, args) -> None:
                                             str(args.prompt), "--threads", str(args.threads),
                                             "--requests", str(args.requests[0]), *extra])
             top = "; ".join(f"{key} x{count} {ms:.2f} ms" for key, count, ms in result["top"])
-            print(f"{dtype} {name}: {result['ops_per_step']:.0f} profiled ops per decode step, "
+            print(f"{dtype} {name}: {result['ops_per_step']:.0f} profiled ops per decode step "
+                  f"({result['outer_ops_per_step']:.0f} called from Python), "
                   f"{result['step_ms']:.1f} ms per step (profiled); most self time: {top}")
 
 

@@ -47,7 +47,7 @@ def _tetrad_engine(args):
 
     torch.set_num_threads(args.threads)
     sys.path.insert(0, str(Path(__file__).parent))
-    from gpu_serving import Tokens
+    from token_ids import Tokens
 
     from tetrad.inference.engine import LLM
 
@@ -89,8 +89,9 @@ def run_tetrad(args) -> dict:
 
 
 def profile_tetrad(args) -> dict:
-    """torch.profiler over 16 decode steps of `requests` requests: ops per step, and the ops that
-    take the most self CPU time (ms per step)."""
+    """torch.profiler over 16 decode steps of `requests` requests: ops per step, those of them
+    called from Python (not nested in another op, such as the fused layer's own), and the ops
+    that take the most self CPU time (ms per step)."""
     from torch.profiler import profile
 
     from tetrad.inference.core.params import SamplingParams
@@ -109,6 +110,7 @@ def profile_tetrad(args) -> dict:
     wall = time.perf_counter() - start
     events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
     return {"ops_per_step": sum(e.count for e in events) / steps,
+            "outer_ops_per_step": sum(e.cpu_parent is None for e in prof.events()) / steps,
             "step_ms": 1e3 * wall / steps,
             "top": [(e.key, e.count // steps, e.self_cpu_time_total / 1e3 / steps)
                     for e in events[:6]]}

@@ -51,26 +51,12 @@ from tetrad.models.transformer import Transformer
 from tetrad.planner.memory import kv_bytes_per_token
 from tetrad.planner.serving import (ServeLayout, ServeWorkload, evaluate_serving,
                                     model_weight_bytes)
+from token_ids import Tokens
 
 SHAPES = {  # (hidden, layers, heads, kv heads, ffn, vocab)
     "1b": (2048, 22, 32, 4, 5632, 32000),
     "tiny": (128, 2, 4, 2, 344, 512),
 }
-
-
-class Tokens:
-    """Token ids in, token ids out: the benchmark never needs text."""
-
-    eos_id = None
-
-    def __init__(self, vocab_size: int):
-        self.vocab_size = vocab_size
-
-    def encode(self, text: str) -> list[int]:
-        raise NotImplementedError("the benchmark sends token ids")
-
-    def decode(self, ids) -> str:
-        return ""
 
 
 def sharegpt_like(count: int, max_prompt: int, max_output: int, vocab: int, seed: int):

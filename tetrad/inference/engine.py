@@ -18,6 +18,7 @@ import traceback
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -26,7 +27,6 @@ from tetrad.spec.model import from_dict
 from tetrad.errors import ConfigError
 from tetrad.inference.core.block_manager import BlockManager
 from tetrad.inference.worker.config import EngineConfig, serving_device
-from tetrad.inference.ranks.data_parallel import DataParallelScheduler
 from tetrad.inference.worker.kv_cache import TORCH_DTYPES, check_tokenizer_fits, resolve_dtype
 from tetrad.inference.ranks.layout import check_servable
 from tetrad.inference.worker.logprobs import (logits_layout, prompt_logprobs, sample_rows,
@@ -34,7 +34,6 @@ from tetrad.inference.worker.logprobs import (logits_layout, prompt_logprobs, sa
 from tetrad.inference.core.metrics import EngineMetrics, engine_stats, kv_utilization
 from tetrad.inference.core.output import RequestOutput, TokenLogprob
 from tetrad.inference.core.params import RequestFailed, SamplingParams
-from tetrad.inference.ranks.driver import ServingDriver
 from tetrad.inference.worker.runner import StepPlan, load_runner
 from tetrad.inference.worker.sampler import Sampler
 from tetrad.inference.core.scheduler import Scheduler, SchedulerConfig
@@ -42,6 +41,11 @@ from tetrad.inference.core.sequence import Sequence
 from tetrad.inference.core.tracker import RequestTracker
 from tetrad.models.hf import load_pretrained, pretrained_config
 from tetrad.planner.quantized import check_quantizable
+
+if TYPE_CHECKING:
+    # Multi-rank serving only: they bring torch.distributed's compiler stack (torch._dynamo,
+    # sympy: ~75 MB resident), which one process on one device never uses.
+    from tetrad.inference.ranks.driver import ServingDriver
 
 
 class LLM:
@@ -90,6 +94,8 @@ class LLM:
             # The driver splits the model in place: the caller's model object stays whole. The
             # other ranks load the folder themselves, or get the model object pickled. Its own
             # failures stop the ranks it started; the rest of the set-up's close them here.
+            from tetrad.inference.ranks.driver import ServingDriver
+
             source = model if self.path is None else str(self.path)
             self.driver = ServingDriver(copy.deepcopy(model) if self.path is None else model,
                                         source, config, self.max_model_len, device)
@@ -135,6 +141,8 @@ class LLM:
                                 config.enable_prefix_caching, config.watermark)
 
         if config.dp > 1:  # each dp rank's pool, block ids and sequences are its own
+            from tetrad.inference.ranks.data_parallel import DataParallelScheduler
+
             self.scheduler = DataParallelScheduler(scheduling, blocks, config.dp)
         else:
             self.scheduler = Scheduler(scheduling, blocks())

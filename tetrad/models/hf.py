@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from tetrad.spec.model import ModelConfig, from_dict
@@ -26,14 +25,15 @@ from tetrad.errors import ConfigError, read_json_file
 from tetrad.spec.hf import (hf_from_model_config, hf_model_type, model_config_from_hf,
                               read_hf_config, resolve_checkpoint, rope_scaling_parameters,
                               rope_scaling_type)
-from tetrad.models.fp8 import BLOCK
 from tetrad.models.fp8_weights import FP8WeightLinear
 from tetrad.models.gguf import is_gguf_folder, load_gguf
 from tetrad.models.hf_deepseek import check_deepseek_support, deepseek_rules, is_extra_layer
 from tetrad.models.hf_fp8 import (QUANTIZATION_CONFIG, UNQUANTIZED_DTYPE, FP8Weight,
-                                  block_size, quantize_state_dict, read_weight, scale_names)
+                                  block_size, quantize_state_dict)
 from tetrad.models.hf_rules import Rule
+from tetrad.models.hf_weights import HFWeights
 from tetrad.models.rope import make_rotary
+from tetrad.models.skeleton import empty_model
 from tetrad.models.transformer import Transformer
 from tetrad.sharded_tensors import ShardedReader, save_tensors
 
@@ -127,49 +127,6 @@ def check_runtime_support(hf: dict[str, Any]) -> None:
     if model_type == "llama" and (hf.get("attention_bias") or hf.get("mlp_bias")):
         raise ConfigError("llama attention_bias / mlp_bias are not supported: tetrad has biases "
                           "on Q/K/V only (qwen2) or on every linear (gpt2)")
-
-
-class HFWeights:
-    """The tensors of an HF folder (one model.safetensors, or shards listed in
-    model.safetensors.index.json), read one at a time so that peak memory stays near one copy of
-    the model. DeepSeek's FP8 weights come dequantised per `block` (tetrad.models.hf_fp8), their
-    weight_scale_inv tensors folded in, or with `keep_fp8` as FP8Weight."""
-
-    def __init__(self, folder: Path, device: torch.device | str = "cpu", block: int = BLOCK,
-                 keep_fp8: bool = False):
-        self.block, self.keep_fp8 = block, keep_fp8
-        index = folder / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = read_json_file(index, "safetensors index", "save_pretrained")
-            weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
-            if not isinstance(weight_map, dict) or not all(
-                    isinstance(name, str) and "/" not in name and name not in ("", ".", "..")
-                    for name in weight_map.values()):
-                raise ConfigError(f"{index} must map tensor names to file names in its folder")
-            files = sorted(set(weight_map.values()))
-        elif (folder / "model.safetensors").is_file():
-            files = ["model.safetensors"]
-        else:
-            raise ConfigError(
-                f"{folder} has no model.safetensors (nor model.safetensors.index.json): there are "
-                f"no weights to load. Train from random init with `tetrad train --model {folder}`,"
-                f" or convert .bin weights with transformers' save_pretrained")
-        self._handles: dict[str, Any] = {}
-        for name in files:
-            if not (folder / name).is_file():
-                raise ConfigError(f"shard {name} listed in {index} is missing")
-            handle = safe_open(str(folder / name), framework="pt", device=str(device))
-            self._handles.update({key: handle for key in handle.keys()})
-
-    def names(self) -> set[str]:
-        return set(self._handles) - scale_names(set(self._handles))
-
-    def get(self, name: str) -> torch.Tensor:
-        return read_weight(lambda key: self._handles[key].get_tensor(key), name,
-                           set(self._handles), self.block, self.keep_fp8)
-
-    def first(self) -> torch.Tensor:
-        return self.get(next(iter(self._handles)))
 
 
 def has_hf_weights(folder: str | Path) -> bool:
@@ -287,8 +244,7 @@ def _checkpoint_tensors(names: set[str], folder: Path) -> Iterator[tuple[str, to
 
 
 def _parameter_names(config: ModelConfig) -> set[str]:
-    with torch.device("meta"):
-        return {name for name, _ in Transformer(config).named_parameters()}
+    return {name for name, _ in empty_model(config).named_parameters()}
 
 
 def _materialize(model: Transformer,
@@ -393,7 +349,6 @@ def load_pretrained(path: str | Path, device: torch.device | str = "cpu",
             dtype = checkpoint_dtype(folder)  # FP8 weights come dequantised: in the model's dtype
         # safetensors reads straight into device memory.
         tensors = _hf_tensors(config, folder, device, keep_fp8)
-    with torch.device("meta"):
-        model = Transformer(config)
+    model = empty_model(config)
     _materialize(model, tensors, device, dtype)
     return model.eval()

@@ -25,7 +25,6 @@ from tetrad.inference.worker.cuda_graphs import DecodeGraphs
 from tetrad.inference.worker.kv_cache import (KV_TORCH_DTYPES, TORCH_DTYPES, KVCache, KVPlan,
                                               parse_bytes, plan_kv_pool, resolve_kv_dtype)
 from tetrad.inference.core.scheduler import ScheduledBatch
-from tetrad.models.quant_model import quantize_model, whole_model_weights
 
 if TYPE_CHECKING:
     from tetrad.inference.worker.config import EngineConfig, RankShare
@@ -202,15 +201,22 @@ def load_runner(model: nn.Module, config: "EngineConfig", max_model_len: int,
     """This rank's runner: the model (with `ranks`, this rank's tensor-parallel share of it) on
     the device in the engine's dtype, and a KV pool sized from config. Every tensor-parallel rank
     calls it, in the same order: the ranks agree on the number of blocks here."""
+    # Only a quantized model needs the quantizers: they import triton where it is installed
+    # (~75 MB resident), which an unquantized model never runs.
+    quantized = config.quantization != "none"
+    if quantized:
+        from tetrad.models.quant_model import quantize_model, whole_model_weights
     whole = None  # the whole model's quantized projections, calibrated before a split
     if ranks is not None:
-        whole = whole_model_weights(model, config.quantization, TORCH_DTYPES[config.dtype])
+        if quantized:
+            whole = whole_model_weights(model, config.quantization, TORCH_DTYPES[config.dtype])
         model = ranks.shard(model)
     model = model.to(device).eval()
     dtype = TORCH_DTYPES[config.dtype]
     for param in model.parameters():  # buffers (rotary frequencies) stay fp32
         param.data = param.data.to(dtype)
-    model = quantize_model(model, config.quantization, whole)  # this rank's share
+    if quantized:
+        model = quantize_model(model, config.quantization, whole)  # this rank's share
     kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, config.dtype)
     tp = 1 if ranks is None else ranks.size
     plan = plan_kv_pool(model.config, kv_dtype, device, config.block_size,
