@@ -64,6 +64,8 @@ def test_calibrated_profile_round_trips_and_times(calibrated, tmp_path):
     # forward): beside other jobs it can vanish, as the call cost below can.
     assert efficiency.op_forward_s > 0 and efficiency.op_backward_s >= 0
     assert efficiency.optimizer_tensor_s > 0 and efficiency.concurrent_ranks >= 1
+    # The offload's copies: a rate (its fixed cost, a regression's intercept, may be 0).
+    assert efficiency.host_copy_bandwidth > 0 and efficiency.host_copy_s >= 0
     # The calibration model's whole step, alone and on both ranks at once.
     assert efficiency.step_scale > 0
     assert [ranks for ranks, _ in efficiency.concurrent_slowdown] == [2]
