@@ -9,7 +9,9 @@ next to the simulation of the very costs it ran with, not of forward 1 and backw
 - A SEND's or RECV's cost is the time posting it held its rank.
 - A message's transfer time is measured where the receiver was already waiting when the sender
   posted it: then the wait ended when the tensor arrived (time.perf_counter is one clock for all
-  processes of a machine). Median over those messages; 0 when no receiver ever waited so.
+  processes of a machine), counted from the end of the SEND, as the simulator counts it: below 0
+  where the tensor arrived while the sender was still inside its send call (descheduled there on
+  a loaded machine). Median over those messages; 0 when no receiver ever waited so.
 - Each step also spends time outside the actions: before the first (splitting the batch) and
   after the last (the sends' completion and the loss all-reduce). `head_s` is the median lead-in;
   `tail_s` the median over steps of the shortest tail of any rank, as the rank finishing last
