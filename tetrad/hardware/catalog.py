@@ -40,7 +40,7 @@ TERA = 1e12
 # all-gather in an Nsight trace (NVIDIA forums, "Compute-Communication Overlap Causes Severe GEMM
 # Performance Degradation because of Tail Effect"). Not fitted.
 NCCL_SMS = 24
-AMPERE = EfficiencyProfile(matmul=0.68, attention=0.6, memory=0.75, kernel_overhead_s=2e-6,
+AMPERE = EfficiencyProfile(matmul=0.69, attention=0.6, memory=0.75, kernel_overhead_s=2e-6,
                            intra_link=0.85, inter_link=0.9, intra_latency_s=8e-6,
                            inter_latency_s=20e-6, portable_attention=0.62,
                            comm_interference=NCCL_SMS / 108)
