@@ -190,18 +190,28 @@ def _token_ids(layout: TrainLayout, seq_len: int) -> float:
     return layout.micro_batch * layout.num_microbatches * (seq_len + 1) * INDEX
 
 
+def _targets_are_ids_storage(layout: TrainLayout) -> bool:
+    """Whether the loss's int64 targets share the storage of the ids the embedding keeps: a
+    one-sequence window's targets window[:, 1:] are contiguous, so flattening them is a view of
+    the batch (more sequences: a copy). Pipelines and context parallelism copy the targets, and
+    the vocabulary-parallel loss keeps its own shifted copy."""
+    return layout.micro_batch == 1 and layout.tp == layout.pp == layout.cp == 1
+
+
 def _head_and_loss(config: ModelConfig, layout: TrainLayout, seq_len: int,
                    precision: TrainingPrecision) -> float:
     """The final norm, the head's input and weight cast, and the cross-entropy: fp32
-    log-probabilities (vocab-parallel: this rank's fp32 softmax), the int64 targets, and the
-    4-byte weight total (vocab-parallel: the mask of the targets this rank holds)."""
+    log-probabilities (vocab-parallel: this rank's fp32 softmax), the int64 targets (unless
+    they are a view of the ids already counted), and the 4-byte weight total (vocab-parallel:
+    the mask of the targets this rank holds)."""
     act, stream, h = precision.activation_bytes, precision.param_bytes, config.hidden_size
     t, stream_tokens = tokens(layout, seq_len)
     vocab = config.vocab_size // layout.tp
     total = norm_bytes(config, stream_tokens, stream) + t * h * act
     if act != stream:
         total += vocab * h * act
-    return total + t * (vocab * FP32 + INDEX) + (t if layout.tp > 1 else FP32)
+    targets = 0 if _targets_are_ids_storage(layout) else t * INDEX
+    return total + t * vocab * FP32 + targets + (t if layout.tp > 1 else FP32)
 
 
 @lru_cache(maxsize=4096)
