@@ -1,6 +1,6 @@
 """The planner's step arithmetic and the schedule pictures, each against its own definition: the
 bubble of durations on the planner's grid against the exact simulation, which schedules are
-simulated and which take the closed form, overlap, the picture's cells re-derived from the spans,
+simulated and which take a closed form, overlap, the picture's cells re-derived from the spans,
 and the durations' split of the backward."""
 
 from __future__ import annotations
@@ -58,31 +58,26 @@ def test_a_weight_pass_below_half_a_grid_step_still_takes_one():
     ("interleaved", 4, 8, 3)])
 def test_uniform_stages_have_the_papers_bubble_whatever_the_times(name, pp, m, vpp):
     """Idle over ideal time is (p-1)/m for GPipe and 1F1B and (p-1)/(v m) interleaved (m >= p;
-    Huang et al. 2019, Narayanan et al. 2021), simulated or in closed form past 1024 computes."""
+    Huang et al. 2019, Narayanan et al. 2021), from the closed forms the planner takes."""
     expected = (pp - 1) / (m * (vpp if m >= pp else 1))
     for forward, backward in ((1.0, 2.0), (1.0, 2.3), (0.5, 3.0)):
         assert pipeline_bubble_ratio(name, pp, m, vpp, forward, backward) == pytest.approx(
             expected, rel=1e-12)
 
 
-def _compute_actions(name: str, pp: int, m: int, vpp: int) -> int:
-    """F and B per (stage, microbatch), and W when the backward is split (zero bubble)."""
-    return pp * vpp * m * (3 if name == "zb" else 2)
-
-
-@pytest.mark.parametrize("name,pp,m,vpp", [
-    ("1f1b", 4, 128, 1),  # exactly 1024 compute actions: still simulated
-    ("gpipe", 4, 129, 1),
-    ("zb", 4, 85, 1),  # 1020
-    ("zb", 4, 86, 1),  # 1032
-    ("interleaved", 4, 64, 2),  # 1024
-    ("interleaved", 4, 68, 2),
-    ("zb", 11, 31, 1),  # 1023
+@pytest.mark.parametrize("name,pp,m,vpp,weight,simulated", [
+    ("1f1b", 4, 128, 1, None, False),
+    ("gpipe", 4, 3, 1, None, False),
+    ("interleaved", 4, 8, 2, None, False),
+    ("zb", 4, 85, 1, 0.5, False),
+    ("zb", 11, 31, 1, 1.5, True),  # W > F: the closed form does not hold, so it is simulated
+    ("zbv", 4, 8, 2, 0.5, True),  # the V schedules' bubble has no closed form
 ])
-def test_schedules_up_to_1024_computes_are_simulated_and_larger_take_the_closed_form(
-        monkeypatch, name, pp, m, vpp):
-    """The module doc's promise: a simulation costs ~15 us an action, so beyond
-    MAX_SIMULATED_ACTIONS = 1024 compute actions the closed forms answer instead."""
+def test_schedules_with_a_closed_form_are_never_simulated(monkeypatch, name, pp, m, vpp, weight,
+                                                          simulated):
+    """The module doc's promise: the closed forms answer wherever they are exact for the
+    durations; only the rest is simulated (the in-flight peaks, the V schedules' included, never
+    are for these shapes)."""
     calls = []
     makespan_real, peaks_real = planner_timeline.makespan, planner_timeline.peak_in_flight
     monkeypatch.setattr(planner_timeline, "makespan",
@@ -91,10 +86,9 @@ def test_schedules_up_to_1024_computes_are_simulated_and_larger_take_the_closed_
                         lambda *a, **k: calls.append("in flight") or peaks_real(*a, **k))
     pipeline_in_flight.cache_clear()
     # A backward of 2 + 3/32 forwards: no other test asks for it, so no cached ratio answers.
-    pipeline_bubble_ratio(name, pp, m, vpp, forward=1.0, backward=2.09375)
+    pipeline_bubble_ratio(name, pp, m, vpp, forward=1.0, backward=2.09375, backward_weight=weight)
     pipeline_in_flight(name, pp, m, vpp)
-    simulated = _compute_actions(name, pp, m, vpp) <= 1024
-    assert calls == (["bubble", "in flight"] if simulated else [])
+    assert calls == (["bubble"] if simulated else [])
 
 
 def test_overlap_hides_communication_up_to_the_compute_window():

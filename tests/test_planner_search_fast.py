@@ -94,4 +94,7 @@ def test_plan_json_is_what_the_fraction_simulator_gives(capsys, monkeypatch, arg
     monkeypatch.setattr(memory, "representative_stages", memory.representative_stages.__wrapped__)
     reference = _plan_json(capsys, args)
     assert fast == reference
-    assert simulated and any(config["step_time_s"]["bubble"] > 0 for config in fast["configs"])
+    assert any(config["step_time_s"]["bubble"] > 0 for config in fast["configs"])
+    # Only the V schedules' bubbles are simulated; the others take their exact closed forms.
+    if any(config["parallel"]["schedule"] in ("zbv", "dualpipe") for config in fast["configs"]):
+        assert simulated

@@ -43,6 +43,7 @@ from tetrad.planner.serving import (ServeLayout, ServeWorkload, ServingEstimate,
                                     check_serve_layout, evaluate_serving, experts_spread)
 from tetrad.planner.quantized import quantization_refusal
 from tetrad.planner.runtime_memory import usable_tensor_memory
+from tetrad.planner.ranking import fastest_shapes
 from tetrad.planner.training import TrainingEstimate, TrainWorkload, evaluate_training
 
 MIN_CP_TOKENS = 2048
@@ -67,6 +68,9 @@ class TrainSpace:
     schedule: str | None = None
     micro_batch: int | None = None
     offload_mode: str | None = None  # OFFLOAD_MODES
+    # ZeRO-R's buffers, on every layout (the CLI checks that each the search tries may hold them).
+    zero_bucket_size: int = 0
+    contiguous_buffers: bool = False
 
     @property
     def offload_modes(self) -> tuple[str, ...]:
@@ -158,6 +162,16 @@ def training_layouts(config: ModelConfig, cluster: Cluster, global_batch: int, s
                                 zero=1 if space.offload else 0, offload=space.offload,
                                 sequence_parallel=sequence_parallel, schedule=schedule,
                                 microbatches=m, micro_batch=micro_batch)
+
+
+def _variant(layout: TrainLayout, **choices) -> TrainLayout:
+    """`layout` (validated) with a recomputation, ZeRO stage and offload the search chose by its
+    rules (_zero_stages), as dataclasses.replace would build it but without ParallelConfig's
+    checks again: re-validating ~2,000 candidates was a fifth of a large search's time.
+    tests/test_planner_search_speed.py checks each equal to the validated copy."""
+    variant = object.__new__(TrainLayout)
+    variant.__dict__.update(layout.__dict__, **choices)
+    return variant
 
 
 def _zero_stages(layout: TrainLayout, space: TrainSpace, offload: str) -> tuple[int, ...]:
@@ -260,8 +274,10 @@ def search_training(config: ModelConfig, cluster: Cluster, workload: TrainWorklo
             if not zeros:
                 continue
             for recompute in tried:
-                layout = dataclasses.replace(shape, recompute=recompute, zero=zeros[0],
-                                             offload=offload != "none", offload_mode=offload)
+                layout = _variant(shape, recompute=recompute, zero=zeros[0],
+                                  offload=offload != "none", offload_mode=offload,
+                                  zero_bucket_size=space.zero_bucket_size,
+                                  contiguous_buffers=space.contiguous_buffers)
                 check_training_layout(config, cluster.num_gpus, layout, workload.seq_len,
                                       experts_over_tp=workload.runtime != "tetrad")
                 totals = peak_bytes_by_zero_stage(config, layout, precision,
@@ -269,22 +285,19 @@ def search_training(config: ModelConfig, cluster: Cluster, workload: TrainWorklo
                 num_candidates += len(zeros)
                 usable = usable_tensor_memory(cluster.gpu.memory_bytes, layout)
                 fits = [zero for zero, total in zip(zeros, totals) if total <= usable]
-                fitting += [layout if zero == layout.zero else
-                            dataclasses.replace(layout, zero=zero) for zero in fits]
+                fitting += [layout if zero == layout.zero else _variant(layout, zero=zero)
+                            for zero in fits]
                 if fits:
                     tried = tried[:tried.index(recompute)]
                     break
-                closest.append((min(totals), dataclasses.replace(
-                    layout, zero=zeros[totals.index(min(totals))])))
+                closest.append((min(totals),
+                                _variant(layout, zero=zeros[totals.index(min(totals))])))
             if not tried:
                 break
     if not num_candidates:
         _explain_no_layout(config, cluster, global_batch, workload.seq_len, space)
     if fitting:
-        estimates = [evaluate_training(config, cluster, layout, workload, count_bytes=False)
-                     for layout in fitting]
-        estimates.sort(key=lambda e: (-e.tokens_per_s, e.memory.total))
-        chosen = _distinct_shapes([e.layout for e in estimates], top)
+        chosen = fastest_shapes(config, cluster, workload, fitting, top)
     else:
         chosen = [layout for _, layout in sorted(closest, key=lambda pair: pair[0])[:top]]
     # The winners again, with their per-collective byte counts.
@@ -313,21 +326,6 @@ def _search_by_cost(config: ModelConfig, cluster: Cluster, workload: TrainWorklo
               if fitting else results[0].ranked)
     return SearchResult(ranked[:top], sum(r.num_candidates for r in results),
                         sum(r.num_fitting for r in results))
-
-
-def _distinct_shapes(layouts: list[TrainLayout], top: int) -> list[TrainLayout]:
-    """The best `top` layouts that differ in more than ZeRO stage and recomputation (variants of
-    one shape that only trade memory for a little speed say little to a reader)."""
-    seen, chosen = set(), []
-    for layout in layouts:
-        shape = (layout.tp, layout.pp, layout.dp, layout.cp, layout.ep, layout.schedule,
-                 layout.vpp, layout.micro_batch)
-        if shape not in seen:
-            seen.add(shape)
-            chosen.append(layout)
-        if len(chosen) == top:
-            break
-    return chosen
 
 
 @dataclass(frozen=True)

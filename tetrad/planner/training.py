@@ -39,8 +39,10 @@ from tetrad.planner.precision import TrainingPrecision, training_precision
 from tetrad.planner.runtime_memory import usable_tensor_memory
 from tetrad.planner.stacks import check_recompute_ops
 from tetrad.planner.weight_copies import UNSHARDED_GRAD_BYTES, keeps_stage_whole
-from tetrad.planner.timeline import StepTime, overlapped, paired_share, pipeline_bubble_ratio
+from tetrad.planner.timeline import (StepTime, overlapped, paired_share, pipeline_bubble_ratio,
+                                     pipeline_bubble_ratio_floor)
 from tetrad.schedules.generate import V_SHAPED
+
 
 @dataclass(frozen=True)
 class TrainWorkload:
@@ -308,19 +310,41 @@ def _bottleneck(config: ModelConfig, cluster: Cluster, workload: TrainWorkload, 
     return best
 
 
+def _slowest_stage(config: ModelConfig, cluster: Cluster, layout: TrainLayout,
+                   workload: TrainWorkload) -> tuple[int, KernelTimes, float]:
+    """_bottleneck of `layout`, its exposed TP/CP/EP time less what DualPipe's pairs hide."""
+    stage, kernels, comm = _bottleneck(
+        config, cluster, workload, layout.tp, layout.pp, layout.cp, layout.ep,
+        layout.sequence_parallel, layout.recompute, layout.micro_batch, layout.expert_tp,
+        layout.zero == 3)
+    return stage, kernels, comm - _hidden_by_pairing(config, cluster, layout, workload, stage,
+                                                     kernels)
+
+
 def microbatch_durations(config: ModelConfig, cluster: Cluster, layout: TrainLayout,
                          workload: TrainWorkload) -> tuple[float, float, float]:
     """Seconds of one microbatch on the slowest stage, as evaluate_training's bubble takes them:
     forward, backward (recomputation included) and the part of it a split schedule defers as W,
     each stretched by the exposed TP/CP/EP communication in proportion."""
-    stage, kernels, comm = _bottleneck(
-        config, cluster, workload, layout.tp, layout.pp, layout.cp, layout.ep,
-        layout.sequence_parallel, layout.recompute, layout.micro_batch, layout.expert_tp,
-        layout.zero == 3)
-    comm -= _hidden_by_pairing(config, cluster, layout, workload, stage, kernels)
+    _, kernels, comm = _slowest_stage(config, cluster, layout, workload)
     backward = kernels.backward + kernels.recompute
     stretch = 1 + comm / (kernels.forward + backward)
     return (kernels.forward * stretch, backward * stretch, kernels.matmul_forward * stretch)
+
+
+def step_time_lower_bound(config: ModelConfig, cluster: Cluster, layout: TrainLayout,
+                          workload: TrainWorkload) -> float:
+    """At most evaluate_training's step.total but for the `tetrad` runtime: the same floats less
+    the optimizer and host transfers, with pipeline_bubble_ratio_floor's bubble."""
+    stage, kernels, microbatch_comm = _slowest_stage(config, cluster, layout, workload)
+    m, backward = layout.num_microbatches, kernels.backward + kernels.recompute
+    per_microbatch_kernels = kernels.forward + kernels.backward + kernels.recompute
+    bound = m * per_microbatch_kernels + (m * microbatch_comm + _data_parallel(
+        config, cluster, layout, workload, stage, kernels.forward, backward, CommLedger())
+        + _pipeline_p2p(config, cluster, layout, workload, stage, CommLedger()))
+    ratio = pipeline_bubble_ratio_floor(layout.schedule, layout.pp, m, layout.vpp,
+                                        kernels.forward, backward, kernels.matmul_forward)
+    return bound + ratio * m * (per_microbatch_kernels + microbatch_comm)
 
 
 def evaluate_training(config: ModelConfig, cluster: Cluster, layout: TrainLayout,
@@ -331,10 +355,7 @@ def evaluate_training(config: ModelConfig, cluster: Cluster, layout: TrainLayout
     memory, fullest = training_memory(config, layout, precision, workload.seq_len,
                                       workload.activation_options)
     gpu = cluster.gpu
-    stage, kernels, microbatch_comm = _bottleneck(
-        config, cluster, workload, layout.tp, layout.pp, layout.cp, layout.ep,
-        layout.sequence_parallel, layout.recompute, layout.micro_batch, layout.expert_tp,
-        layout.zero == 3)
+    stage, kernels, microbatch_comm = _slowest_stage(config, cluster, layout, workload)
     ledger = CommLedger()
     if count_bytes:
         _microbatch_comm(config, cluster, layout, workload, kernels, stage, ledger,
@@ -345,7 +366,6 @@ def evaluate_training(config: ModelConfig, cluster: Cluster, layout: TrainLayout
         for call in ledger.calls:
             ledger.calls[call] *= layout.num_microbatches
     m = layout.num_microbatches
-    microbatch_comm -= _hidden_by_pairing(config, cluster, layout, workload, stage, kernels)
     per_microbatch_kernels = kernels.forward + kernels.backward + kernels.recompute
     dense, expert = stage_params(config, layout.pp, fullest, layout.tp, layout.ep,
                                  layout.expert_tp)
