@@ -66,6 +66,14 @@ def add_parser(subparsers) -> None:
                             "ZeRO-3's parameter shard too; nvme: in files; none (default: "
                             "searched where a layout needs it)")
     train.add_argument("--recompute", choices=RECOMPUTE_MODES)
+    train.add_argument("--zero-bucket-size", type=int, default=0, metavar="ELEMENTS",
+                       help="ZeRO-R: ZeRO-3 gathers parameters and reduce-scatters gradients "
+                            "at most ELEMENTS at a time through two buffers allocated once "
+                            "(--zero 3; default 0: each unit in one call)")
+    train.add_argument("--contiguous-buffers", action="store_true",
+                       help="ZeRO-R: the inputs full or sqrt checkpoints keep in slots of one "
+                            "device buffer, ZeRO's gradient buffers in one block (--zero 1, 2 "
+                            "or 3, or --recompute full or sqrt; plans --pp 1 unless given)")
     train.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction,
                        default=None, help="default: on whenever tp > 1")
     train.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zb"))
@@ -244,6 +252,7 @@ def _page_plan(argv: list[str]):
 
 def _train_plan(args, config, world):
     from tetrad.planner import TrainSpace, TrainWorkload, plan_training
+    from tetrad.planner.eager_buffers import check_searched_buffers
     from tetrad.planner.report import default_global_batch
     from tetrad.planner.stacks import compile_fields, stack_fields
 
@@ -262,10 +271,19 @@ def _train_plan(args, config, world):
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather, overlap_tp_comm=args.overlap_tp_comm,
         overlap_p2p=args.overlap_p2p, **compiled))
-    space = TrainSpace(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep,
+    if (args.zero_bucket_size or args.contiguous_buffers) and workload.runtime != "tetrad":
+        from tetrad.errors import ConfigError
+
+        raise ConfigError(f"--zero-bucket-size and --contiguous-buffers are tetrad's own "
+                          f"buffers: add --stack tetrad (the {stack} stack has none)")
+    pp = 1 if args.contiguous_buffers and args.pp is None else args.pp
+    space = TrainSpace(tp=args.tp, pp=pp, dp=args.dp, cp=args.cp, ep=args.ep,
                        vpp=args.vpp, zero=args.zero, offload_mode=args.offload,
                        recompute=args.recompute, sequence_parallel=args.sequence_parallel,
-                       schedule=args.schedule, micro_batch=args.micro_batch)
+                       schedule=args.schedule, micro_batch=args.micro_batch,
+                       zero_bucket_size=args.zero_bucket_size,
+                       contiguous_buffers=args.contiguous_buffers)
+    check_searched_buffers(space)
     return workload, global_batch, plan_training(config, world, workload, global_batch, space,
                                                  args.top, args.rank_by or "time")
 

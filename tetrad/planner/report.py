@@ -53,6 +53,9 @@ def training_config_json(estimate: TrainingEstimate, tokens: float = 0.0,
                        # paper's model-state formula (params + grads + optimizer without
                        # them) leaves out.
                        "params_gathered": _gib(estimate.memory.params_gathered),
+                       # ZeRO-R's buffers, in `total`: --zero-bucket-size, --contiguous-buffers.
+                       "zero_buffers": _gib(estimate.memory.zero_buffers),
+                       "activation_buffer": _gib(estimate.memory.activation_buffer),
                        "model_states_formula": _gib(
                            estimate.memory.params + estimate.memory.grads
                            + estimate.memory.optimizer - estimate.memory.params_gathered),
@@ -196,6 +199,10 @@ def training_text(config: ModelConfig, cluster: Cluster, workload: TrainWorkload
               f"{memory['usable']:.1f} usable (held besides: CUDA context "
               f"{memory['cuda_context']:.1f}, NCCL buffers {memory['nccl_buffers']:.1f}, "
               f"allocator reserve {memory['allocator_reserve']:.1f})"]
+    if memory["zero_buffers"] or memory["activation_buffer"]:
+        lines.append(f"ZeRO-R buffers, in the total: zero_buffers {memory['zero_buffers']:.3f} "
+                     f"GiB (ZeRO-3's gather and reduce-scatter buffers), activation_buffer "
+                     f"{memory['activation_buffer']:.3f} GiB (the checkpoints' kept inputs)")
     if memory["params_gathered"]:
         lines.append(f"ZeRO-3: params include {memory['params_gathered']:.2f} GiB of parameters "
                      f"gathered whole at the peak; the ZeRO paper's sharded model states "
