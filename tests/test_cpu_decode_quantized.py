@@ -6,10 +6,11 @@ forward (torch's packed kernels), across torch's int4 block shapes and group siz
 import pytest
 import torch
 import torch.nn.functional as F
+from test_cpu_decode import counted_engine
 
 from tetrad.inference.core.params import SamplingParams
 from tetrad.inference.engine import LLM
-from tetrad.inference.worker.cpu_decode import FusedCpuDecode, fused_decode_refusal
+from tetrad.inference.worker.cpu_decode import fused_decode_refusal
 from tetrad.inference.worker.cpu_kernels import cpu_kernels_available
 from tetrad.models.quant import INT4_MIDPOINT, Int4Linear, Int8Linear
 from tetrad.models.transformer import Transformer
@@ -41,14 +42,7 @@ def test_fused_quantized_decode_gives_the_eager_forwards_greedy_tokens(method, m
                 enforce_eager=True)
     assert eager.runner.fused is None
     expected = [out.token_ids for out in eager.generate(PROMPTS, GREEDY)]
-    calls, run = [], FusedCpuDecode.run
-
-    def counting(self, *args):
-        calls.append(len(args[0]))
-        return run(self, *args)
-
-    monkeypatch.setattr(FusedCpuDecode, "run", counting)
-    fused = LLM(random_model(), ByteTokenizer(), log=None, block_size=4, quantization=method)
+    fused, calls = counted_engine(random_model(), monkeypatch, quantization=method)
     layer_type = Int8Linear if method == "int8" else Int4Linear
     assert type(fused.model.layers[0].mlp.down) is layer_type
     assert [out.token_ids for out in fused.generate(PROMPTS, GREEDY)] == expected
