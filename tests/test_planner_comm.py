@@ -42,13 +42,13 @@ def test_planner_bubble_and_in_flight_are_the_simulated_ones(name, pp, vpp, m):
 
 
 def test_closed_forms_equal_the_simulation():
-    """What lets schedules beyond MAX_SIMULATED_ACTIONS skip the simulation: the same makespan
-    and in-flight peaks, for durations with W <= F and W <= B - W (the planner's always are)."""
-    durations = [(1, 1, 1), (1, 2, 1), (8, 13, 6), (5, 3, 2), (2, 7, 1)]  # F, B - W, W
+    """What lets the planner skip the simulation: the same makespan and in-flight peaks, for
+    durations with W <= F and W <= B - W (the planner simulates ZB-H1 for any other)."""
+    durations = [(1, 1, 1), (1, 2, 1), (8, 13, 6), (5, 3, 2), (2, 7, 1), (32, 33, 32)]
     for name, vpp in (("gpipe", 1), ("1f1b", 1), ("zb", 1), ("interleaved", 2),
                       ("interleaved", 3)):
-        for pp in (2, 3, 5):
-            for m in range(pp if vpp > 1 else 1, 3 * pp + 1, pp if vpp > 1 else 1):
+        for pp in (2, 3, 5, 8):
+            for m in range(pp if vpp > 1 else 1, 3 * pp + 2, pp if vpp > 1 else 1):
                 order = build_schedule(name, pp, m, vpp, communication=False)
                 held = peak_in_flight(order, release="W" if name == "zb" else "B")
                 assert closed_form_in_flight(name, pp, m, vpp) == tuple(p / vpp for p in held)
