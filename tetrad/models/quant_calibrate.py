@@ -14,9 +14,13 @@ activations of the model's own distribution, which is what the greedy tokens of 
 from, for any model the engine loads, tokenizer or not; a fixed seed makes them, and so the
 quantized values, the same on every rank and every load.
 
-The stored layout and grid are round-to-nearest's (int8: one scale per output row, max |w| / 127;
-int4: a scale and offset per group of 128 inputs from Int4Linear.quantize's clipping search), so
-the bytes a model holds do not change: GPTQ only picks which of the levels each weight takes."""
+The blocks go in order, each calibrated on the outputs of the blocks before it already quantized
+(GPTQ's sequential order), so that its rounding also compensates the error it is served with.
+
+The stored layout is round-to-nearest's (int8: one scale per output row, max |w| / 127; int4: a
+scale and offset per group of 128 inputs), so the bytes a model holds do not change. int8's
+scales are round-to-nearest's; int4's start from Int4Linear.quantize's clipping search and, once
+GPTQ has chosen the levels, are refitted to them by least squares on the same objective."""
 
 from __future__ import annotations
 
@@ -108,10 +112,39 @@ def self_generated_tokens(model: nn.Module, sequences: int = CALIBRATION_SEQUENC
     return tokens
 
 
+class _Reached(Exception):
+    """Raised by the hook that catches the first block's inputs: the rest of the forward is
+    not needed."""
+
+
 @torch.no_grad()
-def input_hessians(model: nn.Module, projections: dict[str, nn.Module], tokens: torch.Tensor
+def first_block_inputs(model: nn.Module, tokens: torch.Tensor, chunk: int = 8) -> list[tuple]:
+    """The arguments the model's first block is called with, one tuple per `chunk` sequences of
+    `tokens` (a few sequences per forward: bounded memory): the embedded tokens, and the rotary
+    tables and attention callable the model passes every block."""
+    calls: list[tuple] = []
+
+    def catch(module: nn.Module, args: tuple) -> None:
+        calls.append(args)
+        raise _Reached
+
+    handle = model.layers[0].register_forward_pre_hook(catch)
+    device = next(model.parameters()).device
+    try:
+        for start in range(0, len(tokens), chunk):
+            try:
+                model(tokens[start:start + chunk].to(device))
+            except _Reached:
+                pass
+    finally:
+        handle.remove()
+    return calls
+
+
+@torch.no_grad()
+def input_hessians(block: nn.Module, projections: dict[str, nn.Module], calls: list[tuple]
                    ) -> dict[str, torch.Tensor]:
-    """X^T X [K, K] (fp32) of every named projection's inputs over one forward of `tokens`."""
+    """X^T X [K, K] (fp32) of every named projection's inputs over `block` called on `calls`."""
     hessians: dict[str, torch.Tensor] = {}
 
     def gather(name: str):
@@ -126,9 +159,8 @@ def input_hessians(model: nn.Module, projections: dict[str, nn.Module], tokens: 
     handles = [module.register_forward_pre_hook(gather(name))
                for name, module in projections.items()]
     try:
-        device = next(model.parameters()).device
-        for start in range(0, len(tokens), 8):  # a few sequences per forward: bounded memory
-            model(tokens[start:start + 8].to(device))
+        for args in calls:
+            block(*args)
     finally:
         for handle in handles:
             handle.remove()
@@ -168,30 +200,77 @@ class _Int4Grid:
     def quantized(self, values: torch.Tensor) -> QuantizedWeight:
         return QuantizedWeight("int4", values.to(torch.uint8), self.pairs)
 
+    def refit(self, values: torch.Tensor, weight: torch.Tensor, hessian: torch.Tensor) -> None:
+        """Every scale and offset of each row refitted to the levels GPTQ chose: the pairs p
+        minimising (w - A p)^T H (w - A p) over the row, A p = (q - 8) * scale + offset group by
+        group and H the damped Hessian whole (with act order a group's error is compensated in
+        other groups, so their blocks of H couple), solved as one 2G x 2G system per row (G
+        groups). It is GPTQ's own objective, the layer's output error on the calibration inputs,
+        with the grid free (GPTQ fixes it before it knows the levels; AWQ and llama.cpp fit
+        a group's scale to the same end). Cost O(N K^2), as GPTQ's."""
+        hessian = _damped(hessian)
+        rows, width = weight.shape
+        groups = width // INT4_GROUP
+        levels = (values.double() - INT4_MIDPOINT).view(rows, groups, INT4_GROUP)
+        w = weight.double()
+        hw = (w @ hessian).view(rows, groups, INT4_GROUP)
+        # The normal equations' blocks: scale-scale [N, G, G], scale-offset [N, G, G],
+        # offset-offset [G, G] (H's block sums).
+        ss = torch.empty(rows, groups, groups, dtype=torch.float64, device=w.device)
+        so = torch.empty_like(ss)
+        for g in range(groups):
+            columns = slice(g * INT4_GROUP, (g + 1) * INT4_GROUP)
+            hq = (levels[:, g] @ hessian[columns]).view(rows, groups, INT4_GROUP)
+            ss[:, g] = (hq * levels).sum(-1)
+            so[:, g] = hq.sum(-1)
+        oo = hessian.view(groups, INT4_GROUP, groups, INT4_GROUP).sum(dim=(1, 3))
+        system = torch.cat((torch.cat((ss, so), dim=2),
+                            torch.cat((so.transpose(1, 2), oo.expand(rows, -1, -1)), dim=2)),
+                           dim=1)
+        target = torch.cat(((hw * levels).sum(-1), hw.sum(-1)), dim=1)
+        # A group holding one level has no separate scale and offset: a ridge far below the
+        # system's own scale picks one of the equivalent pairs instead of failing.
+        ridge = 1e-9 * system.diagonal(dim1=1, dim2=2).mean(-1)
+        system = system + ridge[:, None, None] * torch.eye(2 * groups, dtype=torch.float64,
+                                                           device=w.device)
+        solution = torch.linalg.solve(system, target[..., None])[..., 0]
+        self.pairs = torch.stack((solution[:, :groups].t(), solution[:, groups:].t()), dim=-1
+                                 ).to(self.dtype)  # [G, N, 2], as the pairs are
+
+
+def _damped(hessian: torch.Tensor) -> torch.Tensor:
+    """H (fp64) with GPTQ_DAMPING of its mean diagonal added to the diagonal, and a unit
+    diagonal where an input was never active (H_jj = 0)."""
+    hessian = hessian.double().clone()
+    diagonal = hessian.diagonal()
+    diagonal[diagonal == 0] = 1
+    diagonal += GPTQ_DAMPING * diagonal.mean()
+    return hessian
+
 
 def _inverse_hessian_factor(hessian: torch.Tensor) -> torch.Tensor:
     """The upper Cholesky factor of (H + damping)^-1 (fp64, then fp32): row j holds what
     rounding column j moves the later columns by. An input never active (H_jj = 0: an expert no
     calibration token reached) gets a unit diagonal, so its column is rounded to nearest; with H
     = 0 the factor is diagonal and every column is."""
-    hessian = hessian.double().clone()
-    diagonal = hessian.diagonal()
-    diagonal[diagonal == 0] = 1
-    diagonal += GPTQ_DAMPING * diagonal.mean()
-    inverse = torch.cholesky_inverse(torch.linalg.cholesky(hessian))
+    inverse = torch.cholesky_inverse(torch.linalg.cholesky(_damped(hessian)))
     return torch.linalg.cholesky(inverse, upper=True).float()
 
 
-def gptq(weight: torch.Tensor, hessian: torch.Tensor, method: str, dtype: torch.dtype
+def gptq(weight: torch.Tensor, hessian: torch.Tensor | None, method: str, dtype: torch.dtype
          ) -> QuantizedWeight:
     """Round `weight` [N, K] to `method`'s layout, column by column, each column's error
     (divided by its inverse-Hessian diagonal) subtracted from the columns after it along that
     row of the inverse factor: the OBS update GPTQ takes, eager inside a block of 128 columns
     and applied to the later blocks once per block. The columns go in decreasing order of their
     inputs' energy (H's diagonal, GPTQ's "act order"): the outlier channels are rounded first,
-    while every other column is still free to absorb their error. The grid is fixed before."""
+    while every other column is still free to absorb their error. The grid is fixed before;
+    int4's is refitted to the chosen levels after (_Int4Grid.refit). With no activations (H = 0)
+    it is round-to-nearest."""
     grid = (_Int8Grid if method == "int8" else _Int4Grid)(weight, dtype)
     w = weight.detach().float().clone()
+    if hessian is None:  # no token reached it through a call of its own (an unrouted expert)
+        hessian = torch.zeros(w.shape[1], w.shape[1], device=w.device)
     hessian = hessian.to(w.device)
     order = torch.argsort(hessian.diagonal(), descending=True, stable=True)
     w, factor = w[:, order], _inverse_hessian_factor(hessian[order][:, order])
@@ -206,6 +285,8 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, method: str, dtype: torch.
             errors[:, i] = (block[:, i] - held) / inverse[i, i]
             block[:, i:] -= errors[:, i, None] * inverse[i, i:]
         w[:, last:] -= errors @ factor[first:last, last:]
+    if method == "int4" and hessian.any():
+        grid.refit(values, weight, hessian)
     return grid.quantized(values)
 
 
@@ -213,27 +294,57 @@ def calibrated_weights(model: nn.Module, projections: dict[str, nn.Module], meth
                        dtype: torch.dtype, tokens: torch.Tensor | None = None
                        ) -> dict[str, QuantizedWeight]:
     """Each named projection of the whole `model` (in `dtype`, 16-bit) quantized by GPTQ on the
-    inputs `tokens` give it (default: self_generated_tokens). The Hessians are gathered in as
-    many passes over the tokens as HESSIAN_BUDGET needs."""
+    inputs `tokens` give it (default: self_generated_tokens), block after block: a block's
+    Hessians are gathered on the outputs of the blocks before it with their projections already
+    quantized (GPTQ's sequential order), so that its rounding also compensates the error its
+    inputs carry from the earlier blocks, as they will when served. Within a block the
+    projections go in as few groups as HESSIAN_BUDGET allows, a group's inputs coming through the
+    groups before it already quantized. `model` is left as it was."""
     if tokens is None:
         tokens = self_generated_tokens(model)
-    names, quantized = list(projections), {}
-    while names:
-        batch, held = [], 0
-        for name in names:
-            width = projections[name].weight.shape[1]
-            if batch and held + 4 * width * width > HESSIAN_BUDGET:
-                break
-            batch.append(name)
-            held += 4 * width * width
-        names = names[len(batch):]
-        hessians = input_hessians(model, {name: projections[name] for name in batch}, tokens)
-        for name in batch:
-            weight = projections[name].weight.detach()
-            # A projection no token reached through a call of its own (an expert no token was
-            # routed to): H = 0, which gptq rounds to nearest.
-            hessian = hessians.pop(name, None)
-            if hessian is None:
-                hessian = weight.new_zeros(weight.shape[1], weight.shape[1], dtype=torch.float32)
-            quantized[name] = gptq(weight, hessian, method, dtype)
+    calls, quantized, originals = first_block_inputs(model, tokens), {}, {}
+    try:
+        for index, block in enumerate(model.layers):
+            names = [name for name in projections if name.startswith(f"layers.{index}.")]
+            while names:
+                batch = _within_budget(names, projections)
+                names = names[len(batch):]
+                hessians = input_hessians(block, {name: projections[name] for name in batch},
+                                          calls)
+                for name in batch:
+                    quantized[name] = gptq(projections[name].weight.detach(),
+                                           hessians.pop(name, None), method, dtype)
+                    originals[name] = _swap(model, name,
+                                            quantized[name].layer(_bias(projections[name]),
+                                                                  packed=False))
+            with torch.no_grad():
+                calls = [(block(*args), *args[1:]) for args in calls]
+    finally:
+        for name, module in originals.items():
+            _swap(model, name, module)
     return quantized
+
+
+def _bias(module: nn.Module) -> torch.Tensor | None:
+    return getattr(module, "bias", None)
+
+
+def _swap(model: nn.Module, name: str, module: nn.Module) -> nn.Module:
+    """Put `module` at `name` in `model`; returns the one that was there."""
+    parent, _, child = name.rpartition(".")
+    held = model.get_submodule(parent)
+    previous = getattr(held, child)
+    setattr(held, child, module)
+    return previous
+
+
+def _within_budget(names: list[str], projections: dict[str, nn.Module]) -> list[str]:
+    """The first of `names` whose fp32 Hessians fit HESSIAN_BUDGET together (at least one)."""
+    batch, held = [], 0
+    for name in names:
+        width = projections[name].weight.shape[1]
+        if batch and held + 4 * width * width > HESSIAN_BUDGET:
+            break
+        batch.append(name)
+        held += 4 * width * width
+    return batch
