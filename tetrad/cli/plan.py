@@ -252,7 +252,6 @@ def _page_plan(argv: list[str]):
 
 def _train_plan(args, config, world):
     from tetrad.planner import TrainSpace, TrainWorkload, plan_training
-    from tetrad.planner.eager_buffers import check_searched_buffers
     from tetrad.planner.report import default_global_batch
     from tetrad.planner.stacks import compile_fields, stack_fields
 
@@ -283,9 +282,24 @@ def _train_plan(args, config, world):
                        schedule=args.schedule, micro_batch=args.micro_batch,
                        zero_bucket_size=args.zero_bucket_size,
                        contiguous_buffers=args.contiguous_buffers)
-    check_searched_buffers(space)
+    _check_searched_buffers(space)
     return workload, global_batch, plan_training(config, world, workload, global_batch, space,
                                                  args.top, args.rank_by or "time")
+
+
+def _check_searched_buffers(space) -> None:
+    """Refuses ZeRO-R's buffer options (--zero-bucket-size, --contiguous-buffers) unless every
+    layout the search may try with `space`'s given choices holds them as `tetrad train` would:
+    ParallelConfig's refusals for the least the search tries (ZeRO 0, no recomputation) and for
+    the most (ZeRO-3, sqrt) where those are left open."""
+    from tetrad.spec.layout import ParallelConfig
+
+    searched = [dict(zero=space.zero or 0, recompute=space.recompute or "none"),
+                dict(zero=3 if space.zero is None else space.zero,
+                     recompute=space.recompute or "sqrt")]
+    for choices in searched:
+        ParallelConfig(pp=space.pp or 1, zero_bucket_size=space.zero_bucket_size,
+                       contiguous_buffers=space.contiguous_buffers, **choices)
 
 
 def _train(args, config, world) -> int:

@@ -17,19 +17,15 @@ breakdown and a byte name of its own in the run report.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import TYPE_CHECKING
 
 from tetrad.planner.eager_activations import checkpoints, kept_input_bytes
 from tetrad.planner.eager_params import rank_parameters
 from tetrad.planner.eager_state import zero3_units
 from tetrad.planner.layout import TrainLayout
 from tetrad.planner.precision import TrainingPrecision
-from tetrad.spec.layout import FORWARD_AGAIN, ParallelConfig
+from tetrad.spec.layout import FORWARD_AGAIN
 from tetrad.spec.model import ModelConfig
 from tetrad.spec.runtime_rules import bucket_buffer_elements
-
-if TYPE_CHECKING:
-    from tetrad.planner.search import TrainSpace
 
 
 def zero3_unit_shards(config: ModelConfig, layout: TrainLayout, pp_rank: int) -> list[int]:
@@ -59,16 +55,3 @@ def activation_buffer_bytes(config: ModelConfig, layout: TrainLayout, seq_len: i
     if not (layout.contiguous_buffers and layout.recompute in FORWARD_AGAIN):
         return 0.0
     return checkpoints(config, layout, 0) * kept_input_bytes(config, layout, seq_len, precision)
-
-
-def check_searched_buffers(space: TrainSpace) -> None:
-    """Refuses ZeRO-R's buffer options (--zero-bucket-size, --contiguous-buffers) unless every
-    layout the search may try with `space`'s given choices holds them as `tetrad train` would:
-    ParallelConfig's refusals for the least the search tries (ZeRO 0, no recomputation) and for
-    the most (ZeRO-3, sqrt) where those are left open."""
-    searched = [dict(zero=space.zero or 0, recompute=space.recompute or "none"),
-                dict(zero=3 if space.zero is None else space.zero,
-                     recompute=space.recompute or "sqrt")]
-    for choices in searched:
-        ParallelConfig(pp=space.pp or 1, zero_bucket_size=space.zero_bucket_size,
-                       contiguous_buffers=space.contiguous_buffers, **choices)
