@@ -3,19 +3,22 @@ through two reused buffers; tetrad/parallel/zero_buckets.py) and memory defragme
 (--contiguous-buffers: checkpoints' kept inputs in slots of one buffer, ZeRO's gradient buffers
 in one block).
 
-Through the trainer: one process with its checkpoints in slots, then three layouts on 4 ranks in
+Through the trainer: one process with its checkpoints in slots, then four layouts on 4 ranks in
 one spawned job (pp2 x dp2 1F1B ZeRO-3 with buckets, tp2 x dp2 ZeRO-3 with buckets and
 partitioned checkpoints in slots, tp2 x dp2 ZeRO-2 under sqrt with its checkpoints in slots and
-one gradient block), against one process without
+one gradient block, dp4 ZeRO-3 under sqrt with buckets and slots, one sequence a rank), against
+one process without
 recomputation (losses to 1e-5, final parameters); every rank's bytes (the buffers, the slots'
 peak), collective bytes and calls equal the planner's. In one process: the rule that cuts a unit
 into calls, and the gradient buffers of ZeRO-1/2/3 sharing one storage."""
 
 import pytest
 from test_runtime_rules import built_strategy
-from test_zero_r import (assert_layouts_equal_one_process, assert_report_is_the_planners,
+from test_zero_r import (RUN, assert_layouts_equal_one_process, assert_report_is_the_planners,
                          plain, run_config)
 
+from tetrad.cli.main import main
+from tetrad.cli.plan import _page_parser, _resolve, _train_plan
 from tetrad.errors import ConfigError
 from tetrad.memory import storage_id
 from tetrad.spec.model import ParallelConfig
@@ -31,7 +34,9 @@ BUFFER_LAYOUTS = [
          stage_layers=(3, 2), contiguous_buffers=True),
     dict(tp=2, dp=2, zero=3, zero_bucket_size=24_000, recompute="full",
          partition_activations=True, contiguous_buffers=True),
-    dict(tp=2, dp=2, zero=2, recompute="sqrt", contiguous_buffers=True)]
+    dict(tp=2, dp=2, zero=2, recompute="sqrt", contiguous_buffers=True),
+    # One sequence per rank: the loss's targets are a view of the ids the embedding keeps.
+    dict(dp=4, zero=3, zero_bucket_size=24_000, recompute="sqrt", contiguous_buffers=True)]
 
 
 def test_checkpoint_slots_in_one_process_equal_it_and_the_planner(plain, corpus_file, tmp_path):
@@ -52,6 +57,25 @@ def test_bucketed_and_contiguous_layouts_equal_one_process(plain, corpus_file, t
     expected = [s["grad_norm"] for s in plain[0]["steps"]]
     for report in reports:
         assert [s["grad_norm"] for s in report["steps"]] == pytest.approx(expected, rel=1e-5)
+    assert_plan_train_holds_what_train_counted(reports[-1])
+
+
+def assert_plan_train_holds_what_train_counted(report) -> None:
+    """`tetrad plan train` given the dp4 layout and the two flags predicts the buffers every
+    rank of `report` counted."""
+    args = _page_parser().parse_args([
+        "plan", "train", "--model", "tiny", "--gpu", "h100-sxm", "--num-gpus", "4", "--dp", "4",
+        "--stack", "tetrad", "--dtype", "fp32", "--seq-len", str(RUN["seq_len"]),
+        "--global-batch", str(RUN["batch_size"]), "--micro-batch", "1", "--zero", "3",
+        "--zero-bucket-size", "24000", "--recompute", "sqrt", "--contiguous-buffers"])
+    config, world = _resolve(args)
+    planned = _train_plan(args, config.replace(**RUN["model_overrides"]), world)[2].ranked[0]
+    assert (planned.layout.zero_bucket_size, planned.layout.contiguous_buffers) == (24_000, True)
+    for entry in report["ranks"]:
+        held = entry["bytes"]
+        assert held["zero_buffers"] > 0 and held["activation_buffer"] > 0
+        assert (planned.memory.zero_buffers, planned.memory.activation_buffer) == (
+            held["zero_buffers"], held["activation_buffer"])
 
 
 @pytest.mark.parametrize("shard, group, bucket, calls", [
@@ -85,3 +109,22 @@ def test_refusals_are_one_line(fields, words):
     with pytest.raises(ConfigError, match=words) as error:
         ParallelConfig(**fields)
     assert "\n" not in str(error.value)
+
+
+
+PLAN = ["plan", "train", "--model", "llama3-8b", "--gpu", "h100-sxm", "--num-gpus", "8",
+        "--stack", "tetrad"]
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--zero-bucket-size", "1000"], "--zero 3"),
+    (["--zero", "3", "--zero-bucket-size", "-1"], "zero_bucket_size"),
+    (["--contiguous-buffers"], "--zero 1, 2 or 3, or --recompute full or sqrt"),
+    (["--contiguous-buffers", "--zero", "1", "--pp", "2"], "--pp 1"),
+    (["--contiguous-buffers", "--recompute", "selective"], "--zero 1, 2 or 3"),
+    (["--contiguous-buffers", "--recompute", "full", "--stack", "megatron"], "--stack tetrad"),
+])
+def test_plan_train_refuses_as_train_does_in_one_line(flags, words, capsys):
+    assert main([*PLAN, *flags]) == 2
+    error = capsys.readouterr().err
+    assert words in error and error.count("\n") == 1
