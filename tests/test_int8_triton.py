@@ -16,7 +16,8 @@ pytest.importorskip("triton")
 CASES = """
 import json
 import torch
-from tetrad.models.int8_triton import MAX_KERNEL_ROWS, int8_weight_product
+from tetrad.models.int8_triton import int8_weight_product
+from tetrad.models.quant import MAX_KERNEL_ROWS
 
 errors = []
 generator = torch.Generator().manual_seed(0)

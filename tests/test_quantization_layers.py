@@ -183,6 +183,17 @@ def test_int4_rows_the_cpu_kernel_cannot_take_run_the_reference_product():
     assert (error <= allowed).all()
 
 
+def test_int8_widths_the_cpu_kernel_misreads_run_the_reference_product():
+    # torch 2.13's _weight_int8pack_mm, given several rows of width 76, returned wrong sums
+    # (inf against the product) or segfaulted.
+    weight = torch.randn(32, 76)
+    layer = Int8Linear.quantize(weight)
+    assert not layer.packed
+    x = torch.randn(3, 76).bfloat16()
+    error, allowed = product_error(layer, x)
+    assert (error <= allowed).all()
+
+
 def test_bytes_held_are_the_values_plus_their_scales():
     weight = torch.randn(64, 256)
     assert held_bytes(Int8Linear.quantize(weight)) == 64 * 256 + 64 * 2

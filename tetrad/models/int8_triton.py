@@ -19,9 +19,6 @@ import torch
 
 from tetrad.models.triton_import import HAS_TRITON, tl, triton
 
-# Rows up to which the kernel runs; past them the widened weight goes to cuBLAS.
-MAX_KERNEL_ROWS = 64
-
 
 @triton.jit
 def _int8_weight_product(x, values, scales, y, rows, cols, depth, stride_x, stride_w, stride_y,
@@ -46,7 +43,7 @@ def _int8_weight_product(x, values, scales, y, rows, cols, depth, stride_x, stri
 def int8_weight_product(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor
                         ) -> torch.Tensor:
     """x [M, K] (16-bit, or fp32 under the interpreter) @ (values [N, K] int8 * scales [N]).T ->
-    [M, N] in x's dtype, accumulated in fp32. M up to MAX_KERNEL_ROWS."""
+    [M, N] in x's dtype, accumulated in fp32. M up to quant.MAX_KERNEL_ROWS."""
     rows, depth = x.shape
     cols = values.shape[0]
     x = x.contiguous()

@@ -16,11 +16,16 @@ regrouped per row); `quantize` rounds a float weight."""
 
 from __future__ import annotations
 
+from importlib.util import find_spec
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tetrad.models.int8_triton import HAS_TRITON, MAX_KERNEL_ROWS, int8_weight_product
+# Rows up to which a GPU's int8 product runs our Triton kernel (int8_triton.py); past them the
+# weight is widened once for cuBLAS. The kernel's module is imported at first use: importing
+# triton costs a CPU engine ~77 MB of memory it never uses.
+MAX_KERNEL_ROWS = 64
 
 INT4_GROUPS = (32, 64, 128, 256)  # what torch's int4 kernels take; GGUF's Q4_0 is 32
 INT4_GROUP = 128  # --quantization int4's group (GPTQ/AWQ's), the planner's too
@@ -62,9 +67,11 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scales.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.to(self.dtype), False)
         # A CPU takes torch's int8 kernel, a GPU ours (int8_triton.py says why); else the
-        # reference product.
-        self.packed = packed and (HAS_TRITON if values.is_cuda
-                                  else hasattr(torch, "_weight_int8pack_mm"))
+        # reference product. torch 2.13's CPU kernel reads past rows whose width is not a
+        # multiple of 8 when it has more than one row (wrong sums, or a segfault).
+        self.packed = packed and (find_spec("triton") is not None if values.is_cuda
+                                  else hasattr(torch, "_weight_int8pack_mm")
+                                  and self.in_features % 8 == 0)
 
     @classmethod
     def from_quantized(cls, values: torch.Tensor, scales: torch.Tensor,
@@ -98,6 +105,7 @@ class Int8Linear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         shape, flat = x.shape, x.reshape(rows, self.in_features)
         if self.values.is_cuda:
+            from tetrad.models.int8_triton import int8_weight_product
             y = int8_weight_product(flat, self.values, self.scales)
         else:
             y = torch._weight_int8pack_mm(flat, self.values, self.scales)
