@@ -19,7 +19,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from tetrad.planner.eager_activations import checkpoints, kept_input_bytes
-from tetrad.planner.eager_params import rank_parameters
+from tetrad.planner.eager_params import data_parallel_parameters
 from tetrad.planner.eager_state import zero3_units
 from tetrad.planner.layout import TrainLayout
 from tetrad.planner.precision import TrainingPrecision
@@ -30,10 +30,9 @@ from tetrad.spec.runtime_rules import bucket_buffer_elements
 
 def zero3_unit_shards(config: ModelConfig, layout: TrainLayout, pp_rank: int) -> list[int]:
     """Elements of each ZeRO-3 unit shard a rank of pipeline rank `pp_rank` holds."""
-    replicated = [p for p in rank_parameters(config, layout, pp_rank)
-                  if not p.frozen and not p.expert]
     return [unit // layout.zero_group
-            for units in zero3_units(replicated, layout.zero_group).values()
+            for units in zero3_units(data_parallel_parameters(config, layout, pp_rank),
+                                     layout.zero_group).values()
             for unit in units.all]
 
 

@@ -39,7 +39,7 @@ from tetrad.planner.comm import CommLedger, call_time, ledger_time
 from tetrad.planner.compute import gemm_time, layer_times
 from tetrad.planner.eager_activations import tokens
 from tetrad.planner.eager_comm import tensor_parallel_block
-from tetrad.planner.eager_params import rank_parameters, rank_stages, stage_blocks
+from tetrad.planner.eager_params import data_parallel_parameters, rank_stages, stage_blocks
 from tetrad.planner.eager_state import ddp_bucket_params, zero3_units
 from tetrad.planner.flops import Gemm
 from tetrad.planner.layout import TrainLayout
@@ -103,8 +103,7 @@ def hidden_communication(config: ModelConfig, cluster: Cluster, layout: TrainLay
                 hidden += m * ((1 + reruns) * (dispatch - exposed(dispatch, shared, math.inf))
                                + backwards * (dispatch - exposed(dispatch, 2 * shared,
                                                                  math.inf)))
-    params = [p for p in rank_parameters(config, layout, pp_rank)
-              if not p.expert and not p.frozen]
+    params = data_parallel_parameters(config, layout, pp_rank)
     group = layout.zero_group
     # The gradients' and ZeRO-3's calls as eager_comm's ledger prices them, call by call.
     if layout.zero == 0 and layout.pp == 1:

@@ -189,3 +189,10 @@ def rank_parameters(config: ModelConfig, layout: TrainLayout, pp_rank: int) -> t
             if not tied:
                 params.append(Param(vocab_rows * h, matmul=True, stage=stage, unit=head_unit))
     return tuple(params)
+
+
+def data_parallel_parameters(config: ModelConfig, layout: TrainLayout, pp_rank: int
+                             ) -> list[Param]:
+    """The rank's trainable parameters outside the experts: what the data-parallel group reduces
+    and ZeRO shards (experts reduce over their own group; frozen ones have no gradient)."""
+    return [p for p in rank_parameters(config, layout, pp_rank) if not p.expert and not p.frozen]

@@ -15,7 +15,7 @@ disk)."""
 from __future__ import annotations
 
 from tetrad.hardware.catalog import GPU
-from tetrad.planner.eager_params import rank_parameters
+from tetrad.planner.eager_params import data_parallel_parameters
 from tetrad.planner.eager_state import zero3_units
 from tetrad.planner.layout import TrainLayout
 from tetrad.planner.precision import TrainingPrecision
@@ -30,7 +30,7 @@ def offload_copies(config: ModelConfig, layout: TrainLayout, precision: Training
     if not layout.offload_params:
         return []
     copies = []
-    for stage, units in zero3_units(_replicated(config, layout, pp_rank),
+    for stage, units in zero3_units(data_parallel_parameters(config, layout, pp_rank),
                                     layout.zero_group).items():
         gathers = 3 if layout.schedule in SPLIT_BACKWARD and stage > 0 else 2
         for elements in units.all:
@@ -56,7 +56,3 @@ def offload_time(config: ModelConfig, layout: TrainLayout, precision: TrainingPr
     makes each copy when its gather or reduction needs it)."""
     return sum(count * host_link_time(gpu, nbytes)
                for count, nbytes in offload_copies(config, layout, precision, pp_rank))
-
-
-def _replicated(config: ModelConfig, layout: TrainLayout, pp_rank: int) -> list:
-    return [p for p in rank_parameters(config, layout, pp_rank) if not p.frozen and not p.expert]
