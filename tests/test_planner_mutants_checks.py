@@ -229,7 +229,8 @@ def test_a_layouts_derived_counts():
     assert over_tp.expert_tp == 1 and over_tp.expert_zero_group == 1
     assert layout.to_dict() == {"tp": 2, "pp": 2, "dp": 4, "cp": 2, "ep": 4, "vpp": 1,
                                 "zero": 0, "offload": False, "offload_mode": "none",
-                                "recompute": "none",
+                                "recompute": "none", "partition_activations": False,
+                                "offload_activations": False,
                                 "sequence_parallel": False, "schedule": "1f1b",
                                 "micro_batch": 5, "num_microbatches": 6}
     # Microbatches beyond one pipeline pass are repeated passes; without a pipeline, one pass.

@@ -10,11 +10,15 @@ the kept share itself: an input whose elements do not divide by the group is pad
 keeps its chunk, and the gathered input gives the gradients of a checkpoint that keeps it
 whole."""
 
+import json
+
 import pytest
 import torch
 from dist import run_ranks
 from test_report_layouts import cpu_token_ids
 
+from tetrad.cli.main import main
+from tetrad.cli.plan import _page_parser, _resolve, _train_plan
 from tetrad.errors import ConfigError
 from tetrad.memory import ActivationMeter
 from tetrad.parallel.comm import Comm, CommCounter
@@ -67,6 +71,50 @@ def assert_report_is_the_planners(report) -> None:
             {kind: round(v) for kind, v in entry["comm_calls"].items()}
 
 
+def plan_train_argv(report) -> list[str]:
+    """`tetrad plan train`'s flags for the layout and batch `report`'s run trained."""
+    parallel = report["config"]["parallel"]
+    micro_batch = RUN["batch_size"] // (parallel["dp"] * parallel["microbatches"])
+    argv = ["plan", "train", "--model", "tiny", "--gpu", "h100-sxm", "--stack", "tetrad",
+            "--num-gpus", str(report["config"]["nproc"]), "--dtype", "fp32",
+            "--seq-len", str(RUN["seq_len"]), "--global-batch", str(RUN["batch_size"]),
+            "--micro-batch", str(micro_batch), "--recompute", parallel["recompute"]]
+    argv += [arg for name in ("tp", "pp", "dp", "zero") for arg in (f"--{name}",
+                                                                   str(parallel[name]))]
+    if parallel["pp"] > 1:
+        argv += ["--schedule", parallel["schedule"]]
+    return argv + [f"--{name.replace('_', '-')}" for name in ("partition_activations",
+                                                              "offload_activations",
+                                                              "contiguous_buffers")
+                   if parallel[name]]
+
+
+def assert_plan_train_predicts(report) -> None:
+    """`tetrad plan train`, given the run's layout through its flags (the two ZeRO-R options
+    among them), plans that layout and predicts what the run's fullest ranks counted: the
+    activations on the device, the kept inputs in host memory, every collective's bytes."""
+    args = _page_parser().parse_args(plan_train_argv(report))
+    config, world = _resolve(args)
+    planned = _train_plan(args, config.replace(**RUN["model_overrides"]), world)[2].ranked[0]
+    parallel = report["config"]["parallel"]
+    assert {key: getattr(planned.layout, key) for key in (
+        "tp", "pp", "dp", "zero", "recompute", "partition_activations", "offload_activations",
+        "sequence_parallel", "num_microbatches")} == {
+        key: parallel[key] for key in ("tp", "pp", "dp", "zero", "recompute",
+                                       "partition_activations", "offload_activations",
+                                       "sequence_parallel")} | {
+        "num_microbatches": parallel["microbatches"]}
+    fullest = [entry for entry in report["ranks"]
+               if entry["coords"]["pp"] == planned.fullest_stage]
+    assert fullest
+    for entry in fullest:
+        held = entry["bytes"]
+        assert round(planned.memory.activations) + cpu_token_ids(report) == \
+            held["activations_peak"]
+        assert round(planned.memory.host_activations) == held.get("host_activations_peak", 0)
+        assert {kind: round(v) for kind, v in planned.comm.sent.items()} == entry["comm_bytes"]
+
+
 def layouts_job(rank: int, world_size: int, configs: list[TrainConfig]):
     """Every rank trains each layout in turn; rank 0 returns the run reports (the others'
     train_worker returns None)."""
@@ -95,6 +143,7 @@ def test_host_checkpoints_in_one_process_equal_it_and_the_planner(plain, corpus_
                  show_progress=False).report
     assert [s["loss"] for s in host["steps"]] == [s["loss"] for s in plain[0]["steps"]]
     assert_report_is_the_planners(host)
+    assert_plan_train_predicts(host)
 
 
 def assert_layouts_equal_one_process(plain, corpus_file, folder, layouts) -> list[dict]:
@@ -117,13 +166,16 @@ def assert_layouts_equal_one_process(plain, corpus_file, folder, layouts) -> lis
 # Four spawned ranks training two layouts take minutes on a loaded 2-core machine.
 @pytest.mark.timeout(1200)
 def test_partitioned_checkpoints_under_tp_dp_equal_one_process(plain, corpus_file, tmp_path):
-    assert_layouts_equal_one_process(plain, corpus_file, tmp_path, DATA_LAYOUTS)
+    for report in assert_layouts_equal_one_process(plain, corpus_file, tmp_path, DATA_LAYOUTS):
+        assert_plan_train_predicts(report)
 
 
 @pytest.mark.timeout(1200)
 def test_partitioned_host_checkpoints_under_pp_tp_equal_one_process(plain, corpus_file,
                                                                      tmp_path):
-    assert_layouts_equal_one_process(plain, corpus_file, tmp_path, PIPELINE_LAYOUTS)
+    for report in assert_layouts_equal_one_process(plain, corpus_file, tmp_path,
+                                                   PIPELINE_LAYOUTS):
+        assert_plan_train_predicts(report)
 
 
 def kept_share_job(rank: int, world_size: int, offload: bool):
@@ -185,3 +237,40 @@ def test_megatron_profile_keeps_the_share_on_the_device():
     whole = device()
     assert whole - device(partition_activations=True) == kept / 2
     assert whole - device(partition_activations=True, offload_activations=True) == kept
+
+
+PLAN = ["plan", "train", "--model", "llama3-8b", "--gpu", "h100-sxm", "--num-gpus", "8",
+        "--stack", "tetrad", "--top", "20"]
+
+
+@pytest.mark.parametrize("flags", [["--partition-activations"], ["--offload-activations"],
+                                   ["--partition-activations", "--offload-activations"]])
+def test_plan_train_searches_only_layouts_that_keep_the_checkpoints_so(flags, capsys):
+    """Left open, recompute is searched over full and sqrt, and under partitioning tp over 2 and
+    more without sequence parallelism; every layout printed carries the flags."""
+    main([*PLAN, *flags, "--json"])
+    configs = json.loads(capsys.readouterr().out)["configs"]
+    assert len(configs) > 1
+    for item in configs:
+        parallel = item["parallel"]
+        assert parallel["recompute"] in ("full", "sqrt")
+        assert parallel["partition_activations"] == ("--partition-activations" in flags)
+        assert parallel["offload_activations"] == ("--offload-activations" in flags)
+        if "--partition-activations" in flags:
+            assert parallel["tp"] > 1 and not parallel["sequence_parallel"]
+        assert (item["memory_gib"]["host_activations"] > 0) == ("--offload-activations" in flags)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--partition-activations", "--tp", "1"], "--tp 2 or more"),
+    (["--partition-activations", "--recompute", "selective"], "--recompute full or sqrt"),
+    (["--offload-activations", "--recompute", "none"], "--recompute full or sqrt"),
+    (["--partition-activations", "--sequence-parallel"], "sequence parallelism"),
+    (["--offload-activations", "--contiguous-buffers", "--zero", "1"], "drop one of them"),
+    (["--partition-activations", "--stack", "megatron"], "--stack tetrad"),
+    (["--offload-activations", "--stack", "deepspeed"], "--stack tetrad"),
+])
+def test_plan_train_refuses_as_train_does_in_one_line(flags, words, capsys):
+    assert main([*PLAN, *flags]) == 2
+    error = capsys.readouterr().err
+    assert words in error and error.count("\n") == 1

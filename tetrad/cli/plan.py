@@ -66,6 +66,13 @@ def add_parser(subparsers) -> None:
                             "ZeRO-3's parameter shard too; nvme: in files; none (default: "
                             "searched where a layout needs it)")
     train.add_argument("--recompute", choices=RECOMPUTE_MODES)
+    train.add_argument("--partition-activations", action="store_true",
+                       help="ZeRO-R: each recomputed block's input kept as this rank's 1/tp "
+                            "slice, all-gathered before its rerun (--recompute full or sqrt, tp "
+                            "2+, no sequence parallelism; searched layouts obey all three)")
+    train.add_argument("--offload-activations", action="store_true",
+                       help="ZeRO-R: each recomputed block's input kept in host memory until its "
+                            "rerun (--recompute full or sqrt; searched layouts use one of them)")
     train.add_argument("--zero-bucket-size", type=int, default=0, metavar="ELEMENTS",
                        help="ZeRO-R: ZeRO-3 gathers parameters and reduce-scatters gradients "
                             "at most ELEMENTS at a time through two buffers allocated once "
@@ -270,36 +277,49 @@ def _train_plan(args, config, world):
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather, overlap_tp_comm=args.overlap_tp_comm,
         overlap_p2p=args.overlap_p2p, **compiled))
-    if (args.zero_bucket_size or args.contiguous_buffers) and workload.runtime != "tetrad":
+    zero_r = [flag for flag, on in (("--zero-bucket-size", args.zero_bucket_size),
+                                    ("--contiguous-buffers", args.contiguous_buffers),
+                                    ("--partition-activations", args.partition_activations),
+                                    ("--offload-activations", args.offload_activations)) if on]
+    if zero_r and workload.runtime != "tetrad":
         from tetrad.errors import ConfigError
 
-        raise ConfigError(f"--zero-bucket-size and --contiguous-buffers are tetrad's own "
-                          f"buffers: add --stack tetrad (the {stack} stack has none)")
+        raise ConfigError(f"{', '.join(zero_r)}: ZeRO-R as tetrad's runtime holds and sends "
+                          f"it, planned on its stack only: add --stack tetrad (not {stack})")
     pp = 1 if args.contiguous_buffers and args.pp is None else args.pp
     space = TrainSpace(tp=args.tp, pp=pp, dp=args.dp, cp=args.cp, ep=args.ep,
                        vpp=args.vpp, zero=args.zero, offload_mode=args.offload,
                        recompute=args.recompute, sequence_parallel=args.sequence_parallel,
                        schedule=args.schedule, micro_batch=args.micro_batch,
                        zero_bucket_size=args.zero_bucket_size,
-                       contiguous_buffers=args.contiguous_buffers)
+                       contiguous_buffers=args.contiguous_buffers,
+                       partition_activations=args.partition_activations,
+                       offload_activations=args.offload_activations)
     _check_searched_buffers(space)
     return workload, global_batch, plan_training(config, world, workload, global_batch, space,
                                                  args.top, args.rank_by or "time")
 
 
 def _check_searched_buffers(space) -> None:
-    """Refuses ZeRO-R's buffer options (--zero-bucket-size, --contiguous-buffers) unless every
-    layout the search may try with `space`'s given choices holds them as `tetrad train` would:
-    ParallelConfig's refusals for the least the search tries (ZeRO 0, no recomputation) and for
-    the most (ZeRO-3, sqrt) where those are left open."""
+    """Refuses ZeRO-R's options (--zero-bucket-size, --contiguous-buffers,
+    --partition-activations, --offload-activations) unless every layout the search may try with
+    `space`'s given choices holds them as `tetrad train` would: ParallelConfig's refusals for
+    the least the search tries (ZeRO 0, no recomputation, or full under the kept-input options)
+    and for the most (ZeRO-3, sqrt) where those are left open. Left open, tp is searched above 1
+    and sequence parallelism off under --partition-activations (tetrad.planner.search)."""
     from tetrad.spec.layout import ParallelConfig
 
-    searched = [dict(zero=space.zero or 0, recompute=space.recompute or "none"),
+    least = "full" if space.partition_activations or space.offload_activations else "none"
+    searched = [dict(zero=space.zero or 0, recompute=space.recompute or least),
                 dict(zero=3 if space.zero is None else space.zero,
                      recompute=space.recompute or "sqrt")]
     for choices in searched:
-        ParallelConfig(pp=space.pp or 1, zero_bucket_size=space.zero_bucket_size,
-                       contiguous_buffers=space.contiguous_buffers, **choices)
+        ParallelConfig(pp=space.pp or 1, tp=space.tp or (2 if space.partition_activations else 1),
+                       sequence_parallel=bool(space.sequence_parallel),
+                       zero_bucket_size=space.zero_bucket_size,
+                       contiguous_buffers=space.contiguous_buffers,
+                       partition_activations=space.partition_activations,
+                       offload_activations=space.offload_activations, **choices)
 
 
 def _train(args, config, world) -> int:

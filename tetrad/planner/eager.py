@@ -86,6 +86,7 @@ class RankBytes:
     comm: CommLedger = field(compare=False)
     zero_buffers: float = 0.0  # ZeRO-R's buffers (eager_buffers)
     activation_buffer: float = 0.0
+    host_activations: float = 0.0  # --offload-activations: kept block inputs, not in the total
 
     @property
     def total(self) -> float:
@@ -102,5 +103,6 @@ def pipeline_ranks(config: ModelConfig, layout: TrainLayout, seq_len: int,
                            activations_peak(config, layout, seq_len, precision, rank),
                            rank_comm(config, layout, seq_len, precision, rank),
                            zero_buffer_bytes(config, layout, precision, rank),
-                           activation_buffer_bytes(config, layout, seq_len, precision))
+                           activation_buffer_bytes(config, layout, seq_len, precision),
+                           activations_peak(config, layout, seq_len, precision, rank, host=True))
                  for rank in range(layout.pp))

@@ -68,7 +68,9 @@ class TrainLayout(ParallelConfig):
         return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "cp": self.cp, "ep": self.ep,
                 "vpp": self.vpp, "zero": self.zero, "offload": self.offload,
                 "offload_mode": self.offload_mode,
-                "recompute": self.recompute, "sequence_parallel": self.sequence_parallel,
+                "recompute": self.recompute, "partition_activations": self.partition_activations,
+                "offload_activations": self.offload_activations,
+                "sequence_parallel": self.sequence_parallel,
                 "schedule": self.schedule, "micro_batch": self.micro_batch,
                 "num_microbatches": self.num_microbatches}
 

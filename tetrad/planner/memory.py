@@ -74,6 +74,7 @@ class MemoryBreakdown:
     disk_optimizer: float = 0.0
     zero_buffers: float = 0.0  # --zero-bucket-size: ZeRO-3's gather and reduce-scatter buffers
     activation_buffer: float = 0.0  # --contiguous-buffers: the checkpoints' kept inputs
+    host_activations: float = 0.0  # --offload-activations: kept inputs in CPU memory, not in total
 
     @property
     def total(self) -> float:
@@ -301,7 +302,8 @@ def stage_activation_bytes(config: ModelConfig, layout: TrainLayout, seq_len: in
 def eager_breakdown(rank: eager.RankBytes) -> MemoryBreakdown:
     """One rank's bytes under the `tetrad` runtime profile, as a breakdown."""
     return MemoryBreakdown(**vars(rank.state), activations=rank.activations,
-                           zero_buffers=rank.zero_buffers, activation_buffer=rank.activation_buffer)
+                           zero_buffers=rank.zero_buffers, activation_buffer=rank.activation_buffer,
+                           host_activations=rank.host_activations)
 
 
 def training_memory(config: ModelConfig, layout: TrainLayout, precision: TrainingPrecision,

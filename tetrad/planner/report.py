@@ -56,6 +56,8 @@ def training_config_json(estimate: TrainingEstimate, tokens: float = 0.0,
                        # ZeRO-R's buffers, in `total`: --zero-bucket-size, --contiguous-buffers.
                        "zero_buffers": _gib(estimate.memory.zero_buffers),
                        "activation_buffer": _gib(estimate.memory.activation_buffer),
+                       # Not in `total`: --offload-activations' kept inputs in host memory.
+                       "host_activations": _gib(estimate.memory.host_activations),
                        "model_states_formula": _gib(
                            estimate.memory.params + estimate.memory.grads
                            + estimate.memory.optimizer - estimate.memory.params_gathered),
@@ -203,6 +205,7 @@ def training_text(config: ModelConfig, cluster: Cluster, workload: TrainWorkload
         lines.append(f"ZeRO-R buffers, in the total: zero_buffers {memory['zero_buffers']:.3f} "
                      f"GiB (ZeRO-3's gather and reduce-scatter buffers), activation_buffer "
                      f"{memory['activation_buffer']:.3f} GiB (the checkpoints' kept inputs)")
+    lines += _kept_checkpoints_line(best["parallel"], memory)
     if memory["params_gathered"]:
         lines.append(f"ZeRO-3: params include {memory['params_gathered']:.2f} GiB of parameters "
                      f"gathered whole at the peak; the ZeRO paper's sharded model states "
@@ -214,6 +217,18 @@ def training_text(config: ModelConfig, cluster: Cluster, workload: TrainWorkload
                      + (f", ${best['cost_usd']:,.0f}" if best["cost_usd"] else ""))
     lines.append(_price_line(cluster, best["tokens_per_dollar"], "tokens", best["num_gpus"]))
     return "\n".join(lines)
+
+
+def _kept_checkpoints_line(parallel: dict, memory: dict) -> list[str]:
+    """ZeRO-R's kept checkpoints (--partition-activations, --offload-activations), when on."""
+    kept = []
+    if parallel["partition_activations"]:
+        kept.append(f"each tp rank keeps 1/{parallel['tp']} of every checkpoint's input "
+                    f"(all-gathered before its rerun)")
+    if parallel["offload_activations"]:
+        kept.append(f"the kept inputs wait in host memory: host_activations "
+                    f"{memory['host_activations']:.3f} GiB, not in the total")
+    return [f"ZeRO-R checkpoints: {'; '.join(kept)}"] if kept else []
 
 
 def _price_line(cluster: Cluster, per_dollar: float | None, what: str,

@@ -12,11 +12,13 @@ Search rules (given values are always used as given):
                 DualPipeV with at least 2 pp microbatches, hiding a MoE model's expert
                 all-to-all in its overlapped pairs); GPipe only when asked for (it has 1F1B's
                 bubble and more memory)
-  sequence parallel   on whenever tp > 1 (it only saves memory and element-wise work)
+  sequence parallel   on whenever tp > 1 (it only saves memory and element-wise work), off
+                      under --partition-activations (which splits the same inputs; tp > 1 then)
   zero    1-3 with data parallelism (stage 0 moves the same bytes as stage 1 with more memory,
           so only when asked for), 0 without
   recompute     the least of none / selective / full / sqrt that fits (more only adds work;
-                sqrt reruns what full does and keeps less, so it comes last)
+                sqrt reruns what full does and keeps less, so it comes last); full or sqrt
+                under --partition-activations / --offload-activations
   offload       none, then the optimizer state on the host (ZeRO 1-3), then ZeRO-3's parameter
                 shard too (--offload params), each tried only where the one before fits with
                 no recomputation: offloading adds host transfers to a layout, so it is worth
@@ -31,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from tetrad.spec.layout import OFFLOAD_MODES
+from tetrad.spec.layout import FORWARD_AGAIN, OFFLOAD_MODES
 from tetrad.spec.model import ModelConfig
 from tetrad.errors import ConfigError, check_choice
 from tetrad.hardware.catalog import Cluster
@@ -68,9 +70,11 @@ class TrainSpace:
     schedule: str | None = None
     micro_batch: int | None = None
     offload_mode: str | None = None  # OFFLOAD_MODES
-    # ZeRO-R's buffers, on every layout (the CLI checks that each the search tries may hold them).
+    # ZeRO-R's options (ZERO_R) on every layout, which the CLI checks each searched one holds.
     zero_bucket_size: int = 0
     contiguous_buffers: bool = False
+    partition_activations: bool = False
+    offload_activations: bool = False
 
     @property
     def offload_modes(self) -> tuple[str, ...]:
@@ -81,6 +85,7 @@ class TrainSpace:
 
 
 SEARCHED_OFFLOADS = ("none", "optimizer", "params")
+ZERO_R = ("zero_bucket_size", "contiguous_buffers", "partition_activations", "offload_activations")
 RECOMPUTES = ("none", "selective", "full", "sqrt")
 
 
@@ -122,7 +127,8 @@ def training_layouts(config: ModelConfig, cluster: Cluster, global_batch: int, s
     silently dropped)."""
     n = cluster.num_gpus
     tps = _choices(space.tp, [t for t in valid_tp_degrees(config)
-                              if n % t == 0 and t <= cluster.node_size])
+                              if n % t == 0 and t <= cluster.node_size
+                              and (t > 1 or not space.partition_activations)])
     cps = _choices(space.cp, [c for c in (2 ** i for i in range(0, 20))
                               if c == 1 or (seq_len % (2 * c) == 0
                                             and seq_len // c >= MIN_CP_TOKENS)])
@@ -144,7 +150,7 @@ def training_layouts(config: ModelConfig, cluster: Cluster, global_batch: int, s
                 micro_batches = _choices(space.micro_batch,
                                          divisors(global_batch // dp, at_most=MAX_MICRO_BATCH))
                 sequence_parallel = (space.sequence_parallel if space.sequence_parallel
-                                     is not None else tp > 1)
+                                     is not None else tp > 1 and not space.partition_activations)
                 for ep in eps:
                     for schedule, vpp in _schedules(config, pp, space):
                         for micro_batch in micro_batches:
@@ -263,7 +269,8 @@ def search_training(config: ModelConfig, cluster: Cluster, workload: TrainWorklo
         return _search_by_cost(config, cluster, workload, global_batch, space, top)
     check_training_space(cluster, workload, global_batch, space)
     precision, options = workload.precision, workload.activation_options
-    recomputes = _choices(space.recompute, RECOMPUTES)
+    kept_inputs = space.partition_activations or space.offload_activations
+    recomputes = _choices(space.recompute, FORWARD_AGAIN if kept_inputs else RECOMPUTES)
     closest: list[tuple[float, TrainLayout]] = []
     fitting: list[TrainLayout] = []
     num_candidates = 0
@@ -276,8 +283,7 @@ def search_training(config: ModelConfig, cluster: Cluster, workload: TrainWorklo
             for recompute in tried:
                 layout = _variant(shape, recompute=recompute, zero=zeros[0],
                                   offload=offload != "none", offload_mode=offload,
-                                  zero_bucket_size=space.zero_bucket_size,
-                                  contiguous_buffers=space.contiguous_buffers)
+                                  **{name: getattr(space, name) for name in ZERO_R})
                 check_training_layout(config, cluster.num_gpus, layout, workload.seq_len,
                                       experts_over_tp=workload.runtime != "tetrad")
                 totals = peak_bytes_by_zero_stage(config, layout, precision,
