@@ -146,12 +146,20 @@ def peak_in_flight(schedule: Schedule, release: str = "B") -> tuple[int, ...]:
 
 
 def whole_backwards(actions: Sequence[Action]) -> set[Action]:
-    """The B's of a split schedule whose own W is the next compute in the list (sends and
-    receives aside): nothing can run between the two, so the executor runs the whole backward at
-    B and W only marks it done."""
-    computes = [a for a in actions if a.is_compute]
-    return {a for a, after in zip(computes, computes[1:])
-            if a.kind == "B" and after == Action("W", a.stage, a.microbatch)}
+    """The B's of a split schedule whose own W is the next compute in the list and whose input
+    gradient is not sent in between (receives aside): nothing waits on the gradient before W, so
+    the executor runs the whole backward at B (one walk of the graph) and W only marks it done.
+    A B whose SEND_B comes before its W is split, so the gradient leaves before the weights'."""
+    whole, pending = set(), None
+    for action in actions:
+        if action.is_compute:
+            if pending is not None and action == Action("W", pending.stage, pending.microbatch):
+                whole.add(pending)
+            pending = action if action.kind == "B" else None
+        elif (pending is not None and action.kind == "SEND_B"
+              and (action.stage, action.microbatch) == (pending.stage, pending.microbatch)):
+            pending = None
+    return whole
 
 
 def simulate(schedule: Schedule, durations: Durations = Durations(),

@@ -6,9 +6,9 @@ tetrad.schedules in order and knows nothing of which schedule made it (docs/pipe
     F       forward of one (stage, microbatch); the last stage adds the loss / microbatches
     B       the full backward; with a split backward (zero bubble) only the gradient of the
             stage input, by autograd.grad with the graph retained for W
-    W       the deferred weight gradient: a backward of the retained graph with respect to the
-            stage's parameters only, accumulated into .grad by autograd (so a data-parallel
-            engine's post-accumulate-grad hooks see it, as after a whole backward)
+    W       the deferred weight gradient, from the gradients B captured where the weights join
+            the input's path (split_backward.py), accumulated into .grad by autograd (so a
+            data-parallel engine's post-accumulate-grad hooks see it, as after a whole backward)
 
 Every send and receive goes through Comm, so the bytes count as p2p under the "activations" tag.
 
@@ -18,13 +18,12 @@ are complete (after B, or after W when the backward is split). It then also sums
 tied embedding's gradient itself (`sum_tied_gradient` off); otherwise the step ends by summing
 the whole gradients of the two copies.
 
-The split backward is exact but not free: W walks the retained graph from the stage output
-again, so the activation gradients inside a stage are computed twice (B + W cost about 1.5 fused
-backwards). torch.distributed.pipelining's stage_backward_weight avoids that by capturing the
-gradients at the nodes where weights enter (and accumulating into .grad by hand, past the hooks
-a data-parallel engine relies on). So where a W comes next after its own B in the list (sends and
-receives aside), as in ZB-V's steady state, DualPipeV's pairs and ZB-H1's rank 0, nothing could
-run between the two: B runs the whole backward at once and W only marks the gradients complete.
+The split backward computes each activation gradient once (B prunes the weights' products, W
+runs only those), but it walks the graph in Python to find where weights join and runs one
+backward per weight group. So where a W comes next after its own B in the list and the B's input
+gradient is not sent in between (receives aside), as on ZB-V's first stage and its turn of the V,
+nothing waits on the split: B runs the whole backward at once and W only marks the gradients
+complete. A B whose SEND_B precedes its W splits, so the peer gets the gradient a W earlier.
 """
 
 from __future__ import annotations
@@ -43,6 +42,7 @@ from tetrad.models.transformer import Transformer
 from tetrad.parallel.comm import Comm
 from tetrad.parallel.mesh import Group, Mesh
 from tetrad.planner.partition import Partition, partition
+from tetrad.parallel.pipeline.split_backward import DeferredWeights, input_gradient
 from tetrad.parallel.pipeline.stage import PipelineStage, build_stages, embedding_group
 from tetrad.schedules import Action, Schedule, build_schedule
 from tetrad.schedules.simulate import whole_backwards
@@ -260,11 +260,13 @@ class PipelineExecutor:
                 state.deferred[key] = None  # W marks the gradients complete
             else:
                 self._release(key)
-        else:
-            if x is not None:
-                (x.grad,) = torch.autograd.grad(outputs, [x], grads, retain_graph=True)
-                del state.inputs[key]
-            state.deferred[key] = (outputs, grads)
+        elif x is not None:
+            x.grad, state.deferred[key] = input_gradient(
+                outputs, grads, x, self._trainable(action.stage))
+            del state.inputs[key]
+        else:  # the first stage: no input gradient, W runs the whole backward
+            state.deferred[key] = DeferredWeights([], outputs, grads,
+                                                  self._trainable(action.stage))
         if x is not None:
             state.outgoing["B", *key] = x.grad
         self._compute_s += self._clock() - started
@@ -275,14 +277,14 @@ class PipelineExecutor:
         key = (action.stage, action.microbatch)
         deferred = state.deferred.pop(key)
         if deferred is not None:
-            outputs, grads = deferred
             started = self._clock()
-            params = [p for p in self.stages[action.stage].parameters() if p.requires_grad]
-            # An expert that no token of this microbatch reached is left alone, as by B.
-            torch.autograd.backward(outputs, grads, inputs=params)
+            deferred.run()
             self._compute_s += self._clock() - started
         self._release(key)
         self._stage_gradients_done(action.stage)
+
+    def _trainable(self, stage: int) -> list[nn.Parameter]:
+        return [p for p in self.stages[stage].parameters() if p.requires_grad]
 
     def _stage_gradients_done(self, stage: int) -> None:
         if self.after_stage_backward is not None:
