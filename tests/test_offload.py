@@ -56,25 +56,33 @@ def run_case(mesh, rank: int, case: tuple, folder: str, keep: bool = False) -> d
 
 
 def fetched_ahead(mesh) -> dict:
-    """What layer 0's forward sees of the units after it: layer 1 gathered from its shard's
-    device copy, which is gone once gathered; layer 2's copy made and its gather on the wire;
-    layer 1's whole parameters released right after its forward."""
+    """What layer 0's forward sees of the units after it: layer 1 gathered; layer 2's shard
+    copied into the device staging buffer (not an alias of the host shard) and its gather on the
+    wire; layer 1's whole parameters released right after its forward; one staging buffer a
+    side, as large as the largest unit shard, for the whole run."""
     strategy = MeshStrategy(tiny_model(), config("params", "fp32", 1), CPU, mesh,
                             Comm(CommCounter()), bucket_bytes=BUCKET_BYTES)
-    units = strategy.engine.units  # embedding, layer 0, layer 1, head
+    engine = strategy.engine
+    units = engine.units  # embedding, layer 0, layer 1, head
+    staging = engine.staging
+    buffers = (staging.on_device.data_ptr(), staging.on_host.data_ptr())
     seen = []
 
     def before(module, args):
-        staged = units[2].staged
-        seen.append((units[1].state, units[1].staged is None, units[2].state,
-                     staged is not None and staged.untyped_storage().data_ptr()
-                     != units[2].param_shard.untyped_storage().data_ptr()))
+        copied = staging.on_device[:units[2].param_shard.numel()]
+        seen.append((units[1].state, staging.holder is units[2], units[2].state,
+                     copied.data_ptr() != units[2].param_shard.data_ptr()
+                     and torch.equal(copied, units[2].param_shard)))
 
     strategy.model.layers[0].register_forward_pre_hook(before)
     strategy.model.layers[0].register_forward_hook(
         lambda module, args, out: seen.append(units[1].full.untyped_storage().nbytes()))
     train_steps(strategy, 1)
-    return {"seen": seen[:2], "host_shards": all(not u.param_shard.is_cuda for u in units)}
+    largest = max(unit.param_shard.numel() for unit in units)
+    return {"seen": seen[:2], "host_shards": all(not u.param_shard.is_cuda for u in units),
+            "staging": (staging.on_device.numel() == staging.on_host.numel() == largest
+                        and buffers == (staging.on_device.data_ptr(),
+                                        staging.on_host.data_ptr()))}
 
 
 def job(rank: int, world_size: int, folder: str, kept: str) -> dict:
@@ -141,11 +149,11 @@ def test_offload_files_are_removed_at_the_end_unless_kept(results):
 def test_each_shard_is_fetched_one_layer_ahead_and_released_after(results):
     for result in results["ranks"]:
         ahead = result["ahead"]
-        (layer1, copy_dropped, layer2, layer2_copied), layer1_after = ahead["seen"]
-        assert layer1 == GATHERED and copy_dropped
+        (layer1, layer2_holds_staging, layer2, layer2_copied), layer1_after = ahead["seen"]
+        assert layer1 == GATHERED and layer2_holds_staging
         assert layer2 in (GATHERING, GATHERED) and layer2_copied
         assert layer1_after == 0
-        assert ahead["host_shards"]
+        assert ahead["host_shards"] and ahead["staging"]
 
 
 def test_offload_flag_modes_and_their_rules(tmp_path):

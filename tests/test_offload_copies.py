@@ -1,6 +1,6 @@
 """The planner prices parameter offload copy by copy (tetrad.planner.offload_time): the copies it
-counts are the ones ZeRO-3 with --offload params makes in a step, counted by the operators torch
-dispatches, and each costs the calibrated fixed cost plus its bytes at the calibrated rate."""
+counts are the ones ZeRO-3 with --offload params makes in a step (into its staging buffers),
+counted by the copy operators torch dispatches, and each costs the calibrated fixed cost plus its bytes at the calibrated rate."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def _copies_of_a_step(rank: int, world_size: int) -> dict[str, Counter]:
             self.sizes = Counter()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten._to_copy.default:
+            if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
                 self.sizes[args[0].numel() * args[0].element_size()] += 1
             return func(*args, **(kwargs or {}))
 

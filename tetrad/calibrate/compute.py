@@ -182,20 +182,20 @@ def optimizer_costs(timer: Timer, bandwidth: float) -> tuple[float, float]:
 
 def host_copy_costs(timer: Timer) -> tuple[float, float]:
     """(seconds per copy, bytes per second) of the copies `--offload params` makes of a shard
-    (tetrad/parallel/fsdp.py): each into a tensor of its own on the other side, host -> device
-    before a gather and device -> host after a reduction. On a CPU both are a fresh allocation
-    whose pages the copy faults in, dearer than a stream into memory already mapped (which
-    `stream_bandwidth` times). A least-squares line through the medians of both directions at
-    HOST_COPY_ELEMENTS, a ZeRO-3 unit's shard sizes."""
-    host = torch.device("cpu")
+    (tetrad/parallel/fsdp.py): each into its staging buffer on the other side, allocated once
+    (offload.ShardStaging), host -> device before a gather and device -> host after a reduction.
+    A least-squares line through the medians of both directions at HOST_COPY_ELEMENTS, a ZeRO-3
+    unit's shard sizes."""
     pinned = torch.cuda.is_available()
     points = []
     for elements in HOST_COPY_ELEMENTS:
-        source = torch.randn(elements).pin_memory() if pinned else torch.randn(elements)
-        on_device = torch.randn(elements, device=timer.device)
-        inward = timer.median(lambda: source.to(timer.device, copy=True))
-        outward = timer.median(lambda: on_device.to(host, copy=True))
-        points.append((elements * source.element_size(), (inward + outward) / 2))
+        on_host, host_staging = (torch.randn(elements).pin_memory() if pinned
+                                 else torch.randn(elements) for _ in range(2))
+        on_device, device_staging = (torch.randn(elements, device=timer.device)
+                                     for _ in range(2))
+        inward = timer.median(lambda: device_staging.copy_(on_host))
+        outward = timer.median(lambda: host_staging.copy_(on_device))
+        points.append((elements * on_host.element_size(), (inward + outward) / 2))
     mean_bytes = statistics.fmean(nbytes for nbytes, _ in points)
     mean_s = statistics.fmean(seconds for _, seconds in points)
     slope = (sum((nbytes - mean_bytes) * (seconds - mean_s) for nbytes, seconds in points)

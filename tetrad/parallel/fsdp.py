@@ -50,7 +50,7 @@ from torch import nn
 from tetrad.parallel.comm import Comm, Handle
 from tetrad.parallel.data_parallel import broadcast_parameters
 from tetrad.parallel.mesh import Group
-from tetrad.parallel.offload import Offload
+from tetrad.parallel.offload import Offload, ShardStaging
 from tetrad.parallel.zero import Pipelined, ShardedEngine, named_decays
 from tetrad.parallel.zero_buckets import ZeroBuckets
 from tetrad.parallel.zero_optimizer import FlatShard, flat_buffers, nbytes
@@ -122,7 +122,6 @@ class Unit:
     grad_shard: torch.Tensor  # [numel / N], accumulated over microbatches
     state: str = SHARDED
     handle: Handle | None = None
-    staged: torch.Tensor | None = None  # offloaded: the shard's device copy, while gathering
     reduced: bool = False  # this microbatch's gradients are on their way to the shard
     stage: int = 0  # the pipeline stage it belongs to (0 without a pipeline)
     hooks: list = field(default_factory=list)
@@ -163,6 +162,9 @@ class FullyShardedDataParallel(ShardedEngine):
         # --zero-bucket-size: gathers and reduce-scatters through two buffers of that size.
         self.bucketed = (ZeroBuckets(comm, group, bucket_elements, shard_numels, compute_dtype,
                                     device) if bucket_elements else None)
+        # --offload params without buckets: each shard crosses through one reused buffer a side.
+        self.staging = (ShardStaging(max(shard_numels), compute_dtype, device)
+                        if self.offload.params and self.bucketed is None else None)
         shard32s = []
         with torch.no_grad():
             for stage, modules, params in staged:
@@ -205,8 +207,11 @@ class FullyShardedDataParallel(ShardedEngine):
         if self.bucketed is not None:
             unit.handle = self.bucketed.gather(unit.shard, unit.full, source, unit)
         else:
-            if self.offload.params:  # host -> device, kept until the gather is done
-                unit.staged = source = unit.param_shard.to(unit.full.device, copy=True)
+            if self.staging is not None:  # host -> device, held until the gather is done
+                holder = self.staging.holder
+                if holder is not None and holder.state == GATHERING:
+                    self._gathered(holder)  # its gather still reads the staging buffer
+                source = self.staging.to_device(unit.param_shard, unit)
             # The collective writes into storage autograd saved for backward; that is intended
             # (the data is the same weights), so keep the version counter from flagging it.
             with torch.autograd._unsafe_preserve_version_counter(unit.full):
@@ -220,14 +225,14 @@ class FullyShardedDataParallel(ShardedEngine):
         self._start_gather(unit)
         if unit.state == GATHERING:
             unit.handle.wait()
-            unit.handle, unit.staged, unit.state = None, None, GATHERED
+            unit.handle, unit.state = None, GATHERED
 
     def _free(self, unit: Unit) -> None:
         if unit.state == SHARDED:
             return
         if unit.state == GATHERING:
             unit.handle.wait()
-            unit.handle = unit.staged = None
+            unit.handle = None
         unit.full.untyped_storage().resize_(0)
         unit.state = SHARDED
         self.live_bytes -= nbytes(unit.full)
@@ -322,8 +327,8 @@ class FullyShardedDataParallel(ShardedEngine):
             handle.wait()
             lo, hi = unit.shard.shard_range
             reduced = grads[lo:hi]
-            if self.offload.params:  # device -> host (a copy on a CPU too, as on a GPU)
-                reduced = reduced.to(unit.grad_shard.device, copy=True)
+            if self.staging is not None:  # device -> host (a copy on a CPU too, as on a GPU)
+                reduced = self.staging.to_host(reduced)
             unit.grad_shard.add_(reduced)
             self.pending = None
 
@@ -362,6 +367,9 @@ class FullyShardedDataParallel(ShardedEngine):
         held = {"params": self.live_bytes, "grads": 0, "params_gathered_peak": self.peak_live_bytes}
         if self.bucketed is not None:
             held["zero_buffers"] = self.bucketed.bytes_held()
+        if self.staging is not None:
+            held["zero_buffers"] = self.staging.device_bytes()
+            grads += self.staging.host_bytes()
         if not self.offload.params:
             return held | {"params": params + self.live_bytes, "grads": grads}
         # An fp32 shard is its own master copy: counted here (optimizer_bytes leaves it out).

@@ -3,9 +3,10 @@
 
 - "optimizer": fp32 master, moments and an fp32 gradient copy in host memory (ZeRO-Offload);
 - "params": ZeRO-3's parameter and gradient shards in host memory as well: a unit's shard is
-  copied to the device just before its all-gather (which the engine already starts one unit ahead
-  of use) and the copy dropped once gathered; the reduce-scattered gradient is added into the host
-  shard. With fp32 parameters the host parameter shard is its own master copy;
+  copied into a staging buffer on the device just before its all-gather (which the engine already
+  starts one unit ahead of use), and the reduce-scattered gradient into a staging buffer in host
+  memory, then added into the host shard (ShardStaging). With fp32 parameters the host parameter
+  shard is its own master copy;
 - "nvme": the parameter shards, master weights and moments in files (numpy memmaps) under
   --offload-dir, gradients in host memory. The next unit's shard file is read ahead (madvise
   WILLNEED) when a gather starts, the optimizer reads the next shard's state ahead while it
@@ -45,6 +46,35 @@ def host_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A separate copy in host memory (pinned when a GPU will copy to and from it). On a CPU-only
     machine this is still a distinct buffer: offload is a real second copy, never an alias."""
     return host_zeros(tensor.numel(), tensor.dtype).view(tensor.shape).copy_(tensor)
+
+
+class ShardStaging:
+    """--offload params' two staging buffers, each the size of the largest unit shard: one on the
+    device that a unit's host shard is copied into before its all-gather, one in host memory
+    (pinned on a GPU) that a reduced gradient shard is copied into before it is added to the host
+    shard. Allocated once and reused, as ZeRO-Offload's pinned buffers are: a copy into a fresh
+    tensor of its own would have the allocator find (on a GPU) or the kernel fault in (on a CPU)
+    its pages at every gather (on a CPU, about half of them faulted and took several times a
+    warm copy's time: BENCHMARKS.md, "Offload"). The device buffer holds one shard at a time:
+    `holder` is the unit whose gather still reads it."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device):
+        self.on_device = torch.empty(numel, dtype=dtype, device=device)
+        self.on_host = host_zeros(numel, dtype)
+        self.holder: object | None = None
+
+    def to_device(self, shard: torch.Tensor, holder: object) -> torch.Tensor:
+        self.holder = holder
+        return self.on_device[:shard.numel()].copy_(shard)
+
+    def to_host(self, reduced: torch.Tensor) -> torch.Tensor:
+        return self.on_host[:reduced.numel()].copy_(reduced)
+
+    def device_bytes(self) -> int:
+        return self.on_device.numel() * self.on_device.element_size()
+
+    def host_bytes(self) -> int:
+        return self.on_host.numel() * self.on_host.element_size()
 
 
 class OffloadFiles:

@@ -135,7 +135,7 @@ def _rank_bytes(memory: MemoryBreakdown, layout: TrainLayout, ledger: CommLedger
     if layout.zero == 3:
         held["params_gathered_peak"] = memory.params_gathered
     held.update(memory.offloaded(layout.offload_mode))
-    if layout.zero == 3 and layout.zero_bucket_size:
+    if layout.zero == 3 and (layout.zero_bucket_size or layout.offload_params):
         held["zero_buffers"] = memory.zero_buffers
     if layout.contiguous_buffers and layout.recompute in FORWARD_AGAIN:
         held["activation_buffer"] = memory.activation_buffer

@@ -6,7 +6,10 @@ breakdown and a byte name of its own in the run report.
   a reduce-scatter buffer, each the largest call the rank makes: group x min(N // group, the
   largest unit shard) elements of the compute dtype (runtime_rules.bucket_buffer_elements),
   however many units or layers the model has. (Without a bucket a unit's gradient is flattened
-  into a buffer of the whole unit instead, short-lived and not counted.)
+  into a buffer of the whole unit instead, short-lived and not counted.) Without a bucket size,
+  --offload params / nvme's device staging buffer (tetrad.parallel.offload.ShardStaging): the
+  largest unit shard in the compute dtype, that each shard is copied into before its gather (its
+  host twin, for the reduced gradient shards, is counted with the host gradients).
 - activation_buffer (--contiguous-buffers with full or sqrt recomputation; kept_inputs): a slot
   per checkpoint of one microbatch (a block, or a sqrt segment), each what the checkpoint keeps
   of its input (kept_input_bytes); those kept inputs then leave the activations' count.
@@ -39,9 +42,13 @@ def zero3_unit_shards(config: ModelConfig, layout: TrainLayout, pp_rank: int) ->
 @lru_cache(maxsize=1024)
 def zero_buffer_bytes(config: ModelConfig, layout: TrainLayout, precision: TrainingPrecision,
                       pp_rank: int) -> float:
-    """--zero-bucket-size's two buffers on one rank of pipeline rank `pp_rank` (0 without)."""
-    if not (layout.zero == 3 and layout.zero_bucket_size):
+    """--zero-bucket-size's two buffers, or parameter offload's device staging buffer, on one
+    rank of pipeline rank `pp_rank` (0 without either)."""
+    if layout.zero != 3:
         return 0.0
+    if not layout.zero_bucket_size:
+        return (max(zero3_unit_shards(config, layout, pp_rank)) * precision.param_bytes
+                if layout.offload_params else 0.0)
     elements = bucket_buffer_elements(zero3_unit_shards(config, layout, pp_rank),
                                       layout.zero_group, layout.zero_bucket_size)
     return 2 * elements * precision.param_bytes

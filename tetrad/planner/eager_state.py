@@ -180,7 +180,8 @@ def model_state(config: ModelConfig, layout: TrainLayout, precision: TrainingPre
     params_bytes += expert_params + frozen
     grads += expert_grads
     if layout.offload_params:
-        return _offloaded_shards(layout, shard, precision, ModelState(
+        largest = max(max(units.all) for units in by_stage.values()) // n
+        return _offloaded_shards(layout, shard, largest, precision, ModelState(
             gathered + expert_params + frozen, expert_grads, expert_optimizer, gathered))
     if layout.offload:
         return ModelState(params_bytes, grads, expert_optimizer, gathered,
@@ -209,14 +210,18 @@ def _segment_gathered(params: list[Param], by_stage: dict[int, StageUnits], grou
     return peak
 
 
-def _offloaded_shards(layout: TrainLayout, shard: int, precision: TrainingPrecision,
-                      on_device: ModelState) -> ModelState:
+def _offloaded_shards(layout: TrainLayout, shard: int, largest: int,
+                      precision: TrainingPrecision, on_device: ModelState) -> ModelState:
     """ZeRO-3 with its shards off the device: the parameter shard (its own fp32 master when the
     parameters are fp32), the optimizer state, and on the host the gradient shard with its fp32
-    copy for the step when the gradients are 16-bit."""
+    copy for the step when the gradients are 16-bit, and the staging buffer reduced gradient
+    shards land in (the `largest` unit shard; none with --zero-bucket-size, whose pieces are
+    added straight into the host shard)."""
     params = shard * precision.param_bytes
     optimizer = shard * precision.optimizer_state_bytes
-    grads = shard * precision.grad_bytes + (shard * FP32 if precision.grad_bytes != FP32 else 0)
+    staging = 0 if layout.zero_bucket_size else largest * precision.grad_bytes
+    grads = (shard * precision.grad_bytes + (shard * FP32 if precision.grad_bytes != FP32 else 0)
+             + staging)
     if layout.offload_files:
         return dataclasses.replace(on_device, host_grads=grads, disk_params=params,
                                    disk_optimizer=optimizer)

@@ -5,9 +5,8 @@ gathered for its forward and again for its backward (zero bubble's W, off the fi
 once more), and reduced once.
 
 The host link, where `tetrad calibrate` timed the offload's own copies (host_copy_s,
-host_copy_bandwidth: each copy into a tensor of its own; on a CPU a fresh allocation whose pages
-the copy faults in, about twice a stream's time per byte, and a fixed cost per copy): those, copy
-by copy. Otherwise a GPU's PCIe per direction, or on a CPU (concurrent_ranks set) a copy within
+host_copy_bandwidth: each into a staging buffer allocated once, tetrad.parallel.offload's
+ShardStaging; a fixed cost per copy and a rate): those, copy by copy. Otherwise a GPU's PCIe per direction, or on a CPU (concurrent_ranks set) a copy within
 memory reading and writing every byte at the streaming bandwidth. NVMe offload's shard files are read through the page cache like
 host memory; the writes back to the device under it are not priced (no profile measures a
 disk)."""

@@ -203,7 +203,8 @@ def training_text(config: ModelConfig, cluster: Cluster, workload: TrainWorkload
               f"allocator reserve {memory['allocator_reserve']:.1f})"]
     if memory["zero_buffers"] or memory["activation_buffer"]:
         lines.append(f"ZeRO-R buffers, in the total: zero_buffers {memory['zero_buffers']:.3f} "
-                     f"GiB (ZeRO-3's gather and reduce-scatter buffers), activation_buffer "
+                     f"GiB (ZeRO-3's gather and reduce-scatter buffers, or parameter offload's "
+                     f"staging buffer), activation_buffer "
                      f"{memory['activation_buffer']:.3f} GiB (the checkpoints' kept inputs)")
     lines += _kept_checkpoints_line(best["parallel"], memory)
     if memory["params_gathered"]:
