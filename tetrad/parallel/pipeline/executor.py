@@ -265,8 +265,8 @@ class PipelineExecutor:
                 outputs, grads, x, self._trainable(action.stage))
             del state.inputs[key]
         else:  # the first stage: no input gradient, W runs the whole backward
-            state.deferred[key] = DeferredWeights([], outputs, grads,
-                                                  self._trainable(action.stage))
+            params = self._trainable(action.stage)
+            state.deferred[key] = DeferredWeights([], outputs, grads, params, params)
         if x is not None:
             state.outgoing["B", *key] = x.grad
         self._compute_s += self._clock() - started

@@ -34,12 +34,19 @@ class DeferredWeights:
     planner count them); and the weights off the input path, reached from the outputs."""
 
     groups: list[dict[str, Any]]
-    outputs: list[torch.Tensor] = field(default_factory=list)
-    grads: list[torch.Tensor | None] = field(default_factory=list)
+    outputs: list[torch.Tensor]
+    grads: list[torch.Tensor | None]
+    params: list[torch.Tensor]
     unjoined: list[torch.Tensor] = field(default_factory=list)
 
     def run(self) -> None:
         """The weight gradients, accumulated into .grad."""
+        if any(param.untyped_storage().nbytes() == 0 for param in self.params):
+            # ZeRO-3 keeps the weights sharded between uses and gathers a unit from a hook on its
+            # output's gradient, which a backward starting at the captured nodes never passes;
+            # a recomputed block reads its weights again. Walk down from the outputs instead.
+            torch.autograd.backward(self.outputs, self.grads, inputs=self.params)
+            return
         for group in self.groups:
             captured = group.get("grads") or [None] * len(group["intermediates"])
             edges, grads = [], []
@@ -90,7 +97,7 @@ def input_gradient(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
             handle.remove()
     joined = set().union(*(group["params"] for group in groups))
     unjoined = [accumulators[node] for node in reached if node not in joined]
-    return grad, DeferredWeights(groups, list(outputs), list(grads), unjoined)
+    return grad, DeferredWeights(groups, list(outputs), list(grads), list(params), unjoined)
 
 
 def _capture(group: dict[str, Any], index: int):
