@@ -3,7 +3,7 @@ serving: greedy agreement and mean |Δlogit| (issue 30's goal: int8 >= 90%, int4
 first 64 tokens over 20 prompts).
 
     .venv/bin/python benchmarks/quant_agreement.py [--steps 300] [--batch-size 16] [--model DIR]
-        [--keep DIR]
+        [--keep DIR] [--calibration-seeds N]
 
 The model (without --model) is trained here on one CPU process: smaller than the Shakespeare
 demo's `small`, with widths int4's groups of 128 tile (4 layers, hidden 128, 4 heads of 32, 2 kv
@@ -17,6 +17,12 @@ position of prompt plus the bf16 continuation and the whole vocabulary, the quan
 (tetrad.models.quant_model) against the bf16 one, both reading the same tokens. "quantize s" is
 the wall time of that quantize_model call: the load's calibration (self-generated tokens, their
 Hessians, GPTQ) and the packing, in this process's threads.
+
+With --calibration-seeds N the int8 and int4 rows are repeated for calibration seeds 1..N-1 (the
+engine calibrates with seed 0): how far the choice of self-generated calibration text alone
+moves both measures. The "fp32" row serves the checkpoint as trained, in fp32: its agreement
+is how many greedy tokens bf16's own rounding (of weights and activations) flips, the scale of
+the measure's noise on this model.
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ MODEL = dict(num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, head_di
              ffn_hidden_size=384, max_seq_len=256)
 PROMPTS, PROMPT_TOKENS, NEW_TOKENS = 20, 16, 64
 SETTINGS = {"int8": dict(quantization="int8"), "int4": dict(quantization="int4"),
-            "bf16 + fp8 KV": dict(kv_cache_dtype="fp8", attention="sdpa")}
+            "bf16 + fp8 KV": dict(kv_cache_dtype="fp8", attention="sdpa"),
+            "fp32": dict(dtype="fp32")}
 
 
 def trained_hf_folder(work: Path, steps: int = 300, batch_size: int = 16) -> Path:
@@ -71,7 +78,7 @@ def engine_continuations(folder: Path, prompts: list[list[int]], **settings) -> 
     from tetrad.inference.core.params import SamplingParams
     from tetrad.inference.engine import LLM
 
-    llm = LLM(folder, dtype="bf16", device="cpu", log=None, **settings)
+    llm = LLM(folder, **{"dtype": "bf16", "device": "cpu", "log": None, **settings})
     try:
         greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
         return [output.token_ids for output in llm.generate(prompts, greedy)]
@@ -119,8 +126,9 @@ def main() -> None:
     parser.add_argument("--model", help="an HF or tetrad model folder instead of training one")
     parser.add_argument("--keep", help="train the model into this folder and keep it (reused by "
                                        "a later run with the same --steps and --batch-size)")
+    parser.add_argument("--calibration-seeds", type=int, default=1,
+                        help="also quantize with calibration seeds 1..N-1 (the spread)")
     args = parser.parse_args()
-    from tetrad.models.quant_model import quantize_model
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -131,15 +139,31 @@ def main() -> None:
         print(f"{'setting':<14} {'mean |dlogit|':>14} {'greedy agreement':>17} "
               f"{'quantize s':>11}")
         for name, settings in SETTINGS.items():
-            tokens = engine_continuations(folder, prompts, **settings)
-            agreed = agreement(tokens, expected)
-            error = seconds = "-"  # the engine's KV cache: no full forward to compare
-            if method := settings.get("quantization"):
-                start = time.perf_counter()
-                quantized = quantize_model(copy.deepcopy(reference), method)
-                seconds = f"{time.perf_counter() - start:.1f}"
-                error = f"{mean_logit_difference(reference, quantized, prompts, expected):.4f}"
-            print(f"{name:<14} {error:>14} {agreed:>16.1%} {seconds:>11}")
+            seeds = range(args.calibration_seeds) if "quantization" in settings else [0]
+            for seed in seeds:
+                label = f"{name} seed {seed}" if seed else name
+                print(f"{label:<14} " + measured(folder, reference, prompts, expected, settings,
+                                                 seed))
+
+
+def measured(folder: Path, reference, prompts, expected, settings: dict, seed: int) -> str:
+    """One setting's mean |dlogit|, greedy agreement and quantize seconds, the engine's and
+    quantize_model's calibration drawn with `seed`."""
+    from tetrad.models import quant_calibrate
+    from tetrad.models.quant_model import quantize_model
+
+    default, quant_calibrate.CALIBRATION_SEED = quant_calibrate.CALIBRATION_SEED, seed
+    try:
+        agreed = agreement(engine_continuations(folder, prompts, **settings), expected)
+        error = seconds = "-"  # the engine's KV cache: no full forward to compare
+        if method := settings.get("quantization"):
+            start = time.perf_counter()
+            quantized = quantize_model(copy.deepcopy(reference), method)
+            seconds = f"{time.perf_counter() - start:.1f}"
+            error = f"{mean_logit_difference(reference, quantized, prompts, expected):.4f}"
+    finally:
+        quant_calibrate.CALIBRATION_SEED = default
+    return f"{error:>14} {agreed:>16.1%} {seconds:>11}"
 
 
 if __name__ == "__main__":

@@ -146,3 +146,17 @@ def test_a_block_is_calibrated_on_the_quantized_blocks_before_it():
     through_quantized, through_16_bit = layer_1_values(True), layer_1_values(False)
     assert all(torch.equal(quantized[name].values, through_quantized[name]) for name in second)
     assert not all(torch.equal(quantized[name].values, through_16_bit[name]) for name in second)
+
+
+def test_the_calibration_seed_is_read_when_the_tokens_are_drawn(monkeypatch):
+    """benchmarks/quant_agreement.py measures the spread over calibration seeds by setting
+    CALIBRATION_SEED, which the engine's load reaches only through the default: it is read at
+    call time, not fixed when the function was defined."""
+    from tetrad.models import quant_calibrate
+
+    model = random_model(FAMILIES["llama"]).float()
+    default = self_generated_tokens(model, sequences=2, length=6)
+    monkeypatch.setattr(quant_calibrate, "CALIBRATION_SEED", 5)
+    reseeded = self_generated_tokens(model, sequences=2, length=6)
+    assert torch.equal(reseeded, self_generated_tokens(model, sequences=2, length=6, seed=5))
+    assert not torch.equal(reseeded, default)

@@ -94,10 +94,12 @@ class _KVCache:
 
 @torch.no_grad()
 def self_generated_tokens(model: nn.Module, sequences: int = CALIBRATION_SEQUENCES,
-                          length: int = CALIBRATION_TOKENS, seed: int = CALIBRATION_SEED
+                          length: int = CALIBRATION_TOKENS, seed: int | None = None
                           ) -> torch.Tensor:
     """[sequences, length] token ids the model samples itself at temperature 1, each from a
-    uniformly drawn first token."""
+    uniformly drawn first token; `seed` defaults to CALIBRATION_SEED's module value at call
+    time (benchmarks/quant_agreement.py sets it to measure the spread over seeds)."""
+    seed = CALIBRATION_SEED if seed is None else seed
     config = model.config
     device = next(model.parameters()).device
     generator = torch.Generator(device="cpu").manual_seed(seed)
