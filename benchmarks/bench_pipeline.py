@@ -18,6 +18,8 @@ around the actions; the head and loss on the last stage are in its F and B). A l
 moves every cost, and the replay with them; the gap measured - replayed is what the simulator
 still misses. The costs are printed per schedule, with the load average. A step is timed
 between two barriers; the median of --steps timed steps follows --warmup untimed ones. Before timing, the first losses are checked to agree.
+Each rank's CPU time per step (time.process_time) is printed too, for both: the work done,
+which load from other processes moves far less than the wall-clock ratio.
 Ranks are gloo processes with --threads threads each (on a GPU machine: NCCL, one GPU per rank).
 """
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -109,11 +112,12 @@ def bench_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
             return sum(loss.item() for loss in losses) / args.microbatches
 
         times = {"tetrad": [], "torch": []}
+        cpu = {"tetrad": [], "torch": []}
         idle, events, compute = [], [], []
         for step in range(args.warmup + args.steps):
-            seconds, stats = timed(lambda: executor.step(tokens))
+            seconds, (cpu_seconds, stats) = timed(lambda: on_cpu(lambda: executor.step(tokens)))
             executor.module.zero_grad(set_to_none=True)
-            torch_seconds, torch_loss = timed(torch_step)
+            torch_seconds, (torch_cpu_seconds, torch_loss) = timed(lambda: on_cpu(torch_step))
             executor.module.zero_grad(set_to_none=True)
             if step == 0 and last and abs(torch_loss - stats.loss) > 1e-4 * abs(stats.loss):
                 raise AssertionError(f"{name}: losses differ, tetrad {stats.loss} vs torch "
@@ -121,16 +125,28 @@ def bench_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
             if step >= args.warmup:
                 times["tetrad"].append(seconds)
                 times["torch"].append(torch_seconds)
+                cpu["tetrad"].append(cpu_seconds)
+                cpu["torch"].append(torch_cpu_seconds)
                 idle.append(stats.idle_fraction)
                 events.append(stats.events)
                 compute.append(stats.compute_s)
         results[name] = {"tetrad_s": statistics.median(times["tetrad"]),
                          "torch_s": statistics.median(times["torch"]),
+                         "tetrad_cpu_s": statistics.median(cpu["tetrad"]),
+                         "torch_cpu_s": statistics.median(cpu["torch"]),
                          "idle_fraction": statistics.median(idle),
                          "simulated": simulate(plan).bubble_fraction,
                          "as_executed": simulate(plan, as_executed=True).bubble_fraction,
                          "events": events, "compute_s": compute, "plan": plan}
     return results
+
+
+def on_cpu(fn) -> tuple[float, object]:
+    """(this process's CPU seconds in fn, fn's value): the work a step did, which other
+    processes' load on a shared machine moves far less than its wall-clock time."""
+    started = time.process_time()
+    value = fn()
+    return time.process_time() - started, value
 
 
 def replayed(per_rank: list[dict], name: str) -> tuple[MeasuredCosts, list[float]]:
@@ -190,6 +206,12 @@ def main() -> None:
     for name in args.schedules:
         print(f"{name:<9}{describe(replayed(per_rank, name)[0])}; inside computes, outside "
               f"the compute timer: {bookkeeping(per_rank, name):.3f} of the step")
+    for name in args.schedules:
+        work = {side: [r[name][f"{side}_cpu_s"] for r in per_rank] for side in ("tetrad", "torch")}
+        print(f"{name:<9}CPU s per step per rank (median): tetrad "
+              f"{' '.join(f'{x:.3f}' for x in work['tetrad'])}, torch "
+              f"{' '.join(f'{x:.3f}' for x in work['torch'])}; tetrad/torch, summed over the "
+              f"ranks: {sum(work['tetrad']) / sum(work['torch']):.2f}")
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
