@@ -91,6 +91,16 @@ def test_int8_linear_rows_equals_the_dequantized_product(dtype, rows):
     assert_rows_product(layer, x, layer.scales, reference)
 
 
+def test_int8_linear_rows_sums_long_rows_without_overflow():
+    """The int8 rows are summed in int32 against int16 activations: 8,200 columns of the largest
+    values (127 against 32767) pass 2^31 in one lane unless the kernel moves its sums to fp32 on
+    the way; the 8 columns past the last 16 take the scalar tail."""
+    layer = Int8Linear.quantize(torch.ones(3, 8200))
+    x = torch.ones(1, 8200, dtype=torch.bfloat16)
+    reference = layer.values.float() * layer.scales.float()[:, None]
+    assert_rows_product(layer, x, layer.scales, reference)
+
+
 # 32 and 64: whole blocks of torch's packing (AVX2, AVX512); 48, 80, 112: a short block after.
 @pytest.mark.parametrize("out_features", [16, 32, 48, 64, 80, 112])
 @pytest.mark.parametrize("group", [32, 128])
