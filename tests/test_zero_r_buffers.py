@@ -9,8 +9,10 @@ partitioned checkpoints in slots, tp2 x dp2 ZeRO-2 under sqrt with its checkpoin
 one gradient block, dp4 ZeRO-3 under sqrt with buckets and slots, one sequence a rank), against
 one process without
 recomputation (losses to 1e-5, final parameters); every rank's bytes (the buffers, the slots'
-peak), collective bytes and calls equal the planner's. In one process: the rule that cuts a unit
-into calls, and the gradient buffers of ZeRO-1/2/3 sharing one storage."""
+peak), collective bytes and calls equal the planner's. Pipelines with their checkpoints in slots
+(a slot per checkpoint of each microbatch in flight: 1F1B full and sqrt, interleaved) in a
+second job, the same checks and 1F1B's slots counted by hand. In one process: the rule that
+cuts a unit into calls, and the gradient buffers of ZeRO-1/2/3 sharing one storage."""
 
 import pytest
 from test_runtime_rules import built_strategy
@@ -78,6 +80,33 @@ def assert_plan_train_holds_what_train_counted(report) -> None:
             held["zero_buffers"], held["activation_buffer"])
 
 
+# Pipelines keep several microbatches' checkpoints at once: a slot per checkpoint of each.
+# 1F1B with stage_layers (3, 2): rank 0 keeps min(pp, microbatches) = 2 microbatches of 3 blocks
+# until their backward, rank 1 one of 2; interleaved: two stages a rank.
+PIPELINE_SLOT_LAYOUTS = [
+    dict(pp=2, tp=2, schedule="1f1b", microbatches=4, stage_layers=(3, 2), recompute="full",
+         partition_activations=True, contiguous_buffers=True),
+    dict(pp=2, dp=2, zero=1, schedule="1f1b", microbatches=2, stage_layers=(3, 2),
+         recompute="sqrt", contiguous_buffers=True),
+    dict(pp=2, dp=2, zero=1, vpp=2, schedule="interleaved", microbatches=2, recompute="full",
+         contiguous_buffers=True)]
+
+
+@pytest.mark.timeout(1200)
+def test_pipelined_checkpoint_slots_equal_one_process(plain, corpus_file, tmp_path):
+    reports = assert_layouts_equal_one_process(plain, corpus_file, tmp_path,
+                                               PIPELINE_SLOT_LAYOUTS)
+    # Counted by hand for 1F1B under full: rank 0 two microbatches of 3 slots, rank 1 one of 2,
+    # each slot a microbatch's [1, 32, hidden] fp32 block input, its half under partitioning.
+    hidden = plain[0]["config"]["model_config"]["hidden_size"]
+    slot = 1 * RUN["seq_len"] * hidden * 4 // 2
+    for entry in reports[0]["ranks"]:
+        assert entry["bytes"]["activation_buffer"] == slot * (6 if entry["coords"]["pp"] == 0
+                                                              else 2)
+    for report in reports:
+        assert all(entry["bytes"]["activation_buffer"] > 0 for entry in report["ranks"])
+
+
 @pytest.mark.parametrize("shard, group, bucket, calls", [
     (10, 4, 0, [(0, 10)]), (10, 4, 8, [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10)]),
     (10, 4, 13, [(0, 3), (3, 6), (6, 9), (9, 10)]), (5, 4, 3, [(s, s + 1) for s in range(5)])])
@@ -103,7 +132,8 @@ def test_gradient_buffers_are_one_block(zero):
     (dict(dp=2, zero=3, zero_bucket_size=-1), "zero_bucket_size"),
     (dict(dp=2, contiguous_buffers=True), "--zero 1, 2 or 3, or --recompute full or sqrt"),
     (dict(recompute="full", offload_activations=True, contiguous_buffers=True), "drop one"),
-    (dict(pp=2, recompute="full", contiguous_buffers=True), "--pp 1"),
+    (dict(pp=2, vpp=2, schedule="zbv", recompute="sqrt", contiguous_buffers=True),
+     "split backward of the zbv schedule"),
 ])
 def test_refusals_are_one_line(fields, words):
     with pytest.raises(ConfigError, match=words) as error:
@@ -120,8 +150,9 @@ PLAN = ["plan", "train", "--model", "llama3-8b", "--gpu", "h100-sxm", "--num-gpu
     (["--zero-bucket-size", "1000"], "--zero 3"),
     (["--zero", "3", "--zero-bucket-size", "-1"], "zero_bucket_size"),
     (["--contiguous-buffers"], "--zero 1, 2 or 3, or --recompute full or sqrt"),
-    (["--contiguous-buffers", "--zero", "1", "--pp", "2"], "--pp 1"),
     (["--contiguous-buffers", "--recompute", "selective"], "--zero 1, 2 or 3"),
+    (["--contiguous-buffers", "--recompute", "full", "--pp", "2", "--schedule", "zb"],
+     "split backward of the zb schedule"),
     (["--contiguous-buffers", "--recompute", "full", "--stack", "megatron"], "--stack tetrad"),
 ])
 def test_plan_train_refuses_as_train_does_in_one_line(flags, words, capsys):

@@ -80,7 +80,7 @@ def add_parser(subparsers) -> None:
     train.add_argument("--contiguous-buffers", action="store_true",
                        help="ZeRO-R: the inputs full or sqrt checkpoints keep in slots of one "
                             "device buffer, ZeRO's gradient buffers in one block (--zero 1, 2 "
-                            "or 3, or --recompute full or sqrt; plans --pp 1 unless given)")
+                            "or 3, or --recompute full or sqrt)")
     train.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction,
                        default=None, help="default: on whenever tp > 1")
     train.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zb"))
@@ -286,11 +286,13 @@ def _train_plan(args, config, world):
 
         raise ConfigError(f"{', '.join(zero_r)}: ZeRO-R as tetrad's runtime holds and sends "
                           f"it, planned on its stack only: add --stack tetrad (not {stack})")
-    pp = 1 if args.contiguous_buffers and args.pp is None else args.pp
-    space = TrainSpace(tp=args.tp, pp=pp, dp=args.dp, cp=args.cp, ep=args.ep,
+    # Left open, the schedule of a pipeline holding checkpoint slots is 1F1B (ParallelConfig).
+    slots = args.contiguous_buffers and args.recompute not in ("none", "selective")
+    space = TrainSpace(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep,
                        vpp=args.vpp, zero=args.zero, offload_mode=args.offload,
                        recompute=args.recompute, sequence_parallel=args.sequence_parallel,
-                       schedule=args.schedule, micro_batch=args.micro_batch,
+                       schedule=args.schedule or ("1f1b" if slots else None),
+                       micro_batch=args.micro_batch,
                        zero_bucket_size=args.zero_bucket_size,
                        contiguous_buffers=args.contiguous_buffers,
                        partition_activations=args.partition_activations,
@@ -301,20 +303,22 @@ def _train_plan(args, config, world):
 
 
 def _check_searched_buffers(space) -> None:
-    """Refuses ZeRO-R's options (--zero-bucket-size, --contiguous-buffers,
-    --partition-activations, --offload-activations) unless every layout the search may try with
-    `space`'s given choices holds them as `tetrad train` would: ParallelConfig's refusals for
-    the least the search tries (ZeRO 0, no recomputation, or full under the kept-input options)
-    and for the most (ZeRO-3, sqrt) where those are left open. Left open, tp is searched above 1
-    and sequence parallelism off under --partition-activations (tetrad.planner.search)."""
+    """Refuses ZeRO-R's options unless every layout the search may try with `space`'s given
+    choices holds them as `tetrad train` would: ParallelConfig's refusals for the least the
+    search tries (ZeRO 0, no recomputation, or full under the kept-input options) and the most
+    (ZeRO-3, sqrt) where left open; a given schedule on a pipeline. Left open, tp is searched
+    above 1 and sequence parallelism off under --partition-activations (planner.search)."""
     from tetrad.spec.layout import ParallelConfig
 
     least = "full" if space.partition_activations or space.offload_activations else "none"
+    schedule = space.schedule or "1f1b"
+    pipeline = dict(schedule=schedule, pp=space.pp or (1 if schedule in ("1f1b", "gpipe") else 2),
+                    vpp=space.vpp or (1 if schedule in ("1f1b", "gpipe", "zb") else 2))
     searched = [dict(zero=space.zero or 0, recompute=space.recompute or least),
                 dict(zero=3 if space.zero is None else space.zero,
                      recompute=space.recompute or "sqrt")]
     for choices in searched:
-        ParallelConfig(pp=space.pp or 1, tp=space.tp or (2 if space.partition_activations else 1),
+        ParallelConfig(**pipeline, tp=space.tp or (2 if space.partition_activations else 1),
                        sequence_parallel=bool(space.sequence_parallel),
                        zero_bucket_size=space.zero_bucket_size,
                        contiguous_buffers=space.contiguous_buffers,

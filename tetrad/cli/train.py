@@ -124,7 +124,8 @@ def add_parser(subparsers) -> None:
                                   "allocated once (--zero 3; default 0: each unit in one call)")
     distributed.add_argument("--contiguous-buffers", action="store_true", default=None,
                              help="ZeRO-R: keep the inputs full or sqrt checkpoints keep in "
-                                  "slots of one device buffer (--pp 1), and ZeRO's gradient "
+                                  "slots of one device buffer (a slot per checkpoint of each "
+                                  "microbatch in flight), and ZeRO's gradient "
                                   "buffers in one block")
     distributed.add_argument("--zero", type=int, choices=(0, 1, 2, 3),
                              help="0: DDP; 1: shard optimizer state; 2: and gradients; "

@@ -11,10 +11,15 @@ segment's) input, [batch, seq, hidden], which every tensor-parallel rank holds w
   (pinned when a GPU copies it back) and is copied to the device before the rerun.
 
 - `--contiguous-buffers`: the kept tensors (whole or shares) are copied into one buffer on the
-  device with a slot per checkpoint of a microbatch (ZeRO-R's memory defragmentation, DeepSpeed's
-  contiguous_memory_optimization), allocated at the first checkpoint, when a slot's size is
-  known, and reused for the rest of the run, so these long-lived tensors never sit between the
-  short-lived ones. The run report's activation_buffer is the most bytes of it in use at once.
+  device (ZeRO-R's memory defragmentation, DeepSpeed's contiguous_memory_optimization),
+  allocated at the first checkpoint, when a slot's size is known, and reused for the rest of the
+  run, so these long-lived tensors never sit between the short-lived ones. It has a slot per
+  checkpoint of every microbatch this rank keeps in flight at once: one microbatch without a
+  pipeline; with one, the most its schedule holds between a forward and its backward (its W
+  under zero bubble), counted by walking the rank's action list as the planner does
+  (tetrad.planner.eager_activations.in_flight_peak). A slot returns to the free ones when
+  autograd drops its checkpoint, after that microbatch's backward, and a later microbatch takes
+  it. The run report's activation_buffer is the most bytes of it in use at once.
 
 All act on the one place torch's non-reentrant checkpoint stores its inputs: it saves them as
 saved tensors through whatever saved-tensor hooks are active when the checkpoint opens, so the
@@ -30,6 +35,8 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -37,39 +44,75 @@ from tetrad.memory import storage_id
 from tetrad.parallel.comm import Comm
 from tetrad.parallel.mesh import Group
 from tetrad.parallel.offload import host_copy
+from tetrad.planner.eager_activations import in_flight_peak
+from tetrad.schedules.generate import V_SHAPED
 from tetrad.spec.layout import FORWARD_AGAIN, ParallelConfig
-from tetrad.spec.runtime_rules import padded
+from tetrad.spec.runtime_rules import padded, rank_stages
 
 TAG = "activations"
 
 
 def kept_inputs_of(parallel: ParallelConfig, comm: Comm | None = None,
-                   tp_group: Group | None = None) -> "KeptInputs | None":
-    """Where `parallel`'s recomputed blocks keep their inputs (None: whole, on the device)."""
+                   tp_group: Group | None = None, pp_rank: int = 0) -> "KeptInputs | None":
+    """Where `parallel`'s recomputed blocks keep their inputs on a rank of pipeline rank
+    `pp_rank` (None: whole, on the device)."""
     contiguous = parallel.contiguous_buffers and parallel.recompute in FORWARD_AGAIN
     if not (parallel.partition_activations or parallel.offload_activations or contiguous):
         return None
     return KeptInputs(comm, tp_group if parallel.partition_activations else None,
-                      parallel.offload_activations, contiguous)
+                      parallel.offload_activations,
+                      InFlight.of(parallel, pp_rank) if contiguous else None)
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """The pipeline position --contiguous-buffers sizes its slots for: the schedule of a rank of
+    pipeline rank `pp_rank` (pp 1: no pipeline)."""
+
+    schedule: str = "1f1b"
+    pp: int = 1
+    microbatches: int = 1
+    vpp: int = 1
+    pp_rank: int = 0
+
+    @classmethod
+    def of(cls, parallel: ParallelConfig, pp_rank: int) -> "InFlight":
+        return cls(parallel.schedule, parallel.pp, parallel.microbatches, parallel.vpp, pp_rank)
+
+    def slots(self, checkpoints: Sequence[int]) -> int:
+        """Slots for `checkpoints`, the checkpoints one microbatch opens in each of the rank's
+        stages in the order rank_stages gives them."""
+        stages = (rank_stages(self.pp_rank, self.pp * self.vpp, self.pp, self.schedule in V_SHAPED)
+                  if self.pp > 1 else (0,))
+        per_stage = dict(zip(stages, checkpoints, strict=True))
+        return round(in_flight_peak(self.schedule, self.pp, self.microbatches, self.vpp,
+                                    self.pp_rank, per_stage.__getitem__))
 
 
 class KeptInputs:
     """Where recomputed blocks keep their inputs: partitioned over `group` (None: whole) and/or
-    in host memory (`offload`) or in slots of one device buffer (`contiguous`; `slots`, the
-    checkpoints of one microbatch, set by tetrad.parallel.recompute). host_peak_bytes and
-    buffer_peak_bytes: the most bytes held at once so far in host memory and in the buffer."""
+    in host memory (`offload`) or in slots of one device buffer (`in_flight`, the pipeline
+    position its slots are counted for; `slots`, set by tetrad.parallel.recompute through
+    size_slots). host_peak_bytes and buffer_peak_bytes: the most bytes held at once so far in
+    host memory and in the buffer."""
 
     def __init__(self, comm: Comm | None, group: Group | None, offload: bool,
-                 contiguous: bool = False):
+                 in_flight: InFlight | None = None):
         self.comm = comm
         self.group = group if group is not None and group.size > 1 else None
         self.offload = offload
-        self.contiguous = contiguous
+        self.in_flight = in_flight
+        self.contiguous = in_flight is not None
         self.slots = 0
         self.buffer: torch.Tensor | None = None  # [slots, slot elements]
         self.free_slots: list[int] = []
         self.host_bytes = self.host_peak_bytes = 0
         self.buffer_bytes = self.buffer_peak_bytes = 0
+
+    def size_slots(self, checkpoints: Sequence[int]) -> None:
+        """--contiguous-buffers: a slot per checkpoint of every microbatch in flight at once,
+        `checkpoints` being what one microbatch opens in each of the rank's stages."""
+        self.slots = self.in_flight.slots(checkpoints)
 
     def keeping(self, kept: torch.Tensor) -> contextlib.AbstractContextManager:
         """Saved-tensor hooks to hold while a checkpoint with input `kept` saves its inputs."""

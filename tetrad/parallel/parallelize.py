@@ -97,7 +97,8 @@ def parallelize(model: Transformer, mesh: Mesh, comm: Comm, parallel: ParallelCo
     if compile:
         apply_compile(model, parallel.pp > 1 and parallel.schedule in SPLIT_BACKWARD)
     apply_recompute(model, parallel.recompute, stages,
-                    kept_inputs_of(parallel, comm, mesh["tp"] if parallel.tp > 1 else None))
+                    kept_inputs_of(parallel, comm, mesh["tp"] if parallel.tp > 1 else None,
+                                   mesh.coords["pp"]))
     pipeline = None
     if parallel.pp > 1:
         pipeline = PipelineExecutor.from_model(

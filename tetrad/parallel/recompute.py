@@ -222,9 +222,9 @@ def apply_recompute(model: Transformer, mode: str,
     if mode not in MODES:
         raise ConfigError(f"--recompute must be one of {', '.join(MODES)}, got {mode!r}")
     stages = stages if stages is not None else [range(len(model.layers))]
-    if kept is not None and kept.contiguous:  # a slot per checkpoint of one microbatch
-        kept.slots = sum(len(sqrt_segments(len(layers))) if mode == "sqrt" else len(layers)
-                         for layers in stages)
+    if kept is not None and kept.contiguous:  # slots for the microbatches in flight
+        kept.size_slots([len(sqrt_segments(len(layers))) if mode == "sqrt" else len(layers)
+                         for layers in stages])
     if mode == "sqrt":
         for layers in stages:
             apply_sqrt_segments([model.layers[layer] for layer in layers], kept)

@@ -103,6 +103,6 @@ def pipeline_ranks(config: ModelConfig, layout: TrainLayout, seq_len: int,
                            activations_peak(config, layout, seq_len, precision, rank),
                            rank_comm(config, layout, seq_len, precision, rank),
                            zero_buffer_bytes(config, layout, precision, rank),
-                           activation_buffer_bytes(config, layout, seq_len, precision),
+                           activation_buffer_bytes(config, layout, seq_len, precision, rank),
                            activations_peak(config, layout, seq_len, precision, rank, host=True))
                  for rank in range(layout.pp))

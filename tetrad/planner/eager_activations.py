@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import lru_cache
+from typing import Callable
 
 from tetrad.spec.layout import FORWARD_AGAIN, sqrt_segments
 from tetrad.spec.model import ModelConfig
@@ -273,22 +274,32 @@ def host_stage_bytes(config: ModelConfig, layout: TrainLayout, stage: int, seq_l
 def activations_peak(config: ModelConfig, layout: TrainLayout, seq_len: int,
                      precision: TrainingPrecision, pp_rank: int, host: bool = False) -> float:
     """The most bytes one rank of pipeline rank `pp_rank` keeps for backward at once (`host`:
-    of them in host memory, host_stage_bytes; else on the device, stage_bytes): one
-    microbatch without a pipeline; with one, the microbatches its schedule has in flight, each
-    from its forward to its backward (to its weight-gradient pass W under zero bubble), walked
-    through the rank's action list as the executor's meter holds and releases them."""
+    of them in host memory, host_stage_bytes; else on the device, stage_bytes): in_flight_peak
+    of one microbatch's bytes per stage."""
     stage_bytes_of = host_stage_bytes if host else stage_bytes
-    if layout.pp == 1:
-        return stage_bytes_of(config, layout, 0, seq_len, precision)
-    walked, scale = walked_microbatches(layout.schedule, layout.pp, layout.schedule_microbatches)
-    release = "W" if layout.schedule in SPLIT_BACKWARD else "B"
-    held = peak = 0.0
-    for action in _actions(layout.schedule, layout.pp, walked, layout.vpp)[pp_rank]:
+    return in_flight_peak(layout.schedule, layout.pp, layout.schedule_microbatches, layout.vpp,
+                          pp_rank, lambda stage: stage_bytes_of(config, layout, stage, seq_len,
+                                                                precision))
+
+
+def in_flight_peak(schedule: str, pp: int, microbatches: int, vpp: int, pp_rank: int,
+                   held: Callable[[int], float]) -> float:
+    """The most pipeline rank `pp_rank` holds at once when each microbatch of virtual stage s
+    holds held(s) from its forward to its backward (to its weight-gradient pass W under zero
+    bubble), walked through the rank's action list as the executor's meter holds and releases
+    them; without a pipeline, held(0). The planner's activations and the runtime's count of
+    --contiguous-buffers' checkpoint slots (tetrad.parallel.kept_inputs) both walk it."""
+    if pp == 1:
+        return held(0)
+    walked, scale = walked_microbatches(schedule, pp, microbatches)
+    release = "W" if schedule in SPLIT_BACKWARD else "B"
+    current = peak = 0.0
+    for action in _actions(schedule, pp, walked, vpp)[pp_rank]:
         if action.kind == "F":
-            held += stage_bytes_of(config, layout, action.stage, seq_len, precision)
-            peak = max(peak, held)
+            current += held(action.stage)
+            peak = max(peak, current)
         elif action.kind == release:
-            held -= stage_bytes_of(config, layout, action.stage, seq_len, precision)
+            current -= held(action.stage)
     return peak * scale
 
 

@@ -11,8 +11,10 @@ breakdown and a byte name of its own in the run report.
   largest unit shard in the compute dtype, that each shard is copied into before its gather (its
   host twin, for the reduced gradient shards, is counted with the host gradients).
 - activation_buffer (--contiguous-buffers with full or sqrt recomputation; kept_inputs): a slot
-  per checkpoint of one microbatch (a block, or a sqrt segment), each what the checkpoint keeps
-  of its input (kept_input_bytes); those kept inputs then leave the activations' count.
+  per checkpoint (a block, or a sqrt segment) of every microbatch the rank's pipeline schedule
+  keeps in flight at its peak (in_flight_peak; one microbatch without a pipeline), each what the
+  checkpoint keeps of its input (kept_input_bytes); those kept inputs then leave the
+  activations' count.
 
 --contiguous-buffers' gradient buffers change no byte count (ZeRO's gradient shards, one block).
 """
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from tetrad.planner.eager_activations import checkpoints, kept_input_bytes
+from tetrad.planner.eager_activations import checkpoints, in_flight_peak, kept_input_bytes
 from tetrad.planner.eager_params import data_parallel_parameters
 from tetrad.planner.eager_state import zero3_units
 from tetrad.planner.layout import TrainLayout
@@ -55,9 +57,11 @@ def zero_buffer_bytes(config: ModelConfig, layout: TrainLayout, precision: Train
 
 
 def activation_buffer_bytes(config: ModelConfig, layout: TrainLayout, seq_len: int,
-                            precision: TrainingPrecision) -> float:
-    """--contiguous-buffers' checkpoint slots (0 without, or without full/sqrt recomputation;
-    the layout rules keep it to one pipeline stage)."""
+                            precision: TrainingPrecision, pp_rank: int) -> float:
+    """--contiguous-buffers' checkpoint slots on one rank of pipeline rank `pp_rank` (0 without,
+    or without full/sqrt recomputation)."""
     if not (layout.contiguous_buffers and layout.recompute in FORWARD_AGAIN):
         return 0.0
-    return checkpoints(config, layout, 0) * kept_input_bytes(config, layout, seq_len, precision)
+    slots = in_flight_peak(layout.schedule, layout.pp, layout.schedule_microbatches, layout.vpp,
+                           pp_rank, lambda stage: checkpoints(config, layout, stage))
+    return slots * kept_input_bytes(config, layout, seq_len, precision)
