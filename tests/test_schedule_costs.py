@@ -83,7 +83,7 @@ def test_a_stage_whose_every_backward_runs_whole_needs_no_split_cost():
     schedule = build_schedule("zbv", 2, 4, 2)
     durations = Durations(forward=1.0, backward=2.0)
     costs = _uniform(schedule, durations)
-    whole = set().union(*map(whole_backwards, schedule.actions))
+    whole = whole_backwards(schedule)
     stage = next(s for s in range(schedule.num_stages)
                  if all(a in whole for actions in schedule.actions for a in actions
                         if a.kind == "B" and a.stage == s))

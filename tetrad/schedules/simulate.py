@@ -145,20 +145,46 @@ def peak_in_flight(schedule: Schedule, release: str = "B") -> tuple[int, ...]:
     return tuple(peaks)
 
 
-def whole_backwards(actions: Sequence[Action]) -> set[Action]:
-    """The B's of a split schedule whose own W is the next compute in the list and whose input
-    gradient is not sent in between (receives aside): nothing waits on the gradient before W, so
-    the executor runs the whole backward at B (one walk of the graph) and W only marks it done.
-    A B whose SEND_B comes before its W is split, so the gradient leaves before the weights'."""
-    whole, pending = set(), None
-    for action in actions:
-        if action.is_compute:
-            if pending is not None and action == Action("W", pending.stage, pending.microbatch):
-                whole.add(pending)
-            pending = action if action.kind == "B" else None
-        elif (pending is not None and action.kind == "SEND_B"
-              and (action.stage, action.microbatch) == (pending.stage, pending.microbatch)):
-            pending = None
+def whole_backwards(schedule: Schedule) -> set[Action]:
+    """The B's that the executor runs as the whole backward (one walk of the graph, W then only
+    marking it done): those whose own W is the next compute on their rank (sends and receives
+    aside), so nothing else can run between the two, except where the B's input gradient is
+    sent before that W to a B on another rank that would wait for it: those split, so the
+    gradient leaves a W earlier. Which do wait is read off the as-executed timeline (forward 1,
+    backward 2), again after each round of splits, until none does."""
+    if not schedule.split_backward:
+        return set()
+    whole, sent = set(), set()
+    for actions in schedule.actions:
+        pending, sent_first = None, False
+        for action in actions:
+            if action.is_compute:
+                if pending is not None and action == Action("W", pending.stage,
+                                                            pending.microbatch):
+                    whole.add(pending)
+                    if sent_first:
+                        sent.add(pending)
+                pending, sent_first = (action if action.kind == "B" else None), False
+            elif (pending is not None and action.kind == "SEND_B"
+                  and (action.stage, action.microbatch) == (pending.stage, pending.microbatch)):
+                sent_first = True
+    while sent:
+        run = _Run(schedule, Durations(), False, True, whole=whole)
+        run.go()
+        spans = {span.action: (span, rank) for rank, rank_spans in enumerate(run.spans)
+                 for span in rank_spans}
+        previous_end = {span.action: before.end for rank_spans in run.spans
+                        for before, span in zip(rank_spans, rank_spans[1:])}
+        waited = set()
+        for backward in sent:
+            consumer = Action("B", backward.stage - 1, backward.microbatch)
+            span = spans[consumer][0]
+            if span.start == spans[backward][0].end and previous_end.get(consumer, 0) < span.start:
+                waited.add(backward)
+        if not waited:
+            break
+        whole -= waited
+        sent -= waited
     return whole
 
 
@@ -172,7 +198,8 @@ def simulate(schedule: Schedule, durations: Durations = Durations(),
     if costs is not None and blocking:
         raise ConfigError("action costs time the asynchronous mode: drop blocking=True")
     if not blocking and not schedule.has_communication and costs is None:
-        scale, spans = _scaled_compute_spans(schedule, durations, as_executed)
+        scale, spans = _scaled_compute_spans(
+            schedule, durations, whole_backwards(schedule) if as_executed else set())
         if spans is not None:
             return Timeline(schedule, tuple(
                 tuple(Span(action, Fraction(start, scale), Fraction(end, scale))
@@ -189,14 +216,14 @@ def makespan(schedule: Schedule, durations: Durations = Durations()) -> Fraction
     """simulate(schedule, durations).makespan, without timing each compute as a Fraction."""
     if schedule.has_communication:
         return simulate(schedule, durations).makespan
-    scale, spans = _scaled_compute_spans(schedule, durations, as_executed=False)
+    scale, spans = _scaled_compute_spans(schedule, durations, set())
     if spans is None:
         return simulate(schedule, durations).makespan  # raises the deadlock's ScheduleError
     return Fraction(max((rank_spans[-1][2] for rank_spans in spans if rank_spans), default=0),
                     scale)
 
 
-def _scaled_compute_spans(schedule: Schedule, durations: Durations, as_executed: bool
+def _scaled_compute_spans(schedule: Schedule, durations: Durations, whole: set[Action]
                           ) -> tuple[int, list[list[tuple[Action, int, int]]] | None]:
     """_Run's asynchronous timeline of a compute-only schedule, with every duration scaled by
     the least common denominator so that the clocks are integers (exact, and many times faster
@@ -205,8 +232,6 @@ def _scaled_compute_spans(schedule: Schedule, durations: Durations, as_executed:
     exact = {kind: durations.of(kind, schedule) for kind in kinds}
     scale = math.lcm(*(value.denominator for value in exact.values()))
     units = {kind: int(value * scale) for kind, value in exact.items()}
-    whole = (set().union(*map(whole_backwards, schedule.actions))
-             if as_executed and schedule.split_backward else set())
     last_stage, microbatches = schedule.num_stages - 1, schedule.microbatches
     # End times per kind, at stage * microbatches + microbatch; None until the compute ran.
     ends = {kind: [None] * (schedule.num_stages * microbatches) for kind in COMPUTE_KINDS}
@@ -249,12 +274,14 @@ def _scaled_compute_spans(schedule: Schedule, durations: Durations, as_executed:
 
 class _Run:
     def __init__(self, schedule: Schedule, durations: Durations, blocking: bool,
-                 as_executed: bool, costs: ActionCosts | None = None) -> None:
+                 as_executed: bool, costs: ActionCosts | None = None,
+                 whole: set[Action] | None = None) -> None:
         self.schedule, self.durations, self.blocking = schedule, durations, blocking
         self.costs = costs
         self.transfer = Fraction(costs.transfer) if costs else Fraction(0)
-        self.whole = (set().union(*map(whole_backwards, schedule.actions))
-                      if as_executed and schedule.split_backward else set())
+        # B's run as the whole backward, their W taking no time: `whole` when given.
+        self.whole = (whole if whole is not None
+                      else whole_backwards(schedule) if as_executed else set())
         self.with_comm = schedule.has_communication
         self.pos = [0] * schedule.pp
         self.clock = [Fraction(0)] * schedule.pp

@@ -20,10 +20,10 @@ the whole gradients of the two copies.
 
 The split backward computes each activation gradient once (B prunes the weights' products, W
 runs only those), but it walks the graph in Python to find where weights join and runs one
-backward per weight group. So where a W comes next after its own B in the list and the B's input
-gradient is not sent in between (receives aside), as on ZB-V's first stage and its turn of the V,
-nothing waits on the split: B runs the whole backward at once and W only marks the gradients
-complete. A B whose SEND_B precedes its W splits, so the peer gets the gradient a W earlier.
+backward per weight group. So where a W comes next after its own B in the list (receives and
+sends aside), B runs the whole backward at once and W only marks the gradients complete, unless
+the B's gradient is sent before that W to a B that would wait for it (ZB-V's steady state, not
+DualPipeV's): then B splits, and the peer gets the gradient a W earlier (`whole_backwards`).
 """
 
 from __future__ import annotations
@@ -118,8 +118,7 @@ class PipelineExecutor:
         self.embedding_group, self.partition, self.autocast = embedding_group, partition, autocast
         self.shard = shard
         self.actions = schedule.actions[pp_group.index]
-        self.whole_backwards = ({(a.stage, a.microbatch) for a in whole_backwards(self.actions)}
-                                if schedule.split_backward else set())
+        self.whole_backwards = {(a.stage, a.microbatch) for a in whole_backwards(schedule)}
         self.module = nn.ModuleList(stages[s] for s in sorted(stages))
         self.config = self.module[0].config
         self.device = next(self.module.parameters()).device
