@@ -98,3 +98,16 @@ def test_plan_json_is_what_the_fraction_simulator_gives(capsys, monkeypatch, arg
     # Only the V schedules' bubbles are simulated; the others take their exact closed forms.
     if any(config["parallel"]["schedule"] in ("zbv", "dualpipe") for config in fast["configs"]):
         assert simulated
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipe"])
+def test_plan_train_takes_the_v_schedules(capsys, schedule):
+    """`tetrad plan train --schedule zbv|dualpipe`: every layout offered runs that schedule, two
+    stages per rank in a V, with its own simulated bubble."""
+    plan = _plan_json(capsys, ["--model", "llama3-8b", "--gpu", "h100", "--num-gpus", "16",
+                               "--schedule", schedule, "--top", "3"])
+    assert plan["configs"]
+    for config in plan["configs"]:
+        parallel = config["parallel"]
+        assert (parallel["schedule"], parallel["vpp"]) == (schedule, 2)
+        assert parallel["pp"] > 1 and config["step_time_s"]["bubble"] > 0

@@ -8,6 +8,7 @@ import json
 
 from tetrad.planner.serving import DEFAULT_GPU_MEMORY_UTILIZATION
 from tetrad.planner.stacks import DEFAULT_SERVING_STACK, DEFAULT_STACK, SERVING_STACKS, STACKS
+from tetrad.schedules.generate import SCHEDULES, V_SHAPED
 from tetrad.spec.layout import OFFLOAD_MODES, RECOMPUTE_MODES
 
 
@@ -83,7 +84,7 @@ def add_parser(subparsers) -> None:
                             "or 3, or --recompute full or sqrt)")
     train.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction,
                        default=None, help="default: on whenever tp > 1")
-    train.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zb"))
+    train.add_argument("--schedule", choices=tuple(SCHEDULES))
     train.add_argument("--micro-batch", type=int)
     train.add_argument("--global-batch", type=int,
                        help="sequences per step (default: about 4M tokens)")
@@ -297,7 +298,8 @@ def _train_plan(args, config, world):
                        contiguous_buffers=args.contiguous_buffers,
                        partition_activations=args.partition_activations,
                        offload_activations=args.offload_activations)
-    _check_searched_buffers(space)
+    if zero_r:
+        _check_searched_buffers(space)
     return workload, global_batch, plan_training(config, world, workload, global_batch, space,
                                                  args.top, args.rank_by or "time")
 
@@ -312,8 +314,10 @@ def _check_searched_buffers(space) -> None:
 
     least = "full" if space.partition_activations or space.offload_activations else "none"
     schedule = space.schedule or "1f1b"
-    pipeline = dict(schedule=schedule, pp=space.pp or (1 if schedule in ("1f1b", "gpipe") else 2),
-                    vpp=space.vpp or (1 if schedule in ("1f1b", "gpipe", "zb") else 2))
+    pp = space.pp or (1 if schedule in ("1f1b", "gpipe") else 2)
+    # Two microbatches per stage: enough for every schedule (DualPipe's least).
+    pipeline = dict(schedule=schedule, pp=pp, microbatches=2 * pp,
+                    vpp=space.vpp or (2 if schedule in ("interleaved", *V_SHAPED) else 1))
     searched = [dict(zero=space.zero or 0, recompute=space.recompute or least),
                 dict(zero=3 if space.zero is None else space.zero,
                      recompute=space.recompute or "sqrt")]
