@@ -199,9 +199,13 @@ def test_calls_right_behind_another_do_not_wait_again():
 
 def split_backward_dispatched(config: ModelConfig, blocks: int) -> tuple[int, int]:
     """(whole backward, B + W) operators of a middle pipeline stage of `blocks` blocks, run as
-    tetrad's executor runs zero bubble: B by autograd.grad for the stage input with the graph
-    retained, W by a backward into the stage's parameters. The whole backward also accumulates
-    the input's gradient (one operator) where the executor's B hands it on."""
+    tetrad's executor runs zero bubble where W walks again (ZeRO-3, recomputation): B by
+    autograd.grad for the stage input with the graph retained, W by a backward from the outputs
+    into the stage's parameters (split_backward.DeferredWeights with every parameter off the
+    captured paths). The whole backward also accumulates the input's gradient (one operator)
+    where the executor's B hands it on."""
+    from tetrad.parallel.pipeline.split_backward import DeferredWeights
+
     from tetrad.parallel.pipeline.stage import PipelineStage
 
     layers = config.num_layers
@@ -216,18 +220,22 @@ def split_backward_dispatched(config: ModelConfig, blocks: int) -> tuple[int, in
         torch.autograd.grad([out], [x], [grad], retain_graph=True)
     params = [p for p in stage.parameters() if p.requires_grad]
     with OperatorCount() as w:
-        torch.autograd.backward([out], [grad], inputs=params)
+        DeferredWeights([], [out], [grad], params, params).run()
     return whole.count, b.count + w.count
 
 
 @pytest.mark.parametrize("name", VARIANTS)
 def test_split_backward_operators_match_dispatch(name):
-    """Zero bubble's W walks a stage's graph again: what it adds to the stage's backward
-    operators is what PyTorch dispatches for B and W beyond one whole backward."""
+    """Where zero bubble's W walks a stage's graph again (ZeRO-3 here), what it adds to the
+    stage's backward operators is what PyTorch dispatches for B and W beyond one whole backward;
+    without ZeRO-3 or recomputation W shares B's walk and adds none."""
     from tetrad.planner.eager_time import split_backward_operators
 
     config = preset("tiny").replace(num_layers=4, **VARIANTS[name])
-    layout = TrainLayout(pp=3, schedule="zb", stage_layers=(1, 2, 1), micro_batch=2)
+    layout = TrainLayout(pp=3, dp=2, zero=3, schedule="zb", stage_layers=(1, 2, 1),
+                         micro_batch=2)
+    one_walk = TrainLayout(pp=3, schedule="zb", stage_layers=(1, 2, 1), micro_batch=2)
+    assert split_backward_operators(config, one_walk, 1) == 0
     whole, split = split_backward_dispatched(config, 2)
     blocks = sum(block_operators(config, layout, layer).backward for layer in (1, 2))
     assert whole == blocks + 1
@@ -238,8 +246,9 @@ def test_split_backward_operators_match_dispatch(name):
 
 
 def test_zero_bubble_walks_the_later_stages_backward_twice():
-    """A split backward costs a later stage the backward's kernels and operators again, less
-    the weight-gradient matmuls B leaves to W; the first stage's backward is one walk."""
+    """Under ZeRO-3 a split backward costs a later stage the backward's kernels and operators
+    again, less the weight-gradient matmuls B leaves to W; the first stage's backward is one
+    walk, and so is every stage's without ZeRO-3 or recomputation."""
     from tetrad.hardware.catalog import GPUS, Cluster
     from tetrad.planner.compute import layer_times
     from tetrad.planner.eager_time import rank_time
@@ -248,12 +257,14 @@ def test_zero_bubble_walks_the_later_stages_backward_twice():
     gpu, config = GPUS["h100-sxm"], preset("tiny").replace(num_layers=4)
     precision = training_precision("fp32")
 
-    def backward(schedule, pp_rank):
-        layout = TrainLayout(pp=2, schedule=schedule, micro_batch=2, microbatches=4)
+    def backward(schedule, pp_rank, zero=3):
+        layout = TrainLayout(pp=2, dp=2, zero=zero, schedule=schedule, micro_batch=2,
+                             microbatches=4)
         return rank_time(config, Cluster(gpu, 2, 2), layout, 32, precision, True,
                          pp_rank).backward
 
     assert backward("zb", 0) == pytest.approx(backward("1f1b", 0))
+    assert backward("zb", 1, zero=0) == pytest.approx(backward("1f1b", 1, zero=0))
     kernels = layer_times(config, gpu, 3, 2, 32, 1, 1, 1, False, "none", True, False, "fp32",
                           4, 4, portable_attention=True)
     again = kernels.backward - kernels.matmul_forward

@@ -46,6 +46,9 @@ CASES = {
     4: {
         "pp2 tp2 zb full": dict(parallel=dict(pp=2, tp=2, schedule="zb", microbatches=4,
                                               recompute="full")),
+        # W shares B's walk here: the backward's tp collectives run once (backward_walks).
+        "pp2 tp2 zbv": dict(model_overrides={"num_layers": 4},
+                            parallel=dict(pp=2, tp=2, schedule="zbv", vpp=2, microbatches=4)),
         "pp2 cp2 gpipe tied": dict(model_overrides={"tie_embeddings": True},
                                    parallel=dict(pp=2, cp=2, schedule="gpipe")),
         "pp2 dp2 zero1 bf16 uneven": dict(dtype="bf16", model_overrides=FOUR_LAYERS,

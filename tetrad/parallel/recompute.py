@@ -178,6 +178,15 @@ def apply_sqrt_segments(blocks: Sequence[nn.Module], kept: KeptInputs | None = N
     return segments
 
 
+def reruns_forward(module: nn.Module) -> bool:
+    """Whether any block of `module` runs (part of) its forward again in backward: full, sqrt or
+    selective recomputation is applied to it."""
+    return any(isinstance(getattr(block, "forward", None), (RecomputedBlock, SegmentForward))
+               or isinstance(getattr(getattr(block, "attn", None), "core", None),
+                             RecomputedAttention)
+               for block in module.modules())
+
+
 def recompute_peak_bytes(model: nn.Module) -> int:
     """The most bytes one recomputed segment of `model` saved so far (0 without --recompute
     sqrt)."""

@@ -22,12 +22,15 @@ residual stream's dtype (the parameters') and S_a of the compute dtype:
   Pa   --partition-activations: before each recomputed forward, the checkpoint's input
        all-gathered over tp (the flat input padded to tp, the parameters' dtype).
   PP   each stage's output forward (not the last stage's) and its input's gradient backward (not
-       the first's), in the parameters' dtype.
+       the first's), in the parameters' dtype; not across the turn of a V-shaped schedule, whose
+       two stages share a rank.
   Full recomputation runs each block's forward again up to its last saved tensor (PyTorch's
   checkpoint stops there): every forward collective but the MLP's closing g (SP: its
   reduce-scatter), which overlap (tetrad.parallel.tp_overlap) runs too. Zero bubble's W walks a stage's graph a second time for the weight
-  gradients: on every stage but the first (whose B has no input gradient to compute, so W does
-  the whole backward) each backward collective, and the recomputation, run twice.
+  gradients under ZeRO-3 or recomputation (TrainLayout.backward_walks): on every stage but the
+  first (whose B has no input gradient to compute, so W does the whole backward) each backward
+  collective, and the recomputation, run twice. Otherwise W runs only the weight halves B left,
+  no collective among them.
 
 Per pipeline step (--grad-accum of them): the loss and load-balance loss summed over pp (two
 fp32). Per optimizer step: the logged loss (and load-balance loss) reduced over dp * cp, the
@@ -106,9 +109,10 @@ def _activations(ledger: CommLedger, config: ModelConfig, layout: TrainLayout, s
     last = layout.pp * layout.vpp - 1
     kv = 2 * t * kv_heads_per_rank(config, layout.tp) * config.head_dim  # K and V elements
     e, k, ep = config.num_experts, config.num_experts_per_token, layout.ep
-    for stage in rank_stages(layout, pp_rank):
-        # Zero bubble's W walks the stage's graph again (see the module doc).
-        backwards = 2 if layout.schedule in SPLIT_BACKWARD and stage > 0 else 1
+    stages = rank_stages(layout, pp_rank)
+    for stage in stages:
+        # Zero bubble's W may walk the stage's graph again (see the module doc).
+        backwards = layout.backward_walks(stage)
         reruns = backwards if layout.recompute in FORWARD_AGAIN else 0
         forwards = 1 + reruns
         blocks = stage_blocks(config, layout, stage)
@@ -136,7 +140,7 @@ def _activations(ledger: CommLedger, config: ModelConfig, layout: TrainLayout, s
                 ledger.add("all_gather", layout.tp, t * h * stream, m)
             else:
                 ledger.add("all_reduce", layout.tp, t * h * stream, m)
-        else:
+        elif stage - 1 not in stages:  # the turn of a V stays on its rank: no send
             ledger.add("p2p", 1, stream_tokens * h * stream, m)
         if stage == last:
             if layout.sequence_parallel:
@@ -148,7 +152,7 @@ def _activations(ledger: CommLedger, config: ModelConfig, layout: TrainLayout, s
             # target logits, two calls.
             ledger.add("all_reduce", layout.tp, t * FP32, m)
             ledger.add("all_reduce", layout.tp, 2 * t * FP32, m)
-        else:
+        elif stage + 1 not in stages:
             ledger.add("p2p", 1, stream_tokens * h * stream, m)
 
 

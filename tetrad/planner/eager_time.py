@@ -16,10 +16,13 @@ inside the backward.
 On a CPU the operators' costs add to their work; on a GPU the host issues kernels while earlier
 ones run, so a stage takes the longer of the two.
 
-Zero bubble's split backward walks a later stage's graph twice (tetrad.parallel.pipeline's B for
-the input gradient, W again from the output for the weights): its backward pays every kernel
-and operator once more but the weight-gradient matmuls and their operators, which B leaves to
-W (split_backward_operators, counted against PyTorch's dispatch).
+Zero bubble's split backward walks a later stage's graph twice under ZeRO-3 or recomputation
+(TrainLayout.backward_walks: B for the input gradient, W again from the output for the
+weights): its backward pays every kernel and operator once more but the weight-gradient matmuls
+and their operators, which B leaves to W (split_backward_operators, counted against PyTorch's
+dispatch). Otherwise W starts where the weights join the input's path and computes only their
+products: one walk, the whole backward's kernels, and beside its operators one accumulation per
+weight group that the count leaves out.
 
 A calibrated profile's `step_scale` (a whole training step of a calibration model measured
 against this sum of parts) scales every rank's compute: what the parts leave out (module calls
@@ -72,7 +75,6 @@ from tetrad.planner.offload_time import offload_time
 from tetrad.planner.layout import TrainLayout
 from tetrad.planner.precision import TrainingPrecision
 from tetrad.planner.timeline import StepTime, pipeline_bubble_ratio
-from tetrad.schedules.generate import SPLIT_BACKWARD
 
 
 @dataclass(frozen=True)
@@ -135,12 +137,13 @@ def weight_gradient_operators(config: ModelConfig, layout: TrainLayout, layer: i
 
 
 def split_backward_operators(config: ModelConfig, layout: TrainLayout, stage: int) -> float:
-    """What a split backward (zero bubble) adds to a stage's backward operators per microbatch:
-    B walks the stage's graph for the input's gradient, all but the weights' gradients, and W
-    walks it again from the output for the weights, every operator but the few that lead to the
+    """What a split backward (zero bubble) that walks twice (TrainLayout.backward_walks) adds
+    to a stage's backward operators per microbatch: B walks the stage's graph for the input's
+    gradient, all but the weights' gradients, and W walks it again from the output for the
+    weights, every operator but the few that lead to the
     stage input alone (its first norm's input path and the residual). A whole backward does
     each once. On the first stage B has no input gradient to compute and W does it all."""
-    if layout.schedule not in SPLIT_BACKWARD or stage == 0:
+    if layout.backward_walks(stage) == 1:
         return 0.0
     added = -(1 + 14 * (config.norm == "rmsnorm"))
     for layer in stage_blocks(config, layout, stage):
@@ -189,9 +192,9 @@ def rank_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, seq_le
     forward_ops = backward_ops = 0.0
     last_stage = layout.pp * layout.vpp - 1
     for stage in rank_stages(layout, pp_rank):
-        # Zero bubble's W walks the stage's graph again: every kernel of the backward once more
-        # but the weight-gradient matmuls B left to it (split_backward_operators).
-        walks = 2 if layout.schedule in SPLIT_BACKWARD and stage > 0 else 1
+        # Where zero bubble's W walks the stage's graph again: every kernel of the backward
+        # once more but the weight-gradient matmuls B left to it (split_backward_operators).
+        walks = layout.backward_walks(stage)
         for layer in stage_blocks(config, layout, stage):
             kernels = layer_times(config, gpu, layer, *args, portable_attention=True,
                                   fp8_casts=fp8_casts)

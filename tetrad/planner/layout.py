@@ -13,6 +13,7 @@ from functools import lru_cache
 from tetrad.spec.model import ModelConfig, ParallelConfig
 from tetrad.errors import ConfigError
 from tetrad.planner.rules import check_layout
+from tetrad.schedules.generate import SPLIT_BACKWARD
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,15 @@ class TrainLayout(ParallelConfig):
     def schedule_microbatches(self) -> int:
         """Microbatches of one pass of the pipeline schedule."""
         return self.microbatches
+
+    def backward_walks(self, stage: int) -> int:
+        """How many times a microbatch's backward walks `stage`'s graph: twice where zero
+        bubble's W walks down from the outputs again, on a stage after the first under ZeRO-3
+        (its units are gathered from hooks on the outputs' gradients) or recomputation (a weight
+        half needs its block's forward again); otherwise once, B and W sharing the walk
+        (tetrad.parallel.pipeline.split_backward)."""
+        split = self.schedule in SPLIT_BACKWARD and stage > 0
+        return 2 if split and (self.zero == 3 or self.recompute != "none") else 1
 
     @property
     def global_batch(self) -> int:

@@ -43,6 +43,7 @@ from tetrad.parallel.comm import Comm
 from tetrad.parallel.mesh import Group, Mesh
 from tetrad.planner.partition import Partition, partition
 from tetrad.parallel.pipeline.split_backward import DeferredWeights, input_gradient
+from tetrad.parallel.recompute import reruns_forward
 from tetrad.parallel.pipeline.stage import PipelineStage, build_stages, embedding_group
 from tetrad.schedules import Action, Schedule, build_schedule
 from tetrad.schedules.simulate import whole_backwards
@@ -120,6 +121,8 @@ class PipelineExecutor:
         self.actions = schedule.actions[pp_group.index]
         self.whole_backwards = {(a.stage, a.microbatch) for a in whole_backwards(schedule)}
         self.module = nn.ModuleList(stages[s] for s in sorted(stages))
+        self.rerunning_stages = {index for index, stage in stages.items()
+                                 if reruns_forward(stage)}
         self.config = self.module[0].config
         self.device = next(self.module.parameters()).device
         self.tied_weight = None
@@ -259,6 +262,14 @@ class PipelineExecutor:
                 state.deferred[key] = None  # W marks the gradients complete
             else:
                 self._release(key)
+        elif x is not None and action.stage in self.rerunning_stages:
+            # A recomputed block's weight halves need its forward run again: W from the
+            # captured nodes would rerun it once per weight group, so W walks down from the
+            # outputs (the whole graph again, one rerun) and B keeps the graph for it.
+            (x.grad,) = torch.autograd.grad(outputs, [x], grads, retain_graph=True)
+            params = self._trainable(action.stage)
+            state.deferred[key] = DeferredWeights([], outputs, grads, params, params)
+            del state.inputs[key]
         elif x is not None:
             x.grad, state.deferred[key] = input_gradient(
                 outputs, grads, x, self._trainable(action.stage))
