@@ -7,8 +7,9 @@ import dataclasses
 import json
 
 from tetrad.planner.serving import DEFAULT_GPU_MEMORY_UTILIZATION
+from tetrad.planner.zero_r_flags import check_zero_r
 from tetrad.planner.stacks import DEFAULT_SERVING_STACK, DEFAULT_STACK, SERVING_STACKS, STACKS
-from tetrad.schedules.generate import SCHEDULES, V_SHAPED
+from tetrad.schedules.generate import SCHEDULES
 from tetrad.spec.layout import OFFLOAD_MODES, RECOMPUTE_MODES
 
 
@@ -278,15 +279,6 @@ def _train_plan(args, config, world):
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather, overlap_tp_comm=args.overlap_tp_comm,
         overlap_p2p=args.overlap_p2p, **compiled))
-    zero_r = [flag for flag, on in (("--zero-bucket-size", args.zero_bucket_size),
-                                    ("--contiguous-buffers", args.contiguous_buffers),
-                                    ("--partition-activations", args.partition_activations),
-                                    ("--offload-activations", args.offload_activations)) if on]
-    if zero_r and workload.runtime != "tetrad":
-        from tetrad.errors import ConfigError
-
-        raise ConfigError(f"{', '.join(zero_r)}: ZeRO-R as tetrad's runtime holds and sends "
-                          f"it, planned on its stack only: add --stack tetrad (not {stack})")
     # Left open, the schedule of a pipeline holding checkpoint slots is 1F1B (ParallelConfig).
     slots = args.contiguous_buffers and args.recompute not in ("none", "selective")
     space = TrainSpace(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep,
@@ -298,36 +290,9 @@ def _train_plan(args, config, world):
                        contiguous_buffers=args.contiguous_buffers,
                        partition_activations=args.partition_activations,
                        offload_activations=args.offload_activations)
-    if zero_r:
-        _check_searched_buffers(space)
+    check_zero_r(space, stack, workload.runtime)
     return workload, global_batch, plan_training(config, world, workload, global_batch, space,
                                                  args.top, args.rank_by or "time")
-
-
-def _check_searched_buffers(space) -> None:
-    """Refuses ZeRO-R's options unless every layout the search may try with `space`'s given
-    choices holds them as `tetrad train` would: ParallelConfig's refusals for the least the
-    search tries (ZeRO 0, no recomputation, or full under the kept-input options) and the most
-    (ZeRO-3, sqrt) where left open; a given schedule on a pipeline. Left open, tp is searched
-    above 1 and sequence parallelism off under --partition-activations (planner.search)."""
-    from tetrad.spec.layout import ParallelConfig
-
-    least = "full" if space.partition_activations or space.offload_activations else "none"
-    schedule = space.schedule or "1f1b"
-    pp = space.pp or (1 if schedule in ("1f1b", "gpipe") else 2)
-    # Two microbatches per stage: enough for every schedule (DualPipe's least).
-    pipeline = dict(schedule=schedule, pp=pp, microbatches=2 * pp,
-                    vpp=space.vpp or (2 if schedule in ("interleaved", *V_SHAPED) else 1))
-    searched = [dict(zero=space.zero or 0, recompute=space.recompute or least),
-                dict(zero=3 if space.zero is None else space.zero,
-                     recompute=space.recompute or "sqrt")]
-    for choices in searched:
-        ParallelConfig(**pipeline, tp=space.tp or (2 if space.partition_activations else 1),
-                       sequence_parallel=bool(space.sequence_parallel),
-                       zero_bucket_size=space.zero_bucket_size,
-                       contiguous_buffers=space.contiguous_buffers,
-                       partition_activations=space.partition_activations,
-                       offload_activations=space.offload_activations, **choices)
 
 
 def _train(args, config, world) -> int:

@@ -262,19 +262,17 @@ class PipelineExecutor:
                 state.deferred[key] = None  # W marks the gradients complete
             else:
                 self._release(key)
-        elif x is not None and action.stage in self.rerunning_stages:
-            # A recomputed block's weight halves need its forward run again: W from the
-            # captured nodes would rerun it once per weight group, so W walks down from the
-            # outputs (the whole graph again, one rerun) and B keeps the graph for it.
-            (x.grad,) = torch.autograd.grad(outputs, [x], grads, retain_graph=True)
-            params = self._trainable(action.stage)
-            state.deferred[key] = DeferredWeights([], outputs, grads, params, params)
-            del state.inputs[key]
-        elif x is not None:
+        elif x is not None and action.stage not in self.rerunning_stages:
             x.grad, state.deferred[key] = input_gradient(
                 outputs, grads, x, self._trainable(action.stage))
             del state.inputs[key]
-        else:  # the first stage: no input gradient, W runs the whole backward
+        else:
+            # W walks down from the outputs: on the first stage B has no input gradient to
+            # compute, and a recomputed block's weight halves need its forward again, which W
+            # from the captured nodes would rerun once per weight group (B keeps the graph).
+            if x is not None:
+                (x.grad,) = torch.autograd.grad(outputs, [x], grads, retain_graph=True)
+                del state.inputs[key]
             params = self._trainable(action.stage)
             state.deferred[key] = DeferredWeights([], outputs, grads, params, params)
         if x is not None:
