@@ -79,3 +79,15 @@ def test_linear_rows_equals_torchs_matmul(dtype, rows):
     tolerance = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.1,
                                                                                rtol=1e-2)
     torch.testing.assert_close(got.float(), expected, **tolerance)
+
+
+def test_kernels_split_their_work_over_torchs_threads():
+    """The kernels' at::parallel_for hands work to every thread torch has (a library built
+    without OpenMP runs it all on the calling thread), and to one when torch has one."""
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            assert torch.ops.tetrad.parallel_threads(64) == count
+    finally:
+        torch.set_num_threads(threads)

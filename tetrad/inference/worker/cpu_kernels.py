@@ -29,8 +29,11 @@ SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("paged_decode.cpp", "decode_step.cpp", "quant_rows.cpp"))
 HEADERS = (Path(__file__).with_name("stream_rows.h"),)  # in the cache key, not on the command
 # -march=native: the library is built on the machine that runs it (the cache is per machine);
-# -ffast-math lets the compiler vectorize exp and the dot products (the kernel keeps no inf).
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared",
+# -ffast-math lets the compiler vectorize exp and the dot products (the kernel keeps no inf);
+# -fopenmp: at::parallel_for is a header template that splits work over torch's threads only in
+# code built with OpenMP (without it every kernel ran on one thread); the library then uses the
+# libgomp torch has already loaded (same soname), not a second thread pool.
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-shared",
          "-fPIC", "-w"]
 
 

@@ -17,6 +17,7 @@
 #include <ATen/ops/linear.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cmath>
 
 #include "stream_rows.h"
@@ -163,9 +164,21 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& attn_norm_w, cons
   return residual;
 }
 
+// How many of torch's threads at::parallel_for hands `items` chunks of work to in this library:
+// at::parallel_for is a header template, so it runs in parallel only where the library itself is
+// built with OpenMP (-fopenmp), not merely linked against torch's.
+int64_t parallel_threads(int64_t items) {
+  std::atomic<uint64_t> seen{0};
+  at::parallel_for(0, items, 1, [&](int64_t, int64_t) {
+    seen.fetch_or(uint64_t{1} << (at::get_thread_num() % 64));
+  });
+  return __builtin_popcountll(seen.load());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tetrad, m) {
+  m.def("parallel_threads(int items) -> int");
   m.def("linear_rows(Tensor x, Tensor w, Tensor? bias=None, Tensor? scales=None) -> Tensor");
   m.def("decode_layer(Tensor x, Tensor attn_norm_w, Tensor qkv_w, Tensor out_w, "
         "Tensor mlp_norm_w, Tensor up_w, Tensor down_w, float eps, Tensor cos, Tensor sin, "
@@ -177,4 +190,8 @@ TORCH_LIBRARY_FRAGMENT(tetrad, m) {
 TORCH_LIBRARY_IMPL(tetrad, CPU, m) {
   m.impl("linear_rows", linear_rows);
   m.impl("decode_layer", decode_layer);
+}
+
+TORCH_LIBRARY_IMPL(tetrad, CompositeExplicitAutograd, m) {
+  m.impl("parallel_threads", parallel_threads);
 }
