@@ -40,6 +40,7 @@ from tetrad.inference.core.scheduler import Scheduler, SchedulerConfig
 from tetrad.inference.core.sequence import Sequence
 from tetrad.inference.core.tracker import RequestTracker
 from tetrad.models.hf import load_pretrained, pretrained_config
+from tetrad.models.host_memory import large_blocks_mapped
 from tetrad.planner.quantized import check_quantizable
 
 if TYPE_CHECKING:
@@ -81,8 +82,9 @@ class LLM:
             # rank keeps an FP8 checkpoint's projections in FP8; the tensor/expert-parallel
             # splits shard nn.Linear parameters, so several ranks dequantise them at load.
             single = config.world_size == 1
-            model = load_pretrained(self.path, device if single else "cpu",
-                                    TORCH_DTYPES[config.dtype], keep_fp8=single)
+            with large_blocks_mapped():  # a converted tensor's stored copy leaves no hole
+                model = load_pretrained(self.path, device if single else "cpu",
+                                        TORCH_DTYPES[config.dtype], keep_fp8=single)
         if self.path is None and config.world_size == 1 and config.quantization != "none":
             model = copy.deepcopy(model)  # quantizing swaps its layers: the caller's stays
         self.model_config = model.config
@@ -100,7 +102,8 @@ class LLM:
             self.driver = ServingDriver(copy.deepcopy(model) if self.path is None else model,
                                         source, config, self.max_model_len, device)
         try:
-            self._start(model, device, scheduling, log)
+            with large_blocks_mapped():  # nor do the 16-bit weights that quantizing replaces
+                self._start(model, device, scheduling, log)
         except BaseException:
             self.close()
             raise

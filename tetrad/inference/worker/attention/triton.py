@@ -9,6 +9,8 @@ interpreter (TRITON_INTERPRET=1 before triton is imported): how the tests run it
 from __future__ import annotations
 
 import itertools
+import os
+import sys
 
 import torch
 
@@ -61,11 +63,17 @@ class TritonBackend(AttentionBackend):
     @classmethod
     def refusal(cls, device, block_size, latent, dtype=None) -> str | None:
         reason = super().refusal(device, block_size, latent, dtype)
+        cpu_refusal = ("--attention triton runs on a CPU only under Triton's interpreter "
+                       "(TRITON_INTERPRET=1), for tests: use --attention auto")
+        if not reason and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1" \
+                and "tetrad.inference.worker.triton_attention" not in sys.modules:
+            # Not interpreted, so not runnable here: asking the kernels would import triton,
+            # whose library a CPU engine would then hold (~70 MB resident) for nothing.
+            return cpu_refusal
         if reason or _kernels().triton_available(device):
             return reason
         if device.type == "cpu":
-            return ("--attention triton runs on a CPU only under Triton's interpreter "
-                    "(TRITON_INTERPRET=1), for tests: use --attention auto")
+            return cpu_refusal
         return "--attention triton: triton does not import or has no GPU driver here"
 
     def uploads(self, host: HostStep) -> dict[str, list[int]]:
