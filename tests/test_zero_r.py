@@ -90,10 +90,11 @@ def plan_train_argv(report) -> list[str]:
                    if parallel[name]]
 
 
-def assert_plan_train_predicts(report) -> None:
+def assert_plan_train_predicts(report):
     """`tetrad plan train`, given the run's layout through its flags (the two ZeRO-R options
     among them), plans that layout and predicts what the run's fullest ranks counted: the
-    activations on the device, the kept inputs in host memory, every collective's bytes."""
+    activations on the device, the kept inputs in host memory, every collective's bytes.
+    Returns the plan."""
     args = _page_parser().parse_args(plan_train_argv(report))
     config, world = _resolve(args)
     planned = _train_plan(args, config.replace(**RUN["model_overrides"]), world)[2].ranked[0]
@@ -114,6 +115,7 @@ def assert_plan_train_predicts(report) -> None:
             held["activations_peak"]
         assert round(planned.memory.host_activations) == held.get("host_activations_peak", 0)
         assert {kind: round(v) for kind, v in planned.comm.sent.items()} == entry["comm_bytes"]
+    return planned
 
 
 def layouts_job(rank: int, world_size: int, configs: list[TrainConfig]):
@@ -147,11 +149,15 @@ def test_host_checkpoints_in_one_process_equal_it_and_the_planner(plain, corpus_
     assert_plan_train_predicts(host)
 
 
-def assert_layouts_equal_one_process(plain, corpus_file, folder, layouts) -> list[dict]:
-    """Trains `layouts` on 4 ranks in one spawned job and checks them; returns their reports."""
-    configs = [run_config(corpus_file, ParallelConfig(**layout), folder / f"layout{index}")
-               for index, layout in enumerate(layouts)]
-    reports = run_ranks(layouts_job, 4, configs, timeout_s=1100)[0]
+def layout_configs(corpus_file: str, folder, layouts) -> list[TrainConfig]:
+    """A run of each of `layouts`, checkpointed under folder / layout<index>."""
+    return [run_config(corpus_file, ParallelConfig(**layout), folder / f"layout{index}")
+            for index, layout in enumerate(layouts)]
+
+
+def assert_reports_equal_one_process(plain, folder, layouts, reports) -> None:
+    """The runs of `layouts` (layout_configs under `folder`) lost what one process lost, ended
+    on its parameters, and every rank counted what the planner predicts."""
     expected = [s["loss"] for s in plain[0]["steps"]]
     for index, report in enumerate(reports):
         assert [s["loss"] for s in report["steps"]] == pytest.approx(expected, rel=1e-5)
@@ -160,6 +166,14 @@ def assert_layouts_equal_one_process(plain, corpus_file, folder, layouts) -> lis
             torch.testing.assert_close(finals[name], value, rtol=1e-5, atol=1e-5,
                                        msg=lambda m: f"{layouts[index]} {name}: {m}")
         assert_report_is_the_planners(report)
+
+
+def assert_layouts_equal_one_process(plain, corpus_file, folder, layouts) -> list[dict]:
+    """Trains `layouts` on 4 ranks in one spawned job and checks them; returns their reports."""
+    configs = layout_configs(corpus_file, folder, layouts)
+    reports = run_ranks(layouts_job, 4, configs, timeout_s=1100)[0]
+    assert_reports_equal_one_process(plain, folder, layouts, reports)
+    for report in reports:
         assert report["ranks"][0]["comm_bytes"]["all_gather"] > 0
     return reports
 

@@ -132,8 +132,6 @@ def test_gradient_buffers_are_one_block(zero):
     (dict(dp=2, zero=3, zero_bucket_size=-1), "zero_bucket_size"),
     (dict(dp=2, contiguous_buffers=True), "--zero 1, 2 or 3, or --recompute full or sqrt"),
     (dict(recompute="full", offload_activations=True, contiguous_buffers=True), "drop one"),
-    (dict(pp=2, vpp=2, schedule="zbv", recompute="sqrt", contiguous_buffers=True),
-     "split backward of the zbv schedule"),
 ])
 def test_refusals_are_one_line(fields, words):
     with pytest.raises(ConfigError, match=words) as error:
@@ -151,8 +149,6 @@ PLAN = ["plan", "train", "--model", "llama3-8b", "--gpu", "h100-sxm", "--num-gpu
     (["--zero", "3", "--zero-bucket-size", "-1"], "zero_bucket_size"),
     (["--contiguous-buffers"], "--zero 1, 2 or 3, or --recompute full or sqrt"),
     (["--contiguous-buffers", "--recompute", "selective"], "--zero 1, 2 or 3"),
-    (["--contiguous-buffers", "--recompute", "full", "--pp", "2", "--schedule", "zb"],
-     "split backward of the zb schedule"),
     (["--contiguous-buffers", "--recompute", "full", "--stack", "megatron"], "--stack tetrad"),
 ])
 def test_plan_train_refuses_as_train_does_in_one_line(flags, words, capsys):

@@ -279,12 +279,10 @@ def _train_plan(args, config, world):
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather, overlap_tp_comm=args.overlap_tp_comm,
         overlap_p2p=args.overlap_p2p, **compiled))
-    # Left open, the schedule of a pipeline holding checkpoint slots is 1F1B (ParallelConfig).
-    slots = args.contiguous_buffers and args.recompute not in ("none", "selective")
     space = TrainSpace(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep,
                        vpp=args.vpp, zero=args.zero, offload_mode=args.offload,
                        recompute=args.recompute, sequence_parallel=args.sequence_parallel,
-                       schedule=args.schedule or ("1f1b" if slots else None),
+                       schedule=args.schedule,
                        micro_batch=args.micro_batch,
                        zero_bucket_size=args.zero_bucket_size,
                        contiguous_buffers=args.contiguous_buffers,

@@ -19,7 +19,10 @@ segment's) input, [batch, seq, hidden], which every tensor-parallel rank holds w
   under zero bubble), counted by walking the rank's action list as the planner does
   (tetrad.planner.eager_activations.in_flight_peak). A slot returns to the free ones when
   autograd drops its checkpoint, after that microbatch's backward, and a later microbatch takes
-  it. The run report's activation_buffer is the most bytes of it in use at once.
+  it. Under zero bubble that is its W on a stage that recomputes (B keeps the graph for W's
+  rerun of the block), or its B where B runs the whole backward (W comes next, so the walk's
+  release at W peaks the same). The run report's activation_buffer is the most bytes of it in
+  use at once.
 
 All act on the one place torch's non-reentrant checkpoint stores its inputs: it saves them as
 saved tensors through whatever saved-tensor hooks are active when the checkpoint opens, so the

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from tetrad.errors import ConfigError, check_choice, check_positive
-from tetrad.schedules.generate import SCHEDULES, SPLIT_BACKWARD, V_SHAPED
+from tetrad.schedules.generate import SCHEDULES, V_SHAPED
 
 RECOMPUTE_MODES = ("none", "selective", "full", "sqrt")
 # The modes that run every block's forward again in backward (sqrt a segment at a time).
@@ -208,10 +208,6 @@ class ParallelConfig:
         if checkpoints and self.offload_activations:
             raise ConfigError("--contiguous-buffers keeps the checkpoints' inputs on the device, "
                               "--offload-activations in host memory: drop one of them")
-        if checkpoints and self.pp > 1 and self.schedule in SPLIT_BACKWARD:
-            raise ConfigError(f"--contiguous-buffers' checkpoint slots are not built for the "
-                              f"split backward of the {self.schedule} schedule: use 1f1b, gpipe "
-                              f"or interleaved, or --recompute none or selective")
 
     @property
     def offload_params(self) -> bool:
