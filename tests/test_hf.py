@@ -72,6 +72,23 @@ def test_load_pretrained_matches_hf_logits(case, tmp_path):
     assert_same_logits(model, hf_model)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_load_in_another_dtype_converts_a_slice_at_a_time_exactly(dtype, tmp_path, monkeypatch):
+    """Loading an fp32 folder in 16 bits converts each tensor a few rows at a time (so its
+    stored copy is never whole beside it): every parameter equals the fp32 load's, converted."""
+    from tetrad.models import hf_weights
+
+    save_hf_model(HF_CASES["llama"](), tmp_path)
+    whole = load_pretrained(tmp_path)
+    # A few rows a slice, the last one short: a slice left out would leave torch.empty's bytes.
+    monkeypatch.setattr(hf_weights, "CONVERT_SLICE_BYTES", 3 * 4 * 64)
+    converted = load_pretrained(tmp_path, dtype=dtype)
+    for (name, expected), (same_name, got) in zip(whole.named_parameters(),
+                                                  converted.named_parameters()):
+        assert name == same_name and got.dtype == dtype
+        assert torch.equal(got, expected.to(dtype)), name
+
+
 def test_sharded_checkpoint(tmp_path):
     hf_model = save_hf_model(HF_CASES["qwen2-gqa"](), tmp_path, max_shard_size="20KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()

@@ -136,11 +136,12 @@ def has_hf_weights(folder: str | Path) -> bool:
 
 
 def _hf_tensors(config: ModelConfig, folder: Path, device: torch.device | str = "cpu",
-                keep_fp8: bool = False) -> Iterator[tuple[str, torch.Tensor | FP8Weight, str]]:
-    """(tetrad name, tensor on `device` in the stored dtype, where it came from) for every
-    parameter of a model of `config`, one at a time, after checking that the folder's tensors
-    are exactly the ones the model needs. With `keep_fp8` a weight whose pieces are all FP8
-    comes as one FP8Weight."""
+                keep_fp8: bool = False, dtype: torch.dtype | None = None
+                ) -> Iterator[tuple[str, torch.Tensor | FP8Weight, str]]:
+    """(tetrad name, tensor on `device` in `dtype` (None: as stored), where it came from) for
+    every parameter of a model of `config`, one at a time, after checking that the folder's
+    tensors are exactly the ones the model needs. With `keep_fp8` a weight whose pieces are all
+    FP8 comes as one FP8Weight; FP8 pieces otherwise come dequantised (fp32)."""
     hf = read_hf_config(folder)
     check_runtime_support(hf)
     weights = HFWeights(folder, device, block_size(hf), keep_fp8)
@@ -162,7 +163,7 @@ def _hf_tensors(config: ModelConfig, folder: Path, device: torch.device | str = 
         raise ConfigError(f"{folder} has {len(unused)} tensors the model does not use (e.g. "
                           f"{', '.join(unused[:3])}): the weights do not match the model config")
     for rule in model_rules:
-        parts = [weights.get(name) for name in rule.hf]
+        parts = [weights.get(name, dtype) for name in rule.hf]
         if not rule.transpose and all(isinstance(p, FP8Weight) for p in parts):
             yield rule.tetrad, FP8Weight.concatenated(parts, rule.rows), f"{rule.hf} in {folder}"
             continue
@@ -348,7 +349,7 @@ def load_pretrained(path: str | Path, device: torch.device | str = "cpu",
         if dtype is None and hf.get("quantization_config"):
             dtype = checkpoint_dtype(folder)  # FP8 weights come dequantised: in the model's dtype
         # safetensors reads straight into device memory.
-        tensors = _hf_tensors(config, folder, device, keep_fp8)
+        tensors = _hf_tensors(config, folder, device, keep_fp8, dtype)
     model = empty_model(config)
     _materialize(model, tensors, device, dtype)
     return model.eval()

@@ -9,7 +9,13 @@ from safetensors import safe_open
 
 from tetrad.errors import ConfigError, read_json_file
 from tetrad.models.fp8 import BLOCK
-from tetrad.models.hf_fp8 import read_weight, scale_names
+from tetrad.models.hf_fp8 import SCALE_SUFFIX, read_weight, scale_names
+
+# Floating dtypes a stored tensor is converted from a slice at a time (safetensors' names).
+STORED_FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                 "BF16": torch.bfloat16}
+# Stored bytes per slice: the largest transient copy a conversion at load makes.
+CONVERT_SLICE_BYTES = 4 << 20
 
 
 class HFWeights:
@@ -49,12 +55,30 @@ class HFWeights:
     def names(self) -> set[str]:
         return self._keys - scale_names(self._keys)
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Tensor `name`, a floating one without FP8 block scales in `dtype` if given (else as
+        stored)."""
+        if dtype is not None and name + SCALE_SUFFIX not in self._keys:
+            return self._read(name, dtype)
         return read_weight(self._read, name, self._keys, self.block, self.keep_fp8)
 
-    def _read(self, key: str) -> torch.Tensor:
+    def _read(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor as stored, or a floating one converted to `dtype` a few rows at a time
+        into its own tensor: converting it whole would hold the stored copy beside it (a 32 MB
+        fp32 embedding read for a bf16 model is 48 MB at once, not 20)."""
         with safe_open(self._files[key], framework="pt", device=self.device) as handle:
-            return handle.get_tensor(key)
+            if dtype is None:
+                return handle.get_tensor(key)
+            stored = handle.get_slice(key)
+            shape, stored_dtype = stored.get_shape(), STORED_FLOATS.get(stored.get_dtype())
+            if stored_dtype in (None, dtype) or not shape:
+                return handle.get_tensor(key)
+            converted = torch.empty(shape, dtype=dtype, device=self.device)
+            row_bytes = max(1, converted[0].numel() * stored_dtype.itemsize)
+            rows = max(1, CONVERT_SLICE_BYTES // row_bytes)
+            for start in range(0, shape[0], rows):
+                converted[start:start + rows] = stored[start:start + rows]
+            return converted
 
     def first(self) -> torch.Tensor:
         return self.get(next(iter(self._files)))
