@@ -2,26 +2,28 @@
 without offload, next to what the planner predicts for it.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_offload.py [--profile PROFILE.json]
-        [--pairs 12] [--modes params nvme]
+        [--pairs 24] [--modes params nvme]
 
 The host link is the calibrated profile's (`tetrad calibrate`, measured at the start unless
 --profile gives one): the offload's own copies, a fixed cost per copy and a rate
 (tetrad.calibrate.compute.host_copy_costs; tetrad.planner.offload_time). Since other jobs change
 a shared machine's speed from minute to minute, the rank also reruns that measurement, and the
-streaming bandwidth, between the pairs of steps; each row is predicted three ways: by the old rule
-(every copy reading and writing each byte at the streaming bandwidth, no fixed cost), by the
-profile's copy costs, and by the copy costs measured beside the steps. One spawned rank (gloo, one thread) builds the same model under
-ZeRO-3 once per mode and runs the trainer's step (microbatches, reduction, clipping, AdamW) on
-each in turn, --pairs times after a warm-up step: every offload step is timed right beside a
-step without offload, so a drift of the machine's load falls on both sides of each difference.
-A mode's cost is the median of its differences, set beside the planner's predicted step times'
-difference on the same profile; and as a share of the step without offload (measured: the
-median of each pair's ratio), which a machine slowed down as a whole by other jobs leaves as it
-is while it stretches every absolute time. One rank leaves out the gloo collectives, which on a
-CPU move each shard over loopback TCP far slower than the offload's copy within memory and
-would bury its cost in their noise. The model is wide and the batch small, so the shards'
-copies are a visible part of the step: 4 layers of width 512 (10.0M parameters), two
-microbatches of one sequence of 8 tokens.
+streaming bandwidth, between the pairs of steps; each row is predicted three ways: by the old
+rule (every copy reading and writing each byte at the streaming bandwidth, no fixed cost), by
+the profile's copy costs, and by the copy costs measured beside the steps. One spawned rank
+(gloo, one thread) builds the same model under ZeRO-3 once per mode and runs the trainer's step
+(microbatches, reduction, clipping, AdamW) on each in turn, --pairs times after a warm-up step:
+every offload step is timed right beside a step without offload, so a drift of the machine's
+load falls on both sides of each difference (in alternating order: the copy timings between
+pairs leave the caches cold for the first). A mode's cost is the median of its differences
+(their quartiles show the pairs' spread), set beside the planner's predicted step times'
+difference on the same profile; and as a share of the step without offload (measured: the median
+of each pair's ratio), which a machine slowed down as a whole by other jobs leaves as it is
+while it stretches every absolute time. One rank leaves out the gloo collectives, which on a CPU
+move each shard over loopback TCP far slower than the offload's copy within memory and would
+bury its cost in their noise. The model is wide and the batch small, so the shards' copies are a
+visible part of the step: 4 layers of width 512 (10.0M parameters), two microbatches of one
+sequence of 8 tokens.
 """
 
 from __future__ import annotations
@@ -81,8 +83,10 @@ def rank(rank_index: int, world_size: int, modes: list[str], pairs: int, folder:
     times: dict[str, list[float]] = {mode: [] for mode in runs}
     timer = compute.Timer(torch.device("cpu"), budget_s=0.05)
     copies, streams = [], []
-    for _ in range(pairs):
-        for mode, run in runs.items():
+    for pair in range(pairs):
+        # Every other pair runs its steps in reverse: the copy timings between pairs leave the
+        # caches cold for whichever step comes first, and a fixed order would put that on one side.
+        for mode, run in (list(runs.items()) if pair % 2 == 0 else list(runs.items())[::-1]):
             times[mode].append(step(run))
         copies.append(compute.host_copy_costs(timer))
         streams.append(compute.stream_bandwidth(timer))
@@ -123,7 +127,7 @@ def main() -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", type=Path, help="a profile from tetrad calibrate")
-    parser.add_argument("--pairs", type=int, default=12)
+    parser.add_argument("--pairs", type=int, default=24)
     parser.add_argument("--modes", nargs="*", default=["params", "nvme"],
                         choices=("optimizer", "params", "nvme"))
     args = parser.parse_args()
@@ -140,19 +144,23 @@ def main() -> int:
           f"a copy {beside.efficiency.host_copy_s * 1e6:.1f} us + bytes at "
           f"{beside.efficiency.host_copy_bandwidth / 1e9:.2f} GB/s")
     print("| offload | host link | step ms (median) | predicted ms | cost ms (median of pairs) | "
-          "predicted cost ms | error | cost / step | predicted | error |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "cost ms, quartiles of pairs | predicted cost ms | error | cost / step | predicted | "
+          "error |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for rule, device in (("old rule (streaming, beside)", old_rule), ("profile", gpu),
                          ("copy costs beside", beside)):
         predicted = predicted_totals(args.modes, device, str(folder))
         for mode in args.modes:
             steps, base = times[mode], times["none"]
-            cost = statistics.median(a - b for a, b in zip(steps, base))
+            differences = [a - b for a, b in zip(steps, base)]
+            cost = statistics.median(differences)
+            low, _, high = statistics.quantiles(differences, n=4)
             share = statistics.median((a - b) / b for a, b in zip(steps, base))
             cost_predicted = predicted[mode] - predicted["none"]
             share_predicted = cost_predicted / predicted["none"]
             print(f"| {mode} | {rule} | {statistics.median(steps) * 1e3:.1f} | "
-                  f"{predicted[mode] * 1e3:.1f} | {cost * 1e3:.1f} | {cost_predicted * 1e3:.1f} | "
+                  f"{predicted[mode] * 1e3:.1f} | {cost * 1e3:.1f} | {low * 1e3:.1f}-{high * 1e3:.1f} | "
+                  f"{cost_predicted * 1e3:.1f} | "
                   f"{(cost_predicted - cost) / cost:+.1%} | {share:.1%} | {share_predicted:.1%} | "
                   f"{(share_predicted - share) / share:+.1%} |")
     print(f"none: {statistics.median(times['none']) * 1e3:.1f} ms measured, "
