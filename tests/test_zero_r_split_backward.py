@@ -22,7 +22,6 @@ from test_zero_r import (RUN, assert_plan_train_predicts, assert_reports_equal_o
 from tetrad.parallel.pipeline.executor import PipelineExecutor
 from tetrad.parallel.recompute import _kept_inputs
 from tetrad.planner.eager_activations import in_flight_peak
-from tetrad.planner.layout import stage_layer_counts
 from tetrad.schedules import build_schedule
 from tetrad.schedules.simulate import whole_backwards
 from tetrad.spec.layout import sqrt_segments
@@ -31,11 +30,9 @@ from tetrad.train.ranks import train_worker
 __all__ = ["plain"]  # the module fixture: one process without recomputation
 
 # zb's last stage runs F0 B0 F1 B1 W0 ...: released at B it would hold one microbatch, at W two.
-# The cut is the planner's even one (plan train has no --stage-layers), so plan train plans the
-# stages the run ran: under full, the V's two stages on rank 1 keep 2 and 1 checkpoints.
+# The runtime's own cut, which plan train plans too: 5 blocks as (1, 1, 2, 1) over the V, whose
+# two stages on rank 1 keep 1 and 2 checkpoints under full.
 SPLIT_SLOT_LAYOUTS = [dict(pp=2, vpp=vpp, schedule=schedule, microbatches=4,
-                           stage_layers=stage_layer_counts(RUN["model_overrides"]["num_layers"],
-                                                           2 * vpp),
                            recompute=recompute, contiguous_buffers=True)
                       for schedule, vpp in (("zb", 1), ("zbv", 2), ("dualpipe", 2))
                       for recompute in ("full", "sqrt")]

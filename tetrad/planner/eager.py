@@ -73,7 +73,7 @@ from tetrad.planner.eager_activations import activations_peak
 from tetrad.planner.eager_buffers import activation_buffer_bytes, zero_buffer_bytes
 from tetrad.planner.eager_comm import rank_comm
 from tetrad.planner.eager_state import ModelState, model_state
-from tetrad.planner.layout import TrainLayout
+from tetrad.planner.layout import TrainLayout, with_runtime_cut
 from tetrad.planner.precision import TrainingPrecision
 
 
@@ -98,7 +98,8 @@ class RankBytes:
 def pipeline_ranks(config: ModelConfig, layout: TrainLayout, seq_len: int,
                    precision: TrainingPrecision) -> tuple[RankBytes, ...]:
     """What one rank of each pipeline rank holds and sends (every tp, cp and dp rank of a
-    pipeline rank alike, up to the routing)."""
+    pipeline rank alike, up to the routing), with the stages the run cuts."""
+    layout = with_runtime_cut(config, layout, seq_len)
     return tuple(RankBytes(model_state(config, layout, precision, rank),
                            activations_peak(config, layout, seq_len, precision, rank),
                            rank_comm(config, layout, seq_len, precision, rank),

@@ -56,7 +56,8 @@ class Param:
 
 def stage_layers(config: ModelConfig, layout: TrainLayout) -> tuple[int, ...]:
     """Blocks per pipeline stage (pp * vpp stages): the layout's own cut (the runtime's balanced
-    partition, which the trainer passes), else the planner's even one."""
+    partition: the trainer passes it, and pipeline_ranks, eager_step_time and evaluate_training
+    fill it in, layout.with_runtime_cut), else the even one that Megatron-style stacks run."""
     return layout.stage_layers or stage_layer_counts(config.num_layers, layout.pp * layout.vpp)
 
 

@@ -72,7 +72,7 @@ from tetrad.planner.eager_params import (block_params, rank_parameters, rank_sta
                                          stage_blocks)
 from tetrad.planner.model_stats import norm_params
 from tetrad.planner.offload_time import offload_time
-from tetrad.planner.layout import TrainLayout
+from tetrad.planner.layout import TrainLayout, with_runtime_cut
 from tetrad.planner.precision import TrainingPrecision
 from tetrad.planner.timeline import StepTime, pipeline_bubble_ratio
 
@@ -175,6 +175,7 @@ class RankTime:
 
 def rank_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, seq_len: int,
               precision: TrainingPrecision, flash: bool, pp_rank: int) -> RankTime:
+    layout = with_runtime_cut(config, layout, seq_len)
     gpu = cluster.gpu
     profile = gpu.efficiency
     fp8 = precision.compute_dtype == "fp8"
@@ -284,6 +285,7 @@ def cpu_bound_step(ranks: list[RankTime], busy: list[float], layout: TrainLayout
 def eager_step_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, seq_len: int,
                     precision: TrainingPrecision, flash: bool = True) -> StepTime:
     """One optimizer step of tetrad's runtime on `cluster` (module doc)."""
+    layout = with_runtime_cut(config, layout, seq_len)
     ranks = [rank_time(config, cluster, layout, seq_len, precision, flash, r)
              for r in range(layout.pp)]
     m = layout.num_microbatches

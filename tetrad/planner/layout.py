@@ -12,6 +12,7 @@ from functools import lru_cache
 
 from tetrad.spec.model import ModelConfig, ParallelConfig
 from tetrad.errors import ConfigError
+from tetrad.planner.partition import partition
 from tetrad.planner.rules import check_layout
 from tetrad.schedules.generate import SPLIT_BACKWARD
 
@@ -20,7 +21,8 @@ from tetrad.schedules.generate import SPLIT_BACKWARD
 class TrainLayout(ParallelConfig):
     """`microbatches` microbatches of `micro_batch` sequences go through the pipeline schedule in
     one pass; `grad_accum` passes make one optimizer step (tetrad's --grad-accum; Megatron runs
-    all microbatches in one pass). An empty stage_layers means the planner's even cut."""
+    all microbatches in one pass). An empty stage_layers is the cut the run makes itself: tetrad's
+    runtime partition's balanced one (with_runtime_cut), Megatron's the even stage_layer_counts."""
 
     micro_batch: int = 1
     grad_accum: int = 1
@@ -98,11 +100,26 @@ class TrainLayout(ParallelConfig):
                    micro_batch=micro_batch, grad_accum=passes)
 
 
+def with_runtime_cut(config: ModelConfig, layout: TrainLayout, seq_len: int) -> TrainLayout:
+    """`layout` with the pipeline cut `tetrad train` runs for it: its own stage_layers, else the
+    balanced partition that parallelize makes when --stage-layers is not given."""
+    if layout.pp == 1 or layout.stage_layers:
+        return layout
+    return dataclasses.replace(layout, stage_layers=_balanced_cut(config, layout.pp * layout.vpp,
+                                                                  seq_len))
+
+
+@lru_cache(maxsize=1024)  # the search evaluates thousands of layouts sharing a few cuts
+def _balanced_cut(config: ModelConfig, num_stages: int, seq_len: int) -> tuple[int, ...]:
+    return partition(config, num_stages, seq_len).stage_layers
+
+
 @lru_cache(maxsize=1024)
 def stage_layer_counts(num_layers: int, num_stages: int) -> tuple[int, ...]:
-    """Layers per pipeline stage: as even as possible; when the count does not divide, the last
-    and first stages (which also hold the LM head and the embedding) take one layer fewer, then
-    the second-to-last and second, and so on."""
+    """Layers per pipeline stage as Megatron-style stacks and the serving engine split them: as
+    even as possible; when the count does not divide, the last and first stages (which also hold
+    the LM head and the embedding) take one layer fewer, then the second-to-last and second, and
+    so on. tetrad's trainer balances by cost instead (with_runtime_cut)."""
     base = -(-num_layers // num_stages)
     counts = [base] * num_stages
     outside_in = [stage for pair in zip(range(num_stages - 1, -1, -1), range(num_stages))

@@ -29,7 +29,7 @@ from tetrad.planner.compute import KernelTimes, optimizer_time, stage_times
 from tetrad.planner.eager_time import eager_step_time
 from tetrad.planner.estimate import TrainingEstimate
 from tetrad.planner.flops import attention_head_dims, training_flops_per_sequence
-from tetrad.planner.layout import TrainLayout, stage_layer_counts
+from tetrad.planner.layout import TrainLayout, stage_layer_counts, with_runtime_cut
 from tetrad.planner.offload_time import offload_time
 from tetrad.planner.memory import stage_params, stages_to_check, training_memory
 from tetrad.planner.runtime_memory import usable_tensor_memory
@@ -293,7 +293,10 @@ def step_time_lower_bound(config: ModelConfig, cluster: Cluster, layout: TrainLa
 def evaluate_training(config: ModelConfig, cluster: Cluster, layout: TrainLayout,
                       workload: TrainWorkload, count_bytes: bool = True) -> TrainingEstimate:
     """Memory, time and traffic of one step of `layout` (assumed valid: see layout.py).
-    `count_bytes=False` skips the per-collective byte ledger (the search's fast path)."""
+    `count_bytes=False` skips the per-collective byte ledger (the search's fast path). tetrad's
+    runtime is planned with the pipeline cut it will run, which the estimate's layout carries."""
+    if workload.runtime == "tetrad":
+        layout = with_runtime_cut(config, layout, workload.seq_len)
     precision = workload.precision
     memory, fullest = training_memory(config, layout, precision, workload.seq_len,
                                       workload.activation_options)
