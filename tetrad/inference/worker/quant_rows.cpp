@@ -8,7 +8,8 @@
 // int4: torch's CPU packing of values 0..15 (uint8 [N, K / 2]) and per group of input columns
 // scales_and_offsets [K / group, N, 2]: w = (q - 8) * scale + offset. Per group the kernel
 // sums x * q and takes y += scale * (sum(x * q) - 8 sum(x)) + offset * sum(x), so only the
-// group's end touches the scales.
+// group's end touches the scales. With AVX2 a full block of torch's split packing is summed in integers
+// against int16-rounded activations (int4_split_rows_int16).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_convert_weight_to_int4pack_for_cpu.h>
@@ -16,6 +17,7 @@
 #include <ATen/ops/_weight_int8pack_mm.h>
 #include <ATen/ops/empty.h>
 
+#include <cstring>
 #include <utility>
 
 #include "stream_rows.h"
@@ -141,21 +143,141 @@ void int4_block_rows(const float* x, int64_t K, const float* sums, int64_t group
     for (int r = 0; r < R; ++r) out[m * out_stride + r] = total[m][r];
 }
 
+#ifdef TETRAD_AVX2
+// The scales and offsets of rows r..r+3 and r+8..r+11 (`p` at row r's pair), in the lane order
+// of int4_split_rows_int16's sums. A bf16 pair is one 32-bit word: scale low, offset high.
+inline void scales_and_offsets8(const c10::BFloat16* p, __m256& scale, __m256& offset) {
+  const __m256i words = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(p + 16),
+                                            reinterpret_cast<const __m128i*>(p));
+  scale = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+  offset = _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32(0xFFFF0000)));
+}
+template <typename T>
+void scales_and_offsets8(const T* p, __m256& scale, __m256& offset) {
+  alignas(32) float s[8], o[8];
+  for (int l = 0; l < 8; ++l) {
+    const int row = l < 4 ? l : l + 4;
+    s[l] = to_float(p[2 * row]);
+    o[l] = to_float(p[2 * row + 1]);
+  }
+  scale = _mm256_load_ps(s);
+  offset = _mm256_load_ps(o);
+}
+
+// A full split block against int16-rounded activations (Int16Rows), in integers: two input
+// columns at a time, each byte spread to a 16-bit lane next to the same row's byte of the next
+// column (vpermq + vpshufb), its nibbles masked and shifted in place, and one
+// _mm256_madd_epi16 per 8 rows sums q * x over both columns into exact int32 (a group of 4096
+// columns at most: 15 * 32767 * 4096 < 2^31). The float kernel above spends two conversions and
+// two FMAs per 16 weights. Lane l of sum vector v of 16-byte chunk h holds row
+// 16h + (l < 4 ? l : l + 4) + (v / 2) * 4 + (v % 2) * R / 2 (odd v: the high nibbles); the
+// group's scales are applied in that order, the rows put in order once at the end.
+// `sums` [M, groups]: sum(x) per group, from the rounded activations.
+template <int M, int C, typename T>
+void int4_split_rows_int16(const int16_t* xq, const float* x_scales, int64_t K,
+                           const float* sums, int64_t group, const uint8_t* w, const T* pairs,
+                           int64_t N, float* out, int64_t out_stride) {
+  constexpr int R = 16 * C, B = R / 2, H = B / 16;  // rows, bytes per input column, chunks
+  const int64_t groups = K / group;
+  // Within each 128-bit lane after vpermq: bytes 0-7 of column k, then bytes 0-7 of column k+1.
+  const __m256i first = _mm256_setr_epi8(0, -1, 8, -1, 1, -1, 9, -1, 2, -1, 10, -1, 3, -1, 11, -1,
+                                         0, -1, 8, -1, 1, -1, 9, -1, 2, -1, 10, -1, 3, -1, 11, -1);
+  const __m256i second = _mm256_setr_epi8(4, -1, 12, -1, 5, -1, 13, -1, 6, -1, 14, -1, 7, -1, 15,
+                                          -1, 4, -1, 12, -1, 5, -1, 13, -1, 6, -1, 14, -1, 7, -1,
+                                          15, -1);
+  const __m256i low_nibble = _mm256_set1_epi16(15);
+  __m256 total[M][H][4];
+  for (int m = 0; m < M; ++m)
+    for (int h = 0; h < H; ++h)
+      for (auto& t : total[m][h]) t = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i acc[M][H][4];
+    for (int m = 0; m < M; ++m)
+      for (int h = 0; h < H; ++h)
+        for (auto& a : acc[m][h]) a = _mm256_setzero_si256();
+    for (int64_t k = g * group; k < (g + 1) * group; k += 2) {
+      __m256i xs[M];
+      for (int m = 0; m < M; ++m) {
+        int32_t both;
+        std::memcpy(&both, xq + m * K + k, sizeof both);
+        xs[m] = _mm256_set1_epi32(both);
+      }
+      const uint8_t* column = w + k * B;
+      for (int h = 0; h < H; ++h) {
+        const __m256i bytes = _mm256_permute4x64_epi64(
+            _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(column + B + 16 * h),
+                                reinterpret_cast<const __m128i*>(column + 16 * h)),
+            0xD8);
+        const __m256i a = _mm256_shuffle_epi8(bytes, first), b = _mm256_shuffle_epi8(bytes, second);
+        const __m256i q[4] = {_mm256_and_si256(a, low_nibble), _mm256_srli_epi16(a, 4),
+                              _mm256_and_si256(b, low_nibble), _mm256_srli_epi16(b, 4)};
+        for (int m = 0; m < M; ++m)
+          for (int v = 0; v < 4; ++v)
+            acc[m][h][v] = _mm256_add_epi32(acc[m][h][v], _mm256_madd_epi16(q[v], xs[m]));
+      }
+    }
+    const T* scale_offset = pairs + g * N * 2;
+    for (int h = 0; h < H; ++h)
+      for (int v = 0; v < 4; ++v) {
+        __m256 scale, offset;
+        scales_and_offsets8(scale_offset + 2 * (16 * h + (v / 2) * 4 + (v % 2) * R / 2), scale,
+                            offset);
+        for (int m = 0; m < M; ++m) {  // scale * (x.q - 8 sum(x)) + offset * sum(x)
+          const __m256 sum = _mm256_set1_ps(sums[m * groups + g]);
+          const __m256 dot = _mm256_fmsub_ps(_mm256_cvtepi32_ps(acc[m][h][v]),
+                                             _mm256_set1_ps(x_scales[m]),
+                                             _mm256_mul_ps(_mm256_set1_ps(8.f), sum));
+          total[m][h][v] = _mm256_fmadd_ps(scale, dot, _mm256_fmadd_ps(offset, sum,
+                                                                       total[m][h][v]));
+        }
+      }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int h = 0; h < H; ++h)
+      for (int v = 0; v < 4; ++v) {
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, total[m][h][v]);
+        float* rows = out + m * out_stride + 16 * h + (v / 2) * 4 + (v % 2) * R / 2;
+        for (int l = 0; l < 8; ++l) rows[l < 4 ? l : l + 4] = lanes[l];
+      }
+}
+#endif
+
+// Columns per exact int32 run of the integer int4 kernel: 15 * 32767 per column.
+constexpr int64_t kInt4Int32Columns = 4096;
+
+// The activations as int16 for the integer kernel, or empty where the float kernel runs.
+struct Int4Rows {
+  const float* x;
+  const int16_t* xq;  // [M, K] or null
+  const float* x_scales;
+};
+
 template <int M, typename T>
-void int4_block_dispatch(const Int4Block& block, const float* x, int64_t K, const float* sums,
-                         int64_t group, const uint8_t* w, const T* pairs, int64_t N, float* out,
-                         int64_t out_stride) {
+void int4_block_dispatch(const Int4Block& block, const Int4Rows& rows, int64_t K,
+                         const float* sums, int64_t group, const uint8_t* w, const T* pairs,
+                         int64_t N, float* out, int64_t out_stride) {
   const uint8_t* bytes = w + block.start * K / 2;
   const T* first = pairs + block.start * 2;
-  float* rows = out + block.start;
+  float* o = out + block.start;
+  const float* x = rows.x;
+#ifdef TETRAD_AVX2
+  if (block.split && rows.xq != nullptr) {
+    if (block.rows == 64)
+      return int4_split_rows_int16<M, 4>(rows.xq, rows.x_scales, K, sums, group, bytes, first,
+                                         N, o, out_stride);
+    return int4_split_rows_int16<M, 2>(rows.xq, rows.x_scales, K, sums, group, bytes, first, N,
+                                       o, out_stride);
+  }
+#endif
   if (block.split && block.rows == 64)
-    return int4_block_rows<M, 4, true>(x, K, sums, group, bytes, first, N, rows, out_stride);
+    return int4_block_rows<M, 4, true>(x, K, sums, group, bytes, first, N, o, out_stride);
   if (block.split)
-    return int4_block_rows<M, 2, true>(x, K, sums, group, bytes, first, N, rows, out_stride);
+    return int4_block_rows<M, 2, true>(x, K, sums, group, bytes, first, N, o, out_stride);
   switch (block.rows) {  // torch's int4 rows come in multiples of 16
-    case 16: return int4_block_rows<M, 1, false>(x, K, sums, group, bytes, first, N, rows, out_stride);
-    case 32: return int4_block_rows<M, 2, false>(x, K, sums, group, bytes, first, N, rows, out_stride);
-    default: return int4_block_rows<M, 3, false>(x, K, sums, group, bytes, first, N, rows, out_stride);
+    case 16: return int4_block_rows<M, 1, false>(x, K, sums, group, bytes, first, N, o, out_stride);
+    case 32: return int4_block_rows<M, 2, false>(x, K, sums, group, bytes, first, N, o, out_stride);
+    default: return int4_block_rows<M, 3, false>(x, K, sums, group, bytes, first, N, o, out_stride);
   }
 }
 
@@ -164,20 +286,38 @@ template <typename T>
 void int4_matmul(Int4Layout layout, const float* x, int64_t M, const uint8_t* w, const T* pairs,
                  int64_t N, int64_t K, int64_t group, float* out) {
   const int64_t groups = K / group, full = layout == Int4Layout::kSplit64 ? 64 : 32;
-  std::vector<float> sums(M * groups, 0.f);
-  for (const auto i : c10::irange(M * K)) sums[i / K * groups + i % K / group] += x[i];
+  Int16Rows xq;
+#ifdef TETRAD_AVX2
+  if (layout != Int4Layout::kPairs && group % 16 == 0 && group <= kInt4Int32Columns)
+    xq = int16_rows(x, M, K);
+#endif
+  std::vector<float> sums(M * groups);  // of the values the kernel multiplies by
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      float sum = 0.f;
+      if (xq.values.empty()) {
+        for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += x[m * K + k];
+      } else {
+        int32_t rounded = 0;
+        for (int64_t k = g * group; k < (g + 1) * group; ++k) rounded += xq.values[m * K + k];
+        sum = xq.scales[m] * static_cast<float>(rounded);
+      }
+      sums[m * groups + g] = sum;
+    }
   at::parallel_for(0, (N + full - 1) / full, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const Int4Block block = int4_block(layout, N, b);
       for (int64_t m = 0; m < M; m += kRowsPerPass) {
-        const float* xm = x + m * K;
+        const bool integer = !xq.values.empty();
+        const Int4Rows rows{x + m * K, integer ? xq.values.data() + m * K : nullptr,
+                            integer ? xq.scales.data() + m : nullptr};
         const float* sm = sums.data() + m * groups;
         float* om = out + m * N;
         switch (std::min(kRowsPerPass, M - m)) {
-          case 1: int4_block_dispatch<1>(block, xm, K, sm, group, w, pairs, N, om, N); break;
-          case 2: int4_block_dispatch<2>(block, xm, K, sm, group, w, pairs, N, om, N); break;
-          case 3: int4_block_dispatch<3>(block, xm, K, sm, group, w, pairs, N, om, N); break;
-          default: int4_block_dispatch<4>(block, xm, K, sm, group, w, pairs, N, om, N);
+          case 1: int4_block_dispatch<1>(block, rows, K, sm, group, w, pairs, N, om, N); break;
+          case 2: int4_block_dispatch<2>(block, rows, K, sm, group, w, pairs, N, om, N); break;
+          case 3: int4_block_dispatch<3>(block, rows, K, sm, group, w, pairs, N, om, N); break;
+          default: int4_block_dispatch<4>(block, rows, K, sm, group, w, pairs, N, om, N);
         }
       }
     }

@@ -120,6 +120,8 @@ void dot_single(const float* x, const W* w, int64_t K, int64_t n0, int64_t n1, f
   }
 }
 
+#endif
+
 // int8 weights against activations rounded to int16 with one scale per row (a step of 1/32767
 // of the row's largest |x|, where the bf16 activations already carry steps of 1/256 of each
 // value): 16 weights are one widening load and one _mm256_madd_epi16 into exact int32 sums,
@@ -144,6 +146,7 @@ inline Int16Rows int16_rows(const float* x, int64_t M, int64_t K) {
   return rows;
 }
 
+#ifdef TETRAD_AVX2
 // Columns per exact int32 run: a lane gains at most 2 * 128 * 32767 per 16 columns.
 constexpr int64_t kInt32Columns = 4096;
 
