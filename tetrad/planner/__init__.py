@@ -24,7 +24,7 @@ from tetrad.planner.layout import TrainLayout
 from tetrad.planner.memory import MemoryBreakdown, eager_breakdown
 from tetrad.planner.model_stats import count_parameters
 from tetrad.planner.precision import TrainingPrecision
-from tetrad.planner.rules import ResolvedLayout, resolve_layout
+from tetrad.planner.rules import ResolvedLayout, check_layout, resolve_layout
 from tetrad.planner.search import (SearchResult, ServeSpace, TrainSpace, search_serving,
                                    search_training)
 from tetrad.planner.serving import ServeWorkload
@@ -61,13 +61,18 @@ def predict_training(model_config: ModelConfig, parallel_config: ParallelConfig,
     overrides the recipe `dtype` implies (e.g. fp32 master params under autocast). `runtime`
     "tetrad" (the default: the trainer reports against it) counts tetrad's own eager runtime on
     every rank (tetrad.planner.eager); "megatron" Megatron's fused kernels, the published runs'
-    calibration. `parallel_config.stage_layers` cuts the pipeline, else the balanced partition
-    `tetrad train` runs without --stage-layers (tetrad.planner.rules.resolve_layout);
+    calibration. `parallel_config.stage_layers` cuts the pipeline, else (tetrad) the balanced
+    partition `tetrad train` runs without --stage-layers (tetrad.planner.rules.resolve_layout)
+    or (megatron) the even split;
     microbatches beyond `parallel_config.microbatches` repeat whole pipeline steps
     (--grad-accum)."""
-    return predict_run(resolve_layout(model_config, parallel_config, seq_len, runtime=False),
-                       micro_batch, num_microbatches, dtype, gpu, gpus_per_node, precision,
-                       flash_attention, runtime)
+    if runtime == "tetrad":
+        resolved = resolve_layout(model_config, parallel_config, seq_len, runtime=False)
+    else:  # Megatron splits the layers evenly
+        check_layout(model_config, parallel_config, seq_len, runtime=False)
+        resolved = ResolvedLayout(model_config, parallel_config, seq_len)
+    return predict_run(resolved, micro_batch, num_microbatches, dtype, gpu, gpus_per_node,
+                       precision, flash_attention, runtime)
 
 
 def predict_run(resolved: ResolvedLayout, micro_batch: int, num_microbatches: int | None = None,
