@@ -8,8 +8,8 @@
 // int4: torch's CPU packing of values 0..15 (uint8 [N, K / 2]) and per group of input columns
 // scales_and_offsets [K / group, N, 2]: w = (q - 8) * scale + offset. Per group the kernel
 // sums x * q and takes y += scale * (sum(x * q) - 8 sum(x)) + offset * sum(x), so only the
-// group's end touches the scales. With AVX2 a full block of torch's split packing is summed in integers
-// against int16-rounded activations (int4_split_rows_int16).
+// group's end touches the scales. With AVX2 a full block of torch's split packing is summed in
+// integers against int16-rounded activations (int4_split_rows_int16).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_convert_weight_to_int4pack_for_cpu.h>
@@ -358,7 +358,8 @@ at::Tensor quantized_rows(const at::Tensor& x, const at::Tensor& w, const at::Te
     const scalar_t* s = scales.data_ptr<scalar_t>();
     if (int8) {
       stream_matmul(xf.data(), M, w.data_ptr<int8_t>(), N, K, out);
-      for (const auto i : c10::irange(M * N)) out[i] *= to_float(s[i % N]);
+      for (int64_t m = 0; m < M; ++m)  // no division per output: this loop runs on one thread
+        for (int64_t n = 0; n < N; ++n) out[m * N + n] *= to_float(s[n]);
     } else {
       int4_matmul(layout, xf.data(), M, w.data_ptr<uint8_t>(), s, N, K, group, out);
     }
