@@ -8,10 +8,13 @@ _weight_int4pack_mm_for_cpu).
 
 A decode step reads ~120 MB of fp32 weights, more than the last-level cache, so each shape is
 timed over enough copies of its weight (>= 96 MB) that every call reads memory, not cache. GB/s
-is weight bytes read per second, the median of 7 repeats; "cpu" divides by the process's CPU
-seconds per thread (time.process_time / threads), which other engineers' load on a shared
-machine changes less than the wall clock; "wall" by the wall clock. The last column, linear_rows
-over the plain read in CPU GB/s, is the steadiest figure when the machine is busy.
+is weight bytes read per wall-clock second, the median of 7 repeats. Beside it, "busy" is the
+process's CPU seconds over the wall seconds (median of the repeats): how many threads really
+worked, 1.0 for one, up to the thread count when all did (spinning threads count as working).
+CPU seconds divided by the thread count are no rate: a kernel that ran on one of two threads
+(the kernels built without OpenMP did, before 7554db6) looked twice as fast per thread. On a
+shared machine compare runs taken back to back; the last column, linear_rows over the plain
+read, moves least with the load.
 
     .venv/bin/python benchmarks/cpu_stream_bandwidth.py [--threads 1 2] [--dtypes fp32 bf16 int8 int4]
         [--library OLD.so]
@@ -56,16 +59,17 @@ def torch_product(dtype: str, x: torch.Tensor, w: torch.Tensor, scales, k: int):
     return F.linear(x, w)
 
 
-def rate(step, nbytes: int, threads: int) -> tuple[float, float]:
-    """(GB/s per wall second, GB/s per CPU second per thread), medians of REPEATS."""
+def rate(step, nbytes: int) -> tuple[float, float]:
+    """(GB/s per wall second, CPU seconds per wall second), medians of REPEATS."""
     step()  # warm: page faults, the kernel's first-call setup
-    walls, cpus = [], []
+    rates, busy = [], []
     for _ in range(REPEATS):
         wall, cpu = time.perf_counter(), time.process_time()
         step()
-        walls.append(nbytes / (time.perf_counter() - wall) / 1e9)
-        cpus.append(nbytes / ((time.process_time() - cpu) / threads) / 1e9)
-    return statistics.median(walls), statistics.median(cpus)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        rates.append(nbytes / wall / 1e9)
+        busy.append(cpu / wall)
+    return statistics.median(rates), statistics.median(busy)
 
 
 def main() -> None:
@@ -81,7 +85,8 @@ def main() -> None:
     else:
         load_cpu_kernels()
     torch.manual_seed(0)
-    print(f"load average {os.getloadavg()[0]:.2f}; GB/s of weights read, wall / cpu", flush=True)
+    print(f"load average {os.getloadavg()[0]:.2f}; GB/s of weights read (wall clock), "
+          "threads busy", flush=True)
     for dtype in args.dtypes:
         for shape in args.shapes:
             n, k = SHAPES[shape]
@@ -98,14 +103,14 @@ def main() -> None:
             for threads in args.threads:
                 torch.set_num_threads(threads)
                 ours = rate(lambda: [torch.ops.tetrad.linear_rows(x, w, scales=s) for w, s in ws],
-                            nbytes, threads)
-                read = rate(lambda: [f.sum() for f in flat], nbytes, threads)
+                            nbytes)
+                read = rate(lambda: [f.sum() for f in flat], nbytes)
                 theirs = rate(lambda: [torch_product(dtype, x, w, s, k) for w, s in ws],
-                              nbytes, threads)
+                              nbytes)
                 print(f"{dtype:5s} {shape:8s} {n:5d}x{k:<5d} {threads}t  linear_rows "
-                      f"{ours[0]:5.1f} / {ours[1]:5.1f}   read {read[0]:5.1f} / {read[1]:5.1f}   "
-                      f"torch {theirs[0]:5.1f} / {theirs[1]:5.1f}   linear_rows / read (cpu) "
-                      f"{ours[1] / read[1]:.2f}", flush=True)
+                      f"{ours[0]:5.1f} GB/s busy {ours[1]:.2f}   read {read[0]:5.1f} busy "
+                      f"{read[1]:.2f}   torch {theirs[0]:5.1f} busy {theirs[1]:.2f}   "
+                      f"linear_rows / read {ours[0] / read[0]:.2f}", flush=True)
     print(f"load average {os.getloadavg()[0]:.2f}", flush=True)
 
 
