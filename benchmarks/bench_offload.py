@@ -131,6 +131,8 @@ def main() -> int:
     parser.add_argument("--modes", nargs="*", default=["params", "nvme"],
                         choices=("optimizer", "params", "nvme"))
     args = parser.parse_args()
+    if args.pairs < 2:
+        parser.error("--pairs: at least 2 (the cost's quartiles need two pairs)")
     folder = Path(tempfile.mkdtemp(prefix="tetrad-offload-bench-"))
     profile = args.profile or calibrated(folder / "profile.json")
     gpu = load_profile(profile)
