@@ -95,7 +95,10 @@ def rank(rank_index: int, world_size: int, modes: list[str], pairs: int, folder:
 
 def beside_steps(profile: Path, measured: dict):
     """The profile with the copy costs and the streaming bandwidth measured between the steps
-    (medians), and the same under the old rule (no copy costs)."""
+    (medians), and the same under the old rule (no copy costs). On a CPU the host's memory is the
+    device's (calibrate sets both bandwidths from one measurement): both take the new streaming
+    rate, or the optimizer, priced at the host's with the shards there and at the device's
+    without, would differ between the two steps of a pair by the two rates' gap."""
     from dataclasses import replace
 
     from tetrad.hardware.profile import load_profile
@@ -104,8 +107,9 @@ def beside_steps(profile: Path, measured: dict):
     latency = statistics.median(latency for latency, _ in measured["copies"])
     rate = statistics.median(rate for _, rate in measured["copies"])
     stream = statistics.median(measured["streams"])
-    beside = replace(gpu, host_memory_bandwidth=stream, efficiency=replace(
-        gpu.efficiency, host_copy_s=latency, host_copy_bandwidth=rate))
+    beside = replace(gpu, host_memory_bandwidth=stream, memory_bandwidth=stream,
+                     efficiency=replace(gpu.efficiency, host_copy_s=latency,
+                                        host_copy_bandwidth=rate))
     old_rule = replace(beside, efficiency=replace(beside.efficiency, host_copy_s=0.0,
                                                   host_copy_bandwidth=0.0))
     return beside, old_rule

@@ -97,3 +97,25 @@ def test_each_copy_costs_the_calibrated_fixed_cost_and_its_bytes_at_the_rate():
         sum(count * nbytes for count, nbytes in copies) / base.pcie_bandwidth)
     none, _ = _layout_and_precision("none")
     assert offload_copies(config, none, precision, 0) == []
+
+
+def test_the_copies_enter_the_step_as_calibrated_not_scaled_by_step_scale():
+    """step_scale is fitted on a calibration step that makes no offload copies, and calibrate times
+    the copies as a step makes them: a profile's step_scale stretches the rank's optimizer work
+    but leaves the copies' time as it is."""
+    from tetrad.hardware.catalog import Cluster
+    from tetrad.planner.eager_time import rank_time
+
+    config = resolve_model("tiny", MODEL)
+    layout, precision = _layout_and_precision("params")
+    base = gpu("rtx-4090")
+
+    def optimizer(step_scale: float) -> float:
+        profile = dataclasses.replace(base, efficiency=dataclasses.replace(
+            base.efficiency, host_copy_s=1e-3, host_copy_bandwidth=2e9, step_scale=step_scale))
+        return rank_time(config, Cluster(profile, 1, 1), layout, SEQ, precision, True,
+                         0).optimizer, offload_time(config, layout, precision, profile, 0)
+
+    (once, copies), (twice, _) = optimizer(1.0), optimizer(2.0)
+    assert copies > 0
+    assert twice - once == pytest.approx(once - copies)  # only the work outside the copies doubles

@@ -225,8 +225,10 @@ def rank_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, seq_le
     optimizer = (optimizer_time(gpu, elements, precision.grad_bytes, precision.param_bytes,
                                 precision.optimizer_state_bytes,
                                 layout.offload, gpu.host_memory_bandwidth, layout.offload_params)
-                 + offload_time(config, layout, precision, gpu, pp_rank)
                  + tensors * (profile.optimizer_tensor_s + 2 * profile.op_forward_s))
+    # Not scaled by step_scale: its calibration step makes no offload copies, and calibrate
+    # times them as a step makes them (inside a step they run at that rate: BENCHMARKS.md).
+    host_link = offload_time(config, layout, precision, gpu, pp_rank)
     ledger = pipeline_ranks(config, layout, seq_len, precision)[pp_rank].comm
     scale = profile.step_scale or 1.0
     # A call after compute also waits for its peers to be scheduled again when the ranks share
@@ -257,7 +259,8 @@ def rank_time(config: ModelConfig, cluster: Cluster, layout: TrainLayout, seq_le
         communication_cpu = issued * (profile.call_cpu_s(world) + profile.call_compute_s) + sum(
             count * comm.call_time(cluster, kind, size, nbytes) * min(1.0, cores / size)
             for (kind, size, nbytes), count in ledger.calls.items())
-    return RankTime(forward * scale, backward * scale, matmul * scale, optimizer * scale,
+    return RankTime(forward * scale, backward * scale, matmul * scale,
+                    optimizer * scale + host_link,
                     comm.ledger_time(cluster, ledger) + calls * wait + queued * back_to_back
                     - hidden, issued * profile.call_compute_s, communication_cpu)
 

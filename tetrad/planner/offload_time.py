@@ -6,10 +6,12 @@ once more), and reduced once.
 
 The host link, where `tetrad calibrate` timed the offload's own copies (host_copy_s,
 host_copy_bandwidth: each into a staging buffer allocated once, tetrad.parallel.offload's
-ShardStaging; a fixed cost per copy and a rate): those, copy by copy. Otherwise a GPU's PCIe per direction, or on a CPU (concurrent_ranks set) a copy within
-memory reading and writing every byte at the streaming bandwidth. NVMe offload's shard files are read through the page cache like
-host memory; the writes back to the device under it are not priced (no profile measures a
-disk)."""
+ShardStaging; a fixed cost per copy and a rate): those, copy by copy, as measured (a step makes
+them at that rate; the profile's step_scale, fitted on a step without them, leaves them alone).
+Otherwise a GPU's PCIe per direction, or on a CPU (concurrent_ranks set) a copy within memory
+reading and writing every byte at the streaming bandwidth. NVMe offload's shard files are read
+through the page cache like host memory; the writes back to the device under it are not priced
+(no profile measures a disk)."""
 
 from __future__ import annotations
 
