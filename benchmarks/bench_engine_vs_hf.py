@@ -107,21 +107,19 @@ def decode_step_counts(model, hf, args) -> dict:
         llm.add_request(prompt, greedy)
     llm.step()  # the prompts' prefill
     llm.step()  # a first decode step: warm
-    contexts, prepare = [], llm.runner.prepare
-
+    plans, execute = [], llm._execute
     rows_read = torch.zeros(1, dtype=torch.long)
+    llm.runner.fused.rows_read = rows_read  # the CPU kernel counts the rows it reads
 
     def recording(plan):
-        prepared = prepare(plan)
-        prepared[2].attention.rows_read = rows_read  # the CPU kernel counts the rows it reads
-        contexts.append(prepared[2].attention.step)
-        return prepared
+        plans.append(plan)
+        return execute(plan)
 
-    llm.runner.prepare = recording
+    llm._execute = recording
     with counting() as ours:
         llm.step()
-    context = contexts[-1]
-    assert context.all_decodes, "the measured step must be a pure decode step"
+    plan = plans[-1]
+    assert max(plan.num_tokens) == 1, "the measured step must be a pure decode step"
     ids = torch.tensor([prompt[:40] for prompt in prompts])  # equal lengths: no padding
     with torch.inference_mode():
         cache = DynamicCache()
@@ -135,11 +133,14 @@ def decode_step_counts(model, hf, args) -> dict:
             hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
                         min_new_tokens=16, do_sample=False)
     # Bytes attention reads over the K+V bytes of the contexts, from the step's tables.
-    size = llm.runner.block_size
-    context_tokens = int((context.query_positions[:, 0] + 1).sum())
-    gathered = 2 * context.tables.numel() * size  # the copy, then SDPA reading it
-    num_blocks = (context.query_positions[:, 0] // size + 1)
-    mask = paged_block_mask(context.tables, num_blocks, context.query_positions,
+    size, width = llm.runner.block_size, max(map(len, plan.tables))
+    tables = torch.tensor([table + [llm.runner.kv_cache.pad_block] * (width - len(table))
+                           for table in plan.tables])
+    query_positions = torch.tensor(plan.starts)[:, None]
+    context_tokens = sum(start + 1 for start in plan.starts)
+    gathered = 2 * tables.numel() * size  # the copy, then SDPA reading it
+    num_blocks = query_positions[:, 0] // size + 1
+    mask = paged_block_mask(tables, num_blocks, query_positions,
                             llm.runner.kv_cache.pool.shape[2], size)
     visited = int(mask.kv_num_blocks.sum()) * size
     # The kernel's count covers every layer and KV head, K and V: per layer, one row per token.

@@ -1,15 +1,16 @@
 """Where one request's CPU decode step goes: the whole `LLM.step()`, the fused step inside it
-(tetrad/inference/worker/cpu_decode.py), its per-layer `decode_layer` calls and the output head's
-`linear_rows`, in ms per step, on cpu_vs_llamacpp.py's 32m Llama (random weights, 8k vocabulary).
+(tetrad/inference/worker/cpu_decode.py) and its one `decode_model` call (embedding, rotary angles,
+every layer, final norm and output head in C++), in ms per step, on cpu_vs_llamacpp.py's 32m
+Llama (random weights, 8k vocabulary).
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/cpu_decode_breakdown.py [--dtypes fp32 bf16 int8 int4]
         [--steps 200] [--threads 2] [--folder DIR]
 
 One request, a 32-token prompt, then --steps greedy decode steps timed one after another (wall
-clock; "cpu / wall" says how many threads worked). The fused step's ops are timed by wrapping
-torch.ops.tetrad as cpu_decode.py sees it: the time of the step outside the layers and the head
-is the embedding, rotary angles and final norm; outside the fused step, the runner, sampler and
-scheduler. Each dtype runs in a process of its own (--dtype, what the parent runs).
+clock; "cpu / wall" says how many threads worked). The op is timed by wrapping torch.ops.tetrad
+as cpu_decode.py sees it: the fused step's time outside it is the step's tensors built from its
+plan; outside the fused step, the runner, sampler and scheduler. Each dtype runs in a process of
+its own (--dtype, what the parent runs).
 """
 
 from __future__ import annotations
@@ -29,23 +30,33 @@ SETTINGS = {"fp32": dict(dtype="fp32"), "bf16": dict(dtype="bf16"),
 
 
 class _TimedOps:
-    """torch.ops.tetrad with decode_layer and linear_rows timed into `totals`."""
+    """torch.ops.tetrad with decode_model timed into `totals`."""
 
     def __init__(self, ops, totals: dict[str, float]):
         self._ops, self._totals = ops, totals
 
     def __getattr__(self, name):
         op = getattr(self._ops, name)
-        key = {"decode_layer": "layers", "linear_rows": "head"}.get(name)
-        if key is None:
+        if name != "decode_model":
             return op
 
         def timed(*args, **kwargs):
             started = time.perf_counter()
             result = op(*args, **kwargs)
-            self._totals[key] += time.perf_counter() - started
+            self._totals["model"] += time.perf_counter() - started
             return result
         return timed
+
+
+class _TimedTorch:
+    """The torch module, its torch.ops.tetrad timed (_TimedOps)."""
+
+    def __init__(self, torch, totals: dict[str, float]):
+        self._torch = torch
+        self.ops = type("Ops", (), {"tetrad": _TimedOps(torch.ops.tetrad, totals)})()
+
+    def __getattr__(self, name):
+        return getattr(self._torch, name)
 
 
 def measure(folder: str, dtype: str, steps: int, threads: int) -> str:
@@ -62,7 +73,7 @@ def measure(folder: str, dtype: str, steps: int, threads: int) -> str:
     context = 32 + steps + 8
     llm = LLM(folder, Tokens(VOCAB), log=None, max_num_seqs=1, max_model_len=context,
               kv_memory=context * 8 * 2 * 512 * 4, **SETTINGS[dtype])
-    totals = {"fused": 0.0, "layers": 0.0, "head": 0.0}
+    totals = {"fused": 0.0, "model": 0.0}
     run = cpu_decode.FusedCpuDecode.run
 
     def timed_run(self, *args):
@@ -72,9 +83,7 @@ def measure(folder: str, dtype: str, steps: int, threads: int) -> str:
         return result
 
     cpu_decode.FusedCpuDecode.run = timed_run
-    namespace = type("TimedTorch", (), {"ops": type("Ops", (), {
-        "tetrad": _TimedOps(torch.ops.tetrad, totals)})()})
-    cpu_decode.torch = namespace  # cpu_decode reads torch.ops.tetrad through its module global
+    cpu_decode.torch = _TimedTorch(torch, totals)  # cpu_decode reads torch through its global
     llm.add_request([(7 * i + 3) % VOCAB for i in range(32)],
                     SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True))
     llm.step()  # the prefill
@@ -87,7 +96,7 @@ def measure(folder: str, dtype: str, steps: int, threads: int) -> str:
     wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     per = {key: 1e3 * value / count for key, value in totals.items()}
     return (f"| {dtype} | {1e3 * wall / count:.2f} | {cpu / wall:.2f} | {per['fused']:.2f} | "
-            f"{per['layers']:.2f} | {per['head']:.2f} | {count / wall:.1f} |")
+            f"{per['model']:.2f} | {count / wall:.1f} |")
 
 
 def main() -> None:
@@ -109,9 +118,8 @@ def main() -> None:
             export(argparse.Namespace(shape="32m", convert=None), Path(folder))
         print(f"32m Llama, one request, {args.steps} decode steps, {args.threads} threads; "
               f"load average {os.getloadavg()[0]:.1f}")
-        print("| dtype | ms per step | cpu / wall | fused step ms | decode_layer ms (all layers) "
-              "| head ms | tokens/s |")
-        print("|---|---:|---:|---:|---:|---:|---:|")
+        print("| dtype | ms per step | cpu / wall | fused step ms | decode_model ms | tokens/s |")
+        print("|---|---:|---:|---:|---:|---:|")
         for dtype in args.dtypes:
             result = subprocess.run(
                 [sys.executable, __file__, "--dtype", dtype, "--folder", folder, "--steps",

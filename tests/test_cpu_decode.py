@@ -33,9 +33,9 @@ def counted_engine(model, monkeypatch, **config):
     """The engine and a list that gains one entry per fused step it runs."""
     calls, run = [], FusedCpuDecode.run
 
-    def counting(self, *args):
-        calls.append(len(args[0]))
-        return run(self, *args)
+    def counting(self, plan):
+        calls.append(len(plan.starts))
+        return run(self, plan)
 
     monkeypatch.setattr(FusedCpuDecode, "run", counting)
     return LLM(model, ByteTokenizer(), log=None, block_size=4, **config), calls

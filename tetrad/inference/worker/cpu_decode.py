@@ -1,23 +1,21 @@
-"""A CPU decode step with one C++ op per layer (decode_step.cpp), in place of the model's forward,
-when every scheduled sequence computes one token: on a CPU what CUDA graphs are on a GPU.
+"""A CPU decode step as one C++ op (decode_step.cpp), in place of the model's forward, when every
+scheduled sequence computes one token: on a CPU what CUDA graphs are on a GPU.
 
 The eager forward of a Llama-family layer at one token is ~30 torch ops (norms, views, rotary,
 SiLU, residual adds) around four matmuls; each costs a dispatch and an allocation, and the
 bf16 matmuls at one row read their weights several times slower than memory allows. The fused
-layer does the same arithmetic in one call, streaming each weight once (fp32 accumulation) and
-rounding to the model's dtype where the eager ops do. `--quantization int8|int4` projections are
-streamed from the very tensors their layers hold (quant_rows.cpp reads torch's packed layouts),
-dequantized in registers. Prefill, mixed steps and every model this does not cover (below) run
-the model's own forward.
+step does the same arithmetic in one call, from the embedding to the logits, streaming each
+weight once (fp32 accumulation) and rounding to the model's dtype where the eager ops do.
+`--quantization int8|int4` projections are streamed from the very tensors their layers hold
+(quant_rows.cpp reads torch's packed layouts), dequantized in registers. Prefill, mixed steps
+and every model this does not cover (below) run the model's own forward.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
-from tetrad.inference.worker.attention.base import StepContext
 from tetrad.inference.worker.cpu_kernels import load_cpu_kernels
 from tetrad.models.quant import Int4Linear, Int8Linear
 
@@ -54,6 +52,8 @@ def fused_decode_refusal(model: nn.Module, pool_dtype: torch.dtype) -> str | Non
     dtype = model.embed.weight.dtype
     if dtype not in (torch.float32, torch.bfloat16, torch.float16) or pool_dtype != dtype:
         return "a KV pool or weights of another dtype"
+    if model.norm.weight.dtype != dtype:
+        return "a final norm of another dtype"
     for block in model.layers:
         linears = (block.attn.qkv, block.attn.out, block.mlp.up, block.mlp.down)
         norms = (block.attn_norm.weight, block.mlp_norm.weight)
@@ -66,45 +66,53 @@ def fused_decode_refusal(model: nn.Module, pool_dtype: torch.dtype) -> str | Non
 
 
 class FusedCpuDecode:
-    """The decode step of `model` as one decode_layer op per layer over `kv_cache`."""
+    """The decode step of `model` as one decode_model op over `kv_cache`, built straight from the
+    step's plan (runner.StepPlan) as CUDA graphs replay theirs: nothing of the eager step's
+    preparation (per-backend tables, its context) runs."""
 
-    def __init__(self, model: nn.Module, kv_cache):
+    def __init__(self, model: nn.Module, kv_cache, block_size: int):
         load_cpu_kernels()
-        self.model, self.kv_cache = model, kv_cache
+        self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
         config = model.config
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        self.eps = config.norm_eps
         dtype = model.embed.weight.dtype
-        self.layers = []
+        self.weights, self.scales = [], []
         for block in model.layers:
-            (qkv, qkv_scales), (out, out_scales), (up, up_scales), (down, down_scales) = (
-                streamed_weight(linear, dtype)
-                for linear in (block.attn.qkv, block.attn.out, block.mlp.up, block.mlp.down))
-            self.layers.append((
-                (block.attn_norm.weight, qkv, out, block.mlp_norm.weight, up, down),
-                dict(qkv_scales=qkv_scales, out_scales=out_scales, up_scales=up_scales,
-                     down_scales=down_scales)))
+            streamed = [streamed_weight(linear, dtype)
+                        for linear in (block.attn.qkv, block.attn.out, block.mlp.up, block.mlp.down)]
+            (qkv, _), (out, _), (up, _), (down, _) = streamed
+            self.weights += [block.attn_norm.weight, qkv, out, block.mlp_norm.weight, up, down]
+            self.scales += [scales for _, scales in streamed]
+        self.k_caches, self.v_caches = zip(*(kv_cache.layer(index)
+                                             for index in range(len(model.layers))))
         self.head_weight, self.head_scales = (
             (model.embed.weight, None) if model.lm_head is None
             else streamed_weight(model.lm_head, dtype))
+        self.constants = dict(eps=config.norm_eps, num_heads=config.num_heads,
+                              num_kv_heads=config.num_kv_heads)
+        # The K and V rows the attention reads (int64 [1]) when set: what benchmarks count.
+        self.rows_read: torch.Tensor | None = None
 
     @staticmethod
-    def fits(context: StepContext) -> bool:
-        """Every sequence of the step computes one token, through the CPU kernel's tables."""
-        return (context.attention.step.all_decodes
-                and getattr(context.attention, "decode_lens", None) is not None)
+    def fits(plan) -> bool:
+        """Every sequence of the step computes one token and samples from it."""
+        return max(plan.num_tokens) == 1 and all(plan.samples)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: StepContext
-            ) -> torch.Tensor:
-        """input_ids, positions [seqs] -> logits [rows with samples, vocab], as the forward."""
-        attention = context.attention
-        x = F.embedding(input_ids, self.model.embed.weight)  # [seqs, hidden]
-        cos, sin = self.model.rotary(positions)  # [seqs, head_dim] each, fp32
-        for index, (weights, scales) in enumerate(self.layers):
-            k_cache, v_cache = self.kv_cache.layer(index)
-            x = torch.ops.tetrad.decode_layer(
-                x, *weights, self.eps, cos, sin, self.num_heads, self.num_kv_heads, k_cache,
-                v_cache, attention.decode_tables, attention.decode_lens, attention.step.slots,
-                attention.rows_read, **scales)
-        x = self.model.norm(x[context.logits_indices])
-        return torch.ops.tetrad.linear_rows(x, self.head_weight, scales=self.head_scales)
+    def run(self, plan) -> torch.Tensor:
+        """The step's logits [sequences, vocab], in plan order, as the forward gives them."""
+        size, seqs = self.block_size, len(plan.starts)
+        width = max(map(len, plan.tables))
+        slots = [table[start // size] * size + start % size
+                 for start, table in zip(plan.starts, plan.tables)]
+        pad = [self.kv_cache.pad_block]
+        tables = [block for table in plan.tables for block in table + pad * (width - len(table))]
+        lens = [start + 1 for start in plan.starts]
+        ids, positions, lens, slots, tables = torch.tensor(
+            plan.token_ids + plan.starts + lens + slots + tables).split(
+            [seqs, seqs, seqs, seqs, seqs * width])
+        model = self.model
+        return torch.ops.tetrad.decode_model(
+            ids, positions, model.embed.weight, model.rotary.inv_freq,
+            model.rotary.attention_factor, self.weights, self.scales, self.k_caches,
+            self.v_caches, tables=tables.view(seqs, width), context_lens=lens,
+            slots=slots, norm_w=model.norm.weight, head_w=self.head_weight,
+            head_scales=self.head_scales, rows_read=self.rows_read, **self.constants)

@@ -1,11 +1,12 @@
-// A CPU decode step of a Llama-family layer as one op (torch.ops.tetrad.decode_layer), and the
+// A CPU decode step of a Llama-family model as one op (torch.ops.tetrad.decode_model), and the
 // weight-streaming matmul it is built on (torch.ops.tetrad.linear_rows).
 //
 // Why: at one token per sequence a layer is ~30 small torch ops, each a dispatch and an
 // allocation, around four matmuls that only stream their weights; and torch's bf16 matmul at one
-// row reads its weights at a fraction of the memory's speed. Here a layer is one call: RMSNorm,
-// QKV, rotary, the paged attention (paged_decode.cpp), the output projection and residual,
-// RMSNorm, gate/up, SiLU * up, down and residual. The elementwise steps round to the model's
+// row reads its weights at a fraction of the memory's speed. Here a step is one call: the
+// embedding rows and rotary angles; per layer RMSNorm, QKV, rotary, the paged attention
+// (paged_decode.cpp), the output projection and residual, RMSNorm, gate/up, SiLU * up, down and
+// residual; the final RMSNorm and the output head. The elementwise steps round to the model's
 // dtype where torch's eager ops would (a norm's fp32 result cast, then times its weight; SiLU,
 // then the product), so the step follows the eager forward's numerics. Projections may be
 // int8 or int4 (quant_rows.cpp), read in the layouts tetrad.models.quant holds them in.
@@ -14,11 +15,13 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/index_select.h>
 #include <ATen/ops/linear.h>
 #include <torch/library.h>
 
 #include <atomic>
 #include <cmath>
+#include <utility>
 
 #include "stream_rows.h"
 
@@ -164,6 +167,70 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& attn_norm_w, cons
   return residual;
 }
 
+// cos and sin [tokens, head_dim] fp32 of RotaryEmbedding at `positions`: each angle position *
+// inv_freq in fp32 as torch multiplies it, its cosine and sine taken in double and rounded once
+// (torch's own are within an ulp of that), times rope scaling's attention factor.
+std::pair<at::Tensor, at::Tensor> rotary_rows(const at::Tensor& positions,
+                                              const at::Tensor& inv_freq, double factor) {
+  TORCH_CHECK(positions.scalar_type() == at::kLong && inv_freq.scalar_type() == at::kFloat,
+              "decode_model: int64 positions and fp32 inverse frequencies");
+  const auto freqs = inv_freq.contiguous();
+  const auto pos = positions.contiguous();
+  const int64_t tokens = pos.numel(), half = freqs.numel(), head_dim = 2 * half;
+  auto cos = at::empty({tokens, head_dim}, freqs.options());
+  auto sin = at::empty({tokens, head_dim}, freqs.options());
+  const int64_t* p = pos.data_ptr<int64_t>();
+  const float* f = freqs.data_ptr<float>();
+  float* c = cos.data_ptr<float>();
+  float* s = sin.data_ptr<float>();
+  for (const auto t : c10::irange(tokens))
+    for (const auto d : c10::irange(half)) {
+      const double angle = static_cast<float>(p[t]) * f[d];
+      c[t * head_dim + d] = c[t * head_dim + half + d] =
+          static_cast<float>(std::cos(angle)) * static_cast<float>(factor);
+      s[t * head_dim + d] = s[t * head_dim + half + d] =
+          static_cast<float>(std::sin(angle)) * static_cast<float>(factor);
+    }
+  return {cos, sin};
+}
+
+// A whole decode step, one token per sequence: the embedding rows of `ids`, every layer
+// (decode_layer, six weights and four optional scales each, in its order; the rotary angles of
+// `positions`), the final RMSNorm and the output head -> logits [tokens, vocab]. One call from
+// Python per step, where the step was an embedding, rotary angles, a norm and a call per layer
+// and for the head (~100 us of small torch ops per step on a 2-core EPYC).
+at::Tensor decode_model(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& embed,
+                        const at::Tensor& inv_freq, double rotary_factor,
+                        at::TensorList layer_weights,
+                        const c10::List<std::optional<at::Tensor>>& layer_scales,
+                        at::TensorList k_caches, at::TensorList v_caches, double eps,
+                        int64_t num_heads, int64_t num_kv_heads, const at::Tensor& tables,
+                        const at::Tensor& context_lens, const at::Tensor& slots,
+                        const at::Tensor& norm_w, const at::Tensor& head_w,
+                        const std::optional<at::Tensor>& head_scales,
+                        const std::optional<at::Tensor>& rows_read) {
+  const int64_t layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(v_caches.size()) == layers &&
+                  static_cast<int64_t>(layer_weights.size()) == 6 * layers &&
+                  static_cast<int64_t>(layer_scales.size()) == 4 * layers,
+              "decode_model: six weights, four scales and a K and V cache per layer");
+  auto x = embed.index_select(0, ids);
+  const auto [cos, sin] = rotary_rows(positions, inv_freq, rotary_factor);
+  for (const auto l : c10::irange(layers)) {
+    const at::Tensor* w = layer_weights.data() + 6 * l;
+    x = decode_layer(x, w[0], w[1], w[2], w[3], w[4], w[5], eps, cos, sin, num_heads,
+                     num_kv_heads, k_caches[l], v_caches[l], tables, context_lens, slots,
+                     rows_read, layer_scales.get(4 * l), layer_scales.get(4 * l + 1),
+                     layer_scales.get(4 * l + 2), layer_scales.get(4 * l + 3));
+  }
+  auto normed = at::empty_like(x);
+  TETRAD_DISPATCH(x.scalar_type(), "decode_model", [&] {
+    rms_norm_rows(x.data_ptr<scalar_t>(), norm_w.data_ptr<scalar_t>(), x.size(0), x.size(1), eps,
+                  normed.data_ptr<scalar_t>());
+  });
+  return linear_rows(normed, head_w, std::nullopt, head_scales);
+}
+
 // How many of torch's threads at::parallel_for hands `items` chunks of work to in this library:
 // at::parallel_for is a header template, so it runs in parallel only where the library itself is
 // built with OpenMP (-fopenmp), not merely linked against torch's.
@@ -180,16 +247,16 @@ int64_t parallel_threads(int64_t items) {
 TORCH_LIBRARY_FRAGMENT(tetrad, m) {
   m.def("parallel_threads(int items) -> int");
   m.def("linear_rows(Tensor x, Tensor w, Tensor? bias=None, Tensor? scales=None) -> Tensor");
-  m.def("decode_layer(Tensor x, Tensor attn_norm_w, Tensor qkv_w, Tensor out_w, "
-        "Tensor mlp_norm_w, Tensor up_w, Tensor down_w, float eps, Tensor cos, Tensor sin, "
-        "int num_heads, int num_kv_heads, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor tables, "
-        "Tensor context_lens, Tensor slots, Tensor(c!)? rows_read=None, Tensor? qkv_scales=None, "
-        "Tensor? out_scales=None, Tensor? up_scales=None, Tensor? down_scales=None) -> Tensor");
+  m.def("decode_model(Tensor ids, Tensor positions, Tensor embed, Tensor inv_freq, "
+        "float rotary_factor, Tensor[] layer_weights, Tensor?[] layer_scales, "
+        "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, float eps, int num_heads, "
+        "int num_kv_heads, Tensor tables, Tensor context_lens, Tensor slots, Tensor norm_w, "
+        "Tensor head_w, Tensor? head_scales=None, Tensor(c!)? rows_read=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tetrad, CPU, m) {
   m.impl("linear_rows", linear_rows);
-  m.impl("decode_layer", decode_layer);
+  m.impl("decode_model", decode_model);
 }
 
 TORCH_LIBRARY_IMPL(tetrad, CompositeExplicitAutograd, m) {

@@ -138,7 +138,7 @@ class ModelRunner:
         # The forward, compiled on request (the model object stays the plain module).
         self.forward = torch.compile(model, dynamic=True) if compile else model
         self.graphs = None  # DecodeGraphs, when captured (cuda_graphs.py)
-        self.fused: FusedCpuDecode | None = None  # a CPU's one-op-per-layer decode step
+        self.fused: FusedCpuDecode | None = None  # a CPU's one-op decode step
 
     def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, StepContext]:
         """(input ids [tokens], positions [tokens], the step's context) for the forward pass."""
@@ -189,9 +189,9 @@ class ModelRunner:
         self.kv_cache.swap_in(plan.swap_in)
         if self.graphs is not None and self.graphs.fits(plan):
             return self.graphs.run(plan)
+        if self.fused is not None and self.fused.fits(plan):
+            return self.fused.run(plan)
         input_ids, positions, context = self.prepare(plan)
-        if self.fused is not None and self.fused.fits(context):
-            return self.fused.run(input_ids, positions, context)
         return self.forward(input_ids.unsqueeze(0), positions, cache=context)[0]
 
 
@@ -239,5 +239,5 @@ def load_runner(model: nn.Module, config: "EngineConfig", max_model_len: int,
     if (device.type == "cpu" and not config.enforce_eager and not config.compile
             and ranks is None and runner.backend == "cpu"
             and fused_decode_refusal(runner.model, runner.kv_cache.pool.dtype) is None):
-        runner.fused = FusedCpuDecode(runner.model, runner.kv_cache)
+        runner.fused = FusedCpuDecode(runner.model, runner.kv_cache, plan.block_size)
     return runner, plan
