@@ -23,10 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-VOCAB = 8192
-SETTINGS = {"fp32": dict(dtype="fp32"), "bf16": dict(dtype="bf16"),
-            "int8": dict(dtype="bf16", quantization="int8"),
-            "int4": dict(dtype="bf16", quantization="int4")}
+from cpu_vs_llamacpp_sides import TETRAD_SETTINGS, _tetrad_engine, prompt_ids
+
+PROMPT = 32
 
 
 class _TimedOps:
@@ -62,17 +61,12 @@ class _TimedTorch:
 def measure(folder: str, dtype: str, steps: int, threads: int) -> str:
     import torch
 
-    torch.set_num_threads(threads)
-    sys.path.insert(0, str(Path(__file__).parent))
-    from token_ids import Tokens
-
     from tetrad.inference.core.params import SamplingParams
-    from tetrad.inference.engine import LLM
     from tetrad.inference.worker import cpu_decode
 
-    context = 32 + steps + 8
-    llm = LLM(folder, Tokens(VOCAB), log=None, max_num_seqs=1, max_model_len=context,
-              kv_memory=context * 8 * 2 * 512 * 4, **SETTINGS[dtype])
+    llm = _tetrad_engine(argparse.Namespace(folder=folder, dtype=dtype, threads=threads,
+                                            eager=False, requests=1, prompt=PROMPT,
+                                            tokens=steps + 2))
     totals = {"fused": 0.0, "model": 0.0}
     run = cpu_decode.FusedCpuDecode.run
 
@@ -84,8 +78,8 @@ def measure(folder: str, dtype: str, steps: int, threads: int) -> str:
 
     cpu_decode.FusedCpuDecode.run = timed_run
     cpu_decode.torch = _TimedTorch(torch, totals)  # cpu_decode reads torch through its global
-    llm.add_request([(7 * i + 3) % VOCAB for i in range(32)],
-                    SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True))
+    greedy = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+    llm.add_request(prompt_ids(PROMPT), greedy)
     llm.step()  # the prefill
     llm.step()
     totals.update(dict.fromkeys(totals, 0.0))
@@ -101,11 +95,12 @@ def measure(folder: str, dtype: str, steps: int, threads: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtypes", nargs="+", default=list(SETTINGS), choices=tuple(SETTINGS))
+    parser.add_argument("--dtypes", nargs="+", default=list(TETRAD_SETTINGS),
+                        choices=tuple(TETRAD_SETTINGS))
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--folder", help="the 32m model's HF folder (else exported here)")
-    parser.add_argument("--dtype", choices=tuple(SETTINGS), help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", choices=tuple(TETRAD_SETTINGS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.dtype:
         print(measure(args.folder, args.dtype, args.steps, args.threads))
@@ -113,7 +108,6 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         folder = args.folder or scratch
         if not (Path(folder) / "config.json").exists():
-            sys.path.insert(0, str(Path(__file__).parent))
             from cpu_vs_llamacpp import export
             export(argparse.Namespace(shape="32m", convert=None), Path(folder))
         print(f"32m Llama, one request, {args.steps} decode steps, {args.threads} threads; "
