@@ -27,7 +27,8 @@ import torch
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("paged_decode.cpp", "decode_step.cpp", "quant_rows.cpp"))
-HEADERS = (Path(__file__).with_name("stream_rows.h"),)  # in the cache key, not on the command
+HEADERS = tuple(Path(__file__).with_name(name)  # in the cache key, not on the command
+                for name in ("stream_rows.h", "attend_rows.h"))
 # -march=native: the library is built on the machine that runs it (the cache is per machine);
 # -ffast-math lets the compiler vectorize exp and the dot products (the kernel keeps no inf);
 # -fopenmp: at::parallel_for is a header template that splits work over torch's threads only in

@@ -5,34 +5,31 @@
 // allocation, around four matmuls that only stream their weights; and torch's bf16 matmul at one
 // row reads its weights at a fraction of the memory's speed. Here a step is one call: the
 // embedding rows and rotary angles; per layer RMSNorm, QKV, rotary, the paged attention
-// (paged_decode.cpp), the output projection and residual, RMSNorm, gate/up, SiLU * up, down and
+// (attend_rows.h), the output projection and residual, RMSNorm, gate/up, SiLU * up, down and
 // residual; the final RMSNorm and the output head. The elementwise steps round to the model's
 // dtype where torch's eager ops would (a norm's fp32 result cast, then times its weight; SiLU,
 // then the product), so the step follows the eager forward's numerics. Projections may be
 // int8 or int4 (quant_rows.cpp), read in the layouts tetrad.models.quant holds them in.
 // Built with paged_decode.cpp and quant_rows.cpp into one library by cpu_kernels.py.
+// Inside the step no tensor is made per layer: the layers work in the step's own buffers.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/index_select.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/linear.h>
 #include <torch/library.h>
 
 #include <atomic>
 #include <cmath>
-#include <utility>
 
+#include "attend_rows.h"
 #include "stream_rows.h"
 
 namespace tetrad {
-at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& tables, const at::Tensor& context_lens, double scale,
-                        const std::optional<at::Tensor>& new_k,
-                        const std::optional<at::Tensor>& new_v,
-                        const std::optional<at::Tensor>& slots,
-                        const std::optional<at::Tensor>& rows_read);
 at::Tensor quantized_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales);
+void check_quantized(int64_t K, const at::Tensor& w, const at::Tensor& scales);
+bool quantized_rows_into(const float* x, int64_t M, int64_t K, const at::Tensor& w,
+                         const at::Tensor& scales, float* out);
 }
 
 namespace {
@@ -91,114 +88,157 @@ void rotate(T* head, const float* cos, const float* sin, int64_t head_dim) {
   }
 }
 
-// One decoder layer for `T` decode tokens (one per sequence): x [T, hidden] -> [T, hidden].
-// qkv_w [(heads + 2 kv_heads) * head_dim, hidden], out_w [hidden, heads * head_dim],
-// up_w [2 ffn, hidden] (gate rows first), down_w [hidden, ffn]; cos, sin [T, head_dim] fp32;
-// the cache arguments are paged_decode's (the new K/V written at `slots`). A projection with
-// scales is quantized (linear_rows), its weight int8 [N, K] or torch's packed int4 [N, K / 2].
-at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& attn_norm_w, const at::Tensor& qkv_w,
-                        const at::Tensor& out_w, const at::Tensor& mlp_norm_w,
-                        const at::Tensor& up_w, const at::Tensor& down_w, double eps,
-                        const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
-                        int64_t num_kv_heads, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& tables, const at::Tensor& context_lens,
-                        const at::Tensor& slots, const std::optional<at::Tensor>& rows_read,
-                        const std::optional<at::Tensor>& qkv_scales,
-                        const std::optional<at::Tensor>& out_scales,
-                        const std::optional<at::Tensor>& up_scales,
-                        const std::optional<at::Tensor>& down_scales) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decode_layer: x [tokens, hidden]");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(),
-              "decode_layer: fp32 cos and sin [tokens, head_dim]");
-  const int64_t tokens = x.size(0), hidden = x.size(1);
-  const int64_t head_dim = cos.size(1), q_size = num_heads * head_dim;
-  const int64_t kv_size = num_kv_heads * head_dim, ffn = up_w.size(0) / 2;
-  TORCH_CHECK(qkv_w.size(0) == q_size + 2 * kv_size && up_w.size(0) % 2 == 0,
-              "decode_layer: projection shapes");
-  auto h = at::empty_like(x);
-  at::Tensor residual;
-  TETRAD_DISPATCH(x.scalar_type(), "decode_layer", [&] {
-    using T = scalar_t;
-    auto norm = [&](const at::Tensor& from, const at::Tensor& weight) {
-      rms_norm_rows(from.data_ptr<T>(), weight.data_ptr<T>(), tokens, hidden, eps,
-                    h.data_ptr<T>());
-    };
-    auto add_into = [&](at::Tensor& into, const at::Tensor& delta) {  // x + f(x), in the dtype
-      T* dst = into.data_ptr<T>();
-      const T* src = delta.data_ptr<T>();
-      for (const auto i : c10::irange(into.numel()))
-        dst[i] = static_cast<T>(to_float(dst[i]) + to_float(src[i]));
-    };
-    norm(x, attn_norm_w);
-    auto qkv = linear_rows(h, qkv_w, std::nullopt, qkv_scales);  // [tokens, q + 2 kv]
-    T* qkv_data = qkv.data_ptr<T>();
-    const int64_t row = q_size + 2 * kv_size;
-    for (const auto t : c10::irange(tokens)) {
-      const float* c = cos.data_ptr<float>() + t * head_dim;
-      const float* s = sin.data_ptr<float>() + t * head_dim;
-      for (const auto head : c10::irange(num_heads + num_kv_heads))
-        rotate(qkv_data + t * row + head * head_dim, c, s, head_dim);
-    }
-    // Views in the model's layouts: q [1, heads, tokens, dim], k and v [1, kv_heads, tokens, dim].
-    auto q = qkv.narrow(1, 0, q_size).view({1, tokens, num_heads, head_dim}).transpose(1, 2);
-    auto k = qkv.narrow(1, q_size, kv_size).unsqueeze(0).unflatten(2, {num_kv_heads, head_dim})
-                 .transpose(1, 2);
-    auto v = qkv.narrow(1, q_size + kv_size, kv_size).unsqueeze(0)
-                 .unflatten(2, {num_kv_heads, head_dim}).transpose(1, 2);
-    auto attended = tetrad::paged_decode(q, k_cache, v_cache, tables, context_lens,
-                                         1.0 / std::sqrt(static_cast<double>(head_dim)), k, v,
-                                         slots, rows_read);  // [1, heads, tokens, dim]
-    residual = x.clone();
-    add_into(residual, linear_rows(attended.transpose(1, 2).reshape({tokens, q_size}), out_w,
-                                   std::nullopt, out_scales));
-    norm(residual, mlp_norm_w);
-    auto gate_up = linear_rows(h, up_w, std::nullopt, up_scales);  // [tokens, 2 ffn]
-    auto act = at::empty({tokens, ffn}, x.options());
-    const T* gu = gate_up.data_ptr<T>();
-    T* a = act.data_ptr<T>();
-    for (const auto t : c10::irange(tokens))
-      for (const auto f : c10::irange(ffn)) {
-        const float g = to_float(gu[t * 2 * ffn + f]);
-        const T silu = static_cast<T>(g / (1.f + std::exp(-g)));
-        a[t * ffn + f] = static_cast<T>(to_float(silu) * to_float(gu[t * 2 * ffn + ffn + f]));
-      }
-    add_into(residual, linear_rows(act, down_w, std::nullopt, down_scales));
-  });
-  return residual;
+// A projection's weight as the fused step reads it: plain, of the step's dtype, or quantized
+// (`scales` given: int8 [N, K] or torch's packed int4 [N, K / 2], quant_rows.cpp).
+struct Projection {
+  const at::Tensor& weight;
+  const std::optional<at::Tensor>& scales;
+};
+
+// The fp32 activations and products of one step, reused by every projection of every layer.
+struct Scratch {
+  std::vector<float> x, product;
+  float* sized(std::vector<float>& buffer, int64_t size) {
+    if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
+    return buffer.data();
+  }
+};
+
+// y [M, N] = x [M, K] @ w^T in T: the weight streamed (fp32 accumulation, rounded once to T)
+// where linear_rows streams it, else torch's product (at::linear, the packed int8/int4 kernels).
+template <typename T>
+void project(const T* x, int64_t M, int64_t K, const Projection& w, T* y, Scratch& scratch) {
+  const int64_t N = w.weight.size(0);
+  float* xf = scratch.sized(scratch.x, M * K);
+  float* product = scratch.sized(scratch.product, M * N);
+  for (const auto i : c10::irange(M * K)) xf[i] = to_float(x[i]);
+  constexpr auto dtype = c10::CppTypeToScalarType<T>::value;
+  bool streamed;
+  if (w.scales.has_value()) {
+    tetrad::check_quantized(K, w.weight, *w.scales);
+    streamed = tetrad::quantized_rows_into(xf, M, K, w.weight, *w.scales, product);
+  } else {
+    TORCH_CHECK(w.weight.dim() == 2 && w.weight.size(1) == K, "decode_model: projection shapes");
+    streamed = M <= kMaxStreamedRows && w.weight.is_contiguous() &&
+               w.weight.scalar_type() == dtype;
+    if (streamed) stream_matmul(xf, M, w.weight.data_ptr<T>(), N, K, product);
+  }
+  if (streamed) {
+    for (const auto i : c10::irange(M * N)) y[i] = static_cast<T>(product[i]);
+    return;
+  }
+  const at::Tensor rows = at::from_blob(const_cast<T*>(x), {M, K}, at::TensorOptions().dtype(dtype));
+  const at::Tensor result = linear_rows(rows, w.weight, std::nullopt, w.scales).contiguous();
+  std::copy(result.data_ptr<T>(), result.data_ptr<T>() + M * N, y);
 }
 
-// cos and sin [tokens, head_dim] fp32 of RotaryEmbedding at `positions`: each angle position *
+// x + f(x) in place, rounded to the dtype as torch's eager add is.
+template <typename T>
+void add_into(T* x, const T* delta, int64_t size) {
+  for (const auto i : c10::irange(size)) x[i] = static_cast<T>(to_float(x[i]) + to_float(delta[i]));
+}
+
+// What every layer of one step shares: its shapes, the rotary angles and the sequences' block
+// tables (checked once), and the buffers each layer writes over.
+template <typename T>
+struct Step {
+  int64_t tokens, hidden, heads, kv_heads, head_dim;
+  double eps;
+  std::vector<float> cos, sin;  // [tokens, head_dim]
+  const int64_t *tables, *lens, *slots;
+  int64_t width;
+  std::vector<T> h, qkv, attended, delta, gate_up, act;
+  Scratch scratch;
+  int64_t rows_read = 0;
+};
+
+// One decoder layer in place on the residual stream x [tokens, hidden]: RMSNorm, QKV, rotary,
+// the new K/V rows written at the step's slots, paged attention (attend_rows.h), the output
+// projection and residual, RMSNorm, gate/up, SiLU * up, down and residual. `w`: the layer's
+// attention norm, qkv [(heads + 2 kv_heads) * head_dim, hidden], out [hidden, heads * head_dim],
+// MLP norm, up [2 ffn, hidden] (gate rows first), down [hidden, ffn]; `scales` the four
+// projections' (absent for a plain one).
+template <typename T>
+void decode_layer(Step<T>& step, T* x, const at::Tensor* w,
+                  const c10::List<std::optional<at::Tensor>>& scales, int64_t first_scale,
+                  const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  const int64_t tokens = step.tokens, hidden = step.hidden, head_dim = step.head_dim;
+  const int64_t q_size = step.heads * head_dim, kv_size = step.kv_heads * head_dim;
+  const int64_t row = q_size + 2 * kv_size, ffn = w[4].size(0) / 2;
+  TORCH_CHECK(w[1].size(0) == row && w[4].size(0) % 2 == 0 && w[5].size(0) == hidden,
+              "decode_model: projection shapes");
+  const std::optional<at::Tensor> qkv_s = scales.get(first_scale),
+                                  out_s = scales.get(first_scale + 1),
+                                  up_s = scales.get(first_scale + 2),
+                                  down_s = scales.get(first_scale + 3);
+  T* h = step.h.data();
+  T* qkv = step.qkv.data();
+  rms_norm_rows(x, w[0].data_ptr<T>(), tokens, hidden, step.eps, h);
+  project(h, tokens, hidden, Projection{w[1], qkv_s}, qkv, step.scratch);
+  T* k_pool = k_cache.data_ptr<T>();
+  T* v_pool = v_cache.data_ptr<T>();
+  const int64_t block_size = k_cache.size(1);
+  for (const auto t : c10::irange(tokens)) {
+    T* token = qkv + t * row;
+    for (const auto head : c10::irange(step.heads + step.kv_heads))
+      rotate(token + head * head_dim, step.cos.data() + t * head_dim,
+             step.sin.data() + t * head_dim, head_dim);
+    const int64_t block = step.slots[t] / block_size, slot = step.slots[t] % block_size;
+    for (const auto j : c10::irange(step.kv_heads)) {  // the step's own K and V rows
+      const T* key = token + q_size + j * head_dim;
+      const T* value = token + q_size + kv_size + j * head_dim;
+      std::copy(key, key + head_dim, k_pool + block * k_cache.stride(0) +
+                                         slot * k_cache.stride(1) + j * k_cache.stride(2));
+      std::copy(value, value + head_dim, v_pool + block * v_cache.stride(0) +
+                                             slot * v_cache.stride(1) + j * v_cache.stride(2));
+    }
+  }
+  const tetrad::attention::PagedCache<T> cache{
+      k_pool, v_pool, {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)},
+      {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)}, block_size, step.kv_heads,
+      head_dim, head_dim};
+  step.rows_read += tetrad::attention::attend_rows(
+      qkv, row, step.heads, tokens, cache, step.tables, step.width, step.lens,
+      static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim))), step.attended.data(),
+      q_size);
+  project(step.attended.data(), tokens, q_size, Projection{w[2], out_s}, step.delta.data(),
+          step.scratch);
+  add_into(x, step.delta.data(), tokens * hidden);
+  rms_norm_rows(x, w[3].data_ptr<T>(), tokens, hidden, step.eps, h);
+  T* gate_up = step.gate_up.data();
+  project(h, tokens, hidden, Projection{w[4], up_s}, gate_up, step.scratch);
+  T* act = step.act.data();
+  for (const auto t : c10::irange(tokens))
+    for (const auto f : c10::irange(ffn)) {
+      const float g = to_float(gate_up[t * 2 * ffn + f]);
+      const T silu = static_cast<T>(g / (1.f + std::exp(-g)));
+      act[t * ffn + f] = static_cast<T>(to_float(silu) * to_float(gate_up[t * 2 * ffn + ffn + f]));
+    }
+  project(act, tokens, ffn, Projection{w[5], down_s}, step.delta.data(), step.scratch);
+  add_into(x, step.delta.data(), tokens * hidden);
+}
+
+// cos and sin [tokens, head_dim] of RotaryEmbedding at `positions`: each angle position *
 // inv_freq in fp32 as torch multiplies it, its cosine and sine taken in double and rounded once
 // (torch's own are within an ulp of that), times rope scaling's attention factor.
-std::pair<at::Tensor, at::Tensor> rotary_rows(const at::Tensor& positions,
-                                              const at::Tensor& inv_freq, double factor) {
-  TORCH_CHECK(positions.scalar_type() == at::kLong && inv_freq.scalar_type() == at::kFloat,
-              "decode_model: int64 positions and fp32 inverse frequencies");
-  const auto freqs = inv_freq.contiguous();
-  const auto pos = positions.contiguous();
-  const int64_t tokens = pos.numel(), half = freqs.numel(), head_dim = 2 * half;
-  auto cos = at::empty({tokens, head_dim}, freqs.options());
-  auto sin = at::empty({tokens, head_dim}, freqs.options());
-  const int64_t* p = pos.data_ptr<int64_t>();
-  const float* f = freqs.data_ptr<float>();
-  float* c = cos.data_ptr<float>();
-  float* s = sin.data_ptr<float>();
+void rotary_rows(const int64_t* positions, int64_t tokens, const float* inv_freq, int64_t half,
+                 double factor, float* cos, float* sin) {
+  const int64_t head_dim = 2 * half;
   for (const auto t : c10::irange(tokens))
     for (const auto d : c10::irange(half)) {
-      const double angle = static_cast<float>(p[t]) * f[d];
-      c[t * head_dim + d] = c[t * head_dim + half + d] =
+      const double angle = static_cast<float>(positions[t]) * inv_freq[d];
+      cos[t * head_dim + d] = cos[t * head_dim + half + d] =
           static_cast<float>(std::cos(angle)) * static_cast<float>(factor);
-      s[t * head_dim + d] = s[t * head_dim + half + d] =
+      sin[t * head_dim + d] = sin[t * head_dim + half + d] =
           static_cast<float>(std::sin(angle)) * static_cast<float>(factor);
     }
-  return {cos, sin};
 }
 
 // A whole decode step, one token per sequence: the embedding rows of `ids`, every layer
 // (decode_layer, six weights and four optional scales each, in its order; the rotary angles of
 // `positions`), the final RMSNorm and the output head -> logits [tokens, vocab]. One call from
-// Python per step, where the step was an embedding, rotary angles, a norm and a call per layer
-// and for the head (~100 us of small torch ops per step on a 2-core EPYC).
+// Python per step, and inside it no tensor is made per layer: each layer works in the step's
+// own buffers (an op or a view per layer step cost ~2 us each, ~0.5 ms a step at 32M).
 at::Tensor decode_model(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& embed,
                         const at::Tensor& inv_freq, double rotary_factor,
                         at::TensorList layer_weights,
@@ -214,21 +254,77 @@ at::Tensor decode_model(const at::Tensor& ids, const at::Tensor& positions, cons
                   static_cast<int64_t>(layer_weights.size()) == 6 * layers &&
                   static_cast<int64_t>(layer_scales.size()) == 4 * layers,
               "decode_model: six weights, four scales and a K and V cache per layer");
-  auto x = embed.index_select(0, ids);
-  const auto [cos, sin] = rotary_rows(positions, inv_freq, rotary_factor);
-  for (const auto l : c10::irange(layers)) {
-    const at::Tensor* w = layer_weights.data() + 6 * l;
-    x = decode_layer(x, w[0], w[1], w[2], w[3], w[4], w[5], eps, cos, sin, num_heads,
-                     num_kv_heads, k_caches[l], v_caches[l], tables, context_lens, slots,
-                     rows_read, layer_scales.get(4 * l), layer_scales.get(4 * l + 1),
-                     layer_scales.get(4 * l + 2), layer_scales.get(4 * l + 3));
+  for (const auto& index : {ids, positions, tables, context_lens, slots})
+    TORCH_CHECK(index.scalar_type() == at::kLong && index.is_contiguous(),
+                "decode_model: contiguous int64 ids, positions, tables, lengths and slots");
+  TORCH_CHECK(inv_freq.scalar_type() == at::kFloat && inv_freq.is_contiguous(),
+              "decode_model: fp32 inverse frequencies");
+  TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous(), "decode_model: a contiguous embedding");
+  const int64_t tokens = ids.numel(), hidden = embed.size(1), half = inv_freq.numel();
+  TORCH_CHECK(positions.numel() == tokens && slots.numel() == tokens &&
+                  context_lens.numel() == tokens && tables.dim() == 2 && tables.size(0) == tokens,
+              "decode_model: one position, slot, length and table per token");
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "decode_model: head counts");
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (const auto t : c10::irange(tokens))
+    TORCH_CHECK(id[t] >= 0 && id[t] < embed.size(0), "decode_model: token id outside the vocabulary");
+  const auto dtype = embed.scalar_type();
+  for (const auto& cache : {k_caches, v_caches})
+    for (const auto& pool : cache)
+      TORCH_CHECK(pool.scalar_type() == dtype && pool.dim() == 4 && pool.stride(3) == 1 &&
+                      pool.sizes() == k_caches[0].sizes() && pool.size(2) == num_kv_heads &&
+                      pool.size(3) == 2 * half,
+                  "decode_model: K and V pools [blocks, block_size, kv_heads, head_dim] of the "
+                  "model's dtype, the same for every layer");
+  for (const auto l : c10::irange(layers))
+    for (const auto j : {0, 3})
+      TORCH_CHECK(layer_weights[6 * l + j].scalar_type() == dtype &&
+                      layer_weights[6 * l + j].numel() == hidden,
+                  "decode_model: norm weights [hidden] of the model's dtype");
+  TORCH_CHECK(norm_w.scalar_type() == dtype && norm_w.numel() == hidden,
+              "decode_model: a final norm [hidden] of the model's dtype");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  if (layers > 0) {
+    const int64_t pool_slots = k_caches[0].size(0) * k_caches[0].size(1);
+    for (const auto t : c10::irange(tokens))
+      TORCH_CHECK(slot[t] >= 0 && slot[t] < pool_slots, "paged_decode: slot outside the pool");
+    tetrad::attention::check_tables(context_lens.data_ptr<int64_t>(), tables.data_ptr<int64_t>(),
+                                    tokens, tables.size(1), k_caches[0].size(1),
+                                    k_caches[0].size(0));
   }
-  auto normed = at::empty_like(x);
-  TETRAD_DISPATCH(x.scalar_type(), "decode_model", [&] {
-    rms_norm_rows(x.data_ptr<scalar_t>(), norm_w.data_ptr<scalar_t>(), x.size(0), x.size(1), eps,
-                  normed.data_ptr<scalar_t>());
+  at::Tensor logits;
+  TETRAD_DISPATCH(dtype, "decode_model", [&] {
+    using T = scalar_t;
+    const int64_t head_dim = 2 * half;
+    Step<T> step{tokens, hidden, num_heads, num_kv_heads, head_dim, eps,
+                 std::vector<float>(tokens * head_dim), std::vector<float>(tokens * head_dim),
+                 tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), slot,
+                 tables.size(1)};
+    rotary_rows(positions.data_ptr<int64_t>(), tokens, inv_freq.data_ptr<float>(), half,
+                rotary_factor, step.cos.data(), step.sin.data());
+    int64_t widest = 0;  // the longest row a layer's buffers hold
+    for (const auto l : c10::irange(layers)) widest = std::max(widest, layer_weights[6 * l + 4].size(0));
+    const int64_t q_size = num_heads * head_dim, row = q_size + 2 * num_kv_heads * head_dim;
+    step.h.resize(tokens * hidden);
+    step.qkv.resize(tokens * row);
+    step.attended.resize(tokens * q_size);
+    step.delta.resize(tokens * hidden);
+    step.gate_up.resize(tokens * widest);
+    step.act.resize(tokens * widest / 2);
+    std::vector<T> x(tokens * hidden);
+    const T* table = embed.data_ptr<T>();
+    for (const auto t : c10::irange(tokens))
+      std::copy(table + id[t] * hidden, table + (id[t] + 1) * hidden, x.data() + t * hidden);
+    for (const auto l : c10::irange(layers))
+      decode_layer(step, x.data(), layer_weights.data() + 6 * l, layer_scales, 4 * l,
+                   k_caches[l], v_caches[l]);
+    rms_norm_rows(x.data(), norm_w.data_ptr<T>(), tokens, hidden, eps, step.h.data());
+    logits = at::empty({tokens, head_w.size(0)}, embed.options());
+    project(step.h.data(), tokens, hidden, Projection{head_w, head_scales}, logits.data_ptr<T>(),
+            step.scratch);
+    if (rows_read.has_value()) rows_read->add_(step.rows_read);
   });
-  return linear_rows(normed, head_w, std::nullopt, head_scales);
+  return logits;
 }
 
 // How many of torch's threads at::parallel_for hands `items` chunks of work to in this library:

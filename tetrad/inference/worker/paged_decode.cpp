@@ -1,22 +1,19 @@
 // Decode attention on a CPU straight from the paged K/V pool: each sequence's one query token
 // attends over its context through its block table, reading each cached K and V row once (the
 // query heads that share a KV head are served by the same read), with the flash-attention
-// running max and sum kept per head, so nothing is gathered, padded or masked.
-// Built and loaded by tetrad/inference/worker/cpu_kernels.py as torch.ops.tetrad.paged_decode;
-// decode_step.cpp's fused layer calls it directly (tetrad::paged_decode).
+// running max and sum kept per head, so nothing is gathered, padded or masked (the arithmetic is
+// attend_rows.h's, which decode_step.cpp's fused step calls on its own buffers).
+// Built and loaded by tetrad/inference/worker/cpu_kernels.py as torch.ops.tetrad.paged_decode.
 
 #include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/irange.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
-#include <cmath>
-#include <limits>
-#include <vector>
+
+#include "attend_rows.h"
 
 namespace {
 
@@ -74,23 +71,12 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   const int64_t value_dim = v_cache.size(3), width = table.size(1);
   TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(3) == dim, "paged_decode: head shapes");
-  const int64_t group = heads / kv_heads;
   // [1, seqs, heads, value_dim] in memory, returned as the model's [1, heads, seqs, value_dim].
   TORCH_CHECK(table.size(0) == seqs && lens.numel() == seqs, "paged_decode: one table per query");
-  // Every block a context reaches must be a block of the pool: a bad table fails here, never
-  // as a read outside the pool.
-  const int64_t* lens_in = lens.data_ptr<int64_t>();
-  const int64_t* blocks_in = table.data_ptr<int64_t>();
-  for (const auto s : c10::irange(seqs)) {
-    const int64_t used = (lens_in[s] + block_size - 1) / block_size;
-    TORCH_CHECK(lens_in[s] >= 1 && used <= width, "paged_decode: context longer than its table");
-    for (const auto j : c10::irange(used))
-      TORCH_CHECK(blocks_in[s * width + j] >= 0 && blocks_in[s * width + j] < k_cache.size(0),
-                  "paged_decode: block id outside the pool");
-  }
+  tetrad::attention::check_tables(lens.data_ptr<int64_t>(), table.data_ptr<int64_t>(), seqs,
+                                  width, block_size, k_cache.size(0));
   auto out = at::empty({1, seqs, heads, value_dim}, q.options());
-  std::atomic<int64_t> rows{0};
-
+  int64_t rows = 0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     if (new_k.has_value()) {
       TORCH_CHECK(slots.has_value() && slots->scalar_type() == at::kLong, "paged_decode: slots");
@@ -99,80 +85,17 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
       write_rows<scalar_t>(*new_k, k_cache, ids, slot_ids.numel());
       if (new_v.has_value()) write_rows<scalar_t>(*new_v, v_cache, ids, slot_ids.numel());
     }
-    const scalar_t* q_data = query.data_ptr<scalar_t>();
-    const scalar_t* k_data = k_cache.data_ptr<scalar_t>();
-    const scalar_t* v_data = v_cache.data_ptr<scalar_t>();
-    scalar_t* out_data = out.data_ptr<scalar_t>();
-    const int64_t* table_data = table.data_ptr<int64_t>();
-    const int64_t* len_data = lens.data_ptr<int64_t>();
-    const int64_t kb = k_cache.stride(0), ks = k_cache.stride(1), kh = k_cache.stride(2);
-    const int64_t vb = v_cache.stride(0), vs = v_cache.stride(1), vh = v_cache.stride(2);
-    const float fscale = static_cast<float>(scale);
-
-    at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> qf(group * dim), acc(group * value_dim), scores(group * block_size);
-      std::vector<float> row_max(group), row_sum(group), block_max(group);
-      int64_t touched = 0;
-      for (const auto item : c10::irange(begin, end)) {
-        const int64_t s = item / kv_heads, h = item % kv_heads, len = len_data[s];
-        const scalar_t* q_heads = q_data + (s * heads + h * group) * dim;  // the group's heads
-        for (const auto i : c10::irange(group * dim))
-          qf[i] = static_cast<float>(q_heads[i]) * fscale;
-        std::fill(acc.begin(), acc.end(), 0.f);
-        // The lowest finite float, not -inf: the build uses -ffast-math, which assumes no inf.
-        std::fill(row_max.begin(), row_max.end(), std::numeric_limits<float>::lowest());
-        std::fill(row_sum.begin(), row_sum.end(), 0.f);
-        for (int64_t first = 0; first < len; first += block_size) {
-          const int64_t block = table_data[s * width + first / block_size];
-          const int64_t n = std::min(block_size, len - first);
-          const scalar_t* k_block = k_data + block * kb + h * kh;
-          const scalar_t* v_block = v_data + block * vb + h * vh;
-          // Each key and value row is loaded once for all the query heads that share it.
-          for (const auto t : c10::irange(n)) {
-            const scalar_t* key = k_block + t * ks;
-            for (const auto g : c10::irange(group)) {
-              const float* qg = qf.data() + g * dim;
-              float dot = 0.f;
-              _Pragma("omp simd reduction(+ : dot)")
-              for (int64_t d = 0; d < dim; ++d) dot += qg[d] * static_cast<float>(key[d]);
-              scores[g * block_size + t] = dot;
-              block_max[g] = std::max(t == 0 ? row_max[g] : block_max[g], dot);
-            }
-          }
-          // Rescale what earlier blocks summed to the new maximum, then add this block.
-          for (const auto g : c10::irange(group)) {
-            const float correction = std::exp(row_max[g] - block_max[g]);
-            row_max[g] = block_max[g];
-            row_sum[g] *= correction;
-            float* acc_g = acc.data() + g * value_dim;
-            for (int64_t d = 0; d < value_dim; ++d) acc_g[d] *= correction;
-            float* scores_g = scores.data() + g * block_size;
-            _Pragma("omp simd")
-            for (int64_t t = 0; t < n; ++t) scores_g[t] = std::exp(scores_g[t] - block_max[g]);
-          }
-          for (const auto t : c10::irange(n)) {
-            const scalar_t* value = v_block + t * vs;
-            for (const auto g : c10::irange(group)) {
-              const float p = scores[g * block_size + t];
-              row_sum[g] += p;
-              float* acc_g = acc.data() + g * value_dim;
-              _Pragma("omp simd")
-              for (int64_t d = 0; d < value_dim; ++d) acc_g[d] += p * static_cast<float>(value[d]);
-            }
-          }
-          touched += 2 * n;
-        }
-        for (const auto g : c10::irange(group)) {
-          scalar_t* dst = out_data + (s * heads + h * group + g) * value_dim;
-          const float inv = row_sum[g] > 0.f ? 1.f / row_sum[g] : 0.f;
-          for (const auto d : c10::irange(value_dim))
-            dst[d] = static_cast<scalar_t>(acc[g * value_dim + d] * inv);
-        }
-      }
-      rows += touched;
-    });
+    const tetrad::attention::PagedCache<scalar_t> cache{
+        k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+        {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)},
+        {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)}, block_size, kv_heads, dim,
+        value_dim};
+    rows = tetrad::attention::attend_rows(query.data_ptr<scalar_t>(), heads * dim, heads, seqs,
+                                          cache, table.data_ptr<int64_t>(), width,
+                                          lens.data_ptr<int64_t>(), static_cast<float>(scale),
+                                          out.data_ptr<scalar_t>(), heads * value_dim);
   });
-  if (rows_read.has_value()) rows_read->add_(rows.load());
+  if (rows_read.has_value()) rows_read->add_(rows);
   return out.transpose(1, 2);
 }
 

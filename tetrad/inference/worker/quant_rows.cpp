@@ -328,16 +328,14 @@ void int4_matmul(Int4Layout layout, const float* x, int64_t M, const uint8_t* w,
 
 namespace tetrad {
 
-// x [M, K] times a quantized weight (int8 values [N, K] with scales [N], or torch's packed int4
-// [N, K / 2] with scales_and_offsets [K / group, N, 2]) -> [M, N] in x's dtype.
-at::Tensor quantized_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  const bool int8 = w.scalar_type() == at::kChar;
-  TORCH_CHECK(int8 || w.scalar_type() == at::kByte,
+// A quantized weight as quantized_rows takes it: int8 values [N, K] with scales [N], or torch's
+// packed int4 [N, K / 2] with scales_and_offsets [K / group, N, 2], for K input columns.
+void check_quantized(int64_t K, const at::Tensor& w, const at::Tensor& scales) {
+  const int64_t N = w.size(0);
+  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kChar || w.scalar_type() == at::kByte),
               "linear_rows: quantized weights are int8 [N, K] or packed int4 (uint8 [N, K / 2])");
-  TORCH_CHECK(scales.scalar_type() == x.scalar_type() && scales.is_contiguous(),
-              "linear_rows: contiguous scales in the activations' dtype");
-  if (int8) {
+  TORCH_CHECK(scales.is_contiguous(), "linear_rows: contiguous scales");
+  if (w.scalar_type() == at::kChar) {
     TORCH_CHECK(w.size(1) == K && scales.dim() == 1 && scales.size(0) == N,
                 "linear_rows: int8 values [N, K] and scales [N]");
   } else {
@@ -345,26 +343,46 @@ at::Tensor quantized_rows(const at::Tensor& x, const at::Tensor& w, const at::Te
                     scales.size(2) == 2 && K % scales.size(0) == 0,
                 "linear_rows: int4 packed [N, K / 2] and scales_and_offsets [K / group, N, 2]");
   }
-  const int64_t group = int8 ? 0 : K / scales.size(0);
+}
+
+// x (fp32 [M, K]) times a checked quantized weight into out (fp32 [M, N]), scales applied: the
+// streamed product. False, with nothing written, where torch's packed kernels take it instead
+// (more rows than streaming pays for, a strided weight, an int4 packing this file cannot read).
+bool quantized_rows_into(const float* x, int64_t M, int64_t K, const at::Tensor& w,
+                         const at::Tensor& scales, float* out) {
+  const int64_t N = w.size(0);
+  const bool int8 = w.scalar_type() == at::kChar;
   const Int4Layout layout = int8 ? Int4Layout::kUnknown : torch_int4_layout();
-  if (M > kMaxStreamedRows || !w.is_contiguous() || (!int8 && layout == Int4Layout::kUnknown) ||
-      x.scalar_type() == at::kDouble)
-    return int8 ? at::_weight_int8pack_mm(x, w, scales)
-                : at::_weight_int4pack_mm_for_cpu(x, w, group, scales);
-  const auto xf = as_floats(x);
-  auto acc = at::empty({M, N}, x.options().dtype(at::kFloat));
-  float* out = acc.data_ptr<float>();
-  TETRAD_DISPATCH(x.scalar_type(), "quantized_rows", [&] {
+  if (M > kMaxStreamedRows || !w.is_contiguous() || (!int8 && layout == Int4Layout::kUnknown))
+    return false;
+  TETRAD_DISPATCH(scales.scalar_type(), "quantized_rows", [&] {
     const scalar_t* s = scales.data_ptr<scalar_t>();
     if (int8) {
-      stream_matmul(xf.data(), M, w.data_ptr<int8_t>(), N, K, out);
+      stream_matmul(x, M, w.data_ptr<int8_t>(), N, K, out);
       for (int64_t m = 0; m < M; ++m)  // no division per output: this loop runs on one thread
         for (int64_t n = 0; n < N; ++n) out[m * N + n] *= to_float(s[n]);
     } else {
-      int4_matmul(layout, xf.data(), M, w.data_ptr<uint8_t>(), s, N, K, group, out);
+      int4_matmul(layout, x, M, w.data_ptr<uint8_t>(), s, N, K, K / scales.size(0), out);
     }
   });
-  return x.scalar_type() == at::kFloat ? acc : acc.to(x.scalar_type());
+  return true;
+}
+
+// x [M, K] times a quantized weight (check_quantized) -> [M, N] in x's dtype.
+at::Tensor quantized_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  check_quantized(K, w, scales);
+  TORCH_CHECK(scales.scalar_type() == x.scalar_type(),
+              "linear_rows: scales in the activations' dtype");
+  if (x.scalar_type() != at::kDouble) {
+    const auto xf = as_floats(x);
+    auto acc = at::empty({M, N}, x.options().dtype(at::kFloat));
+    if (quantized_rows_into(xf.data(), M, K, w, scales, acc.data_ptr<float>()))
+      return x.scalar_type() == at::kFloat ? acc : acc.to(x.scalar_type());
+  }
+  return w.scalar_type() == at::kChar
+             ? at::_weight_int8pack_mm(x, w, scales)
+             : at::_weight_int4pack_mm_for_cpu(x, w, K / scales.size(0), scales);
 }
 
 }  // namespace tetrad
