@@ -238,7 +238,8 @@ void rotary_rows(const int64_t* positions, int64_t tokens, const float* inv_freq
 // (decode_layer, six weights and four optional scales each, in its order; the rotary angles of
 // `positions`), the final RMSNorm and the output head -> logits [tokens, vocab]. One call from
 // Python per step, and inside it no tensor is made per layer: each layer works in the step's
-// own buffers (an op or a view per layer step cost ~2 us each, ~0.5 ms a step at 32M).
+// own buffers (at 32M the views, copies and attention op's tensors a layer made took
+// 0.34-0.49 ms a step: benchmarks/cpu_decode_breakdown.py in BENCHMARKS.md).
 at::Tensor decode_model(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& embed,
                         const at::Tensor& inv_freq, double rotary_factor,
                         at::TensorList layer_weights,
