@@ -53,6 +53,18 @@ def test_fused_decode_gives_the_eager_forwards_greedy_tokens(dtype, monkeypatch)
     assert len(calls) >= GREEDY.max_tokens - 1 and max(calls) == len(PROMPTS)
 
 
+@pytest.mark.parametrize("sequences", [12, 20])
+def test_many_sequences_give_the_eager_forwards_greedy_tokens(sequences, monkeypatch):
+    """12 sequences: each weight streamed in three passes of 4 rows; 20: past the 16 rows fp32
+    weights are streamed for, every projection is torch's own matmul on the step's buffers."""
+    prompts = [[3 + 7 * i, 40 + i, 90 - i] for i in range(sequences)]
+    eager = LLM(random_model(), ByteTokenizer(), log=None, block_size=4, enforce_eager=True)
+    expected = [out.token_ids for out in eager.generate(prompts, GREEDY)]
+    fused, calls = counted_engine(random_model(), monkeypatch)
+    assert [out.token_ids for out in fused.generate(prompts, GREEDY)] == expected
+    assert max(calls) == len(prompts)
+
+
 def test_models_it_does_not_cover_run_their_own_forward(monkeypatch):
     for overrides in (dict(position="learned", norm="layernorm", mlp="gelu", bias=True),
                       dict(num_experts=4, num_experts_per_token=2, num_shared_experts=1)):
@@ -68,14 +80,16 @@ def test_models_it_does_not_cover_run_their_own_forward(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 3, 5, 12])  # 12: past the streamed rows, torch's matmul
-def test_linear_rows_equals_torchs_matmul(dtype, rows):
+# 12: three passes of 4 rows; 20: past fp32's streamed rows; 70: past every dtype's (torch's matmul)
+@pytest.mark.parametrize("rows", [1, 3, 5, 12, 20, 70])
+@pytest.mark.parametrize("outputs", [37, 300])  # 300: several tiles of 64 output rows a thread
+def test_linear_rows_equals_torchs_matmul(dtype, rows, outputs):
     torch.manual_seed(0)
-    x, w = torch.randn(rows, 75, dtype=dtype), torch.randn(37, 75, dtype=dtype)  # odd sizes
-    bias = torch.randn(37, dtype=dtype)
+    x, w = torch.randn(rows, 75, dtype=dtype), torch.randn(outputs, 75, dtype=dtype)  # odd sizes
+    bias = torch.randn(outputs, dtype=dtype)
     expected = F.linear(x.float(), w.float(), bias.float())
     got = torch.ops.tetrad.linear_rows(x, w, bias)
-    assert got.dtype == dtype and got.shape == (rows, 37)
+    assert got.dtype == dtype and got.shape == (rows, outputs)
     tolerance = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.1,
                                                                                rtol=1e-2)
     torch.testing.assert_close(got.float(), expected, **tolerance)

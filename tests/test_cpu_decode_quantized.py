@@ -81,7 +81,7 @@ def assert_rows_product(layer, x: torch.Tensor, scales: torch.Tensor, reference:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 3, 5, 12])  # 12: past the streamed rows, torch's kernel
+@pytest.mark.parametrize("rows", [1, 3, 5, 12, 70])  # 70: past the streamed rows, torch's kernel
 def test_int8_linear_rows_equals_the_dequantized_product(dtype, rows):
     torch.manual_seed(rows)
     # An odd number of rows; torch's bf16 int8 kernel crashes on widths not a multiple of 8.
@@ -104,7 +104,7 @@ def test_int8_linear_rows_sums_long_rows_without_overflow():
 # 32 and 64: whole blocks of torch's packing (AVX2, AVX512); 48, 80, 112: a short block after.
 @pytest.mark.parametrize("out_features", [16, 32, 48, 64, 80, 112])
 @pytest.mark.parametrize("group", [32, 128])
-@pytest.mark.parametrize("rows", [1, 2, 4, 7, 12])
+@pytest.mark.parametrize("rows", [1, 2, 4, 7, 12, 70])
 def test_int4_linear_rows_equals_the_dequantized_product(out_features, group, rows):
     torch.manual_seed(out_features + group + rows)
     in_features = 256

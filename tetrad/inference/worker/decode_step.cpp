@@ -36,8 +36,9 @@ namespace {
 
 using namespace tetrad::stream;
 
-// x [M, K] @ w [N, K]^T (+ bias) in x's dtype. Few rows stream the weights here (fp32
-// accumulation); more rows, or weights this kernel does not read, go to at::linear. With
+// x [M, K] @ w [N, K]^T (+ bias) in x's dtype. A decode batch's rows stream the weights here
+// (fp32 accumulation, kMaxStreamedRows); more rows, or weights this kernel does not read, go to
+// at::linear. With
 // `scales`, w is quantized as tetrad.models.quant holds it (quant_rows.cpp).
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w,
                        const std::optional<at::Tensor>& bias,
@@ -49,8 +50,8 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w,
   }
   TORCH_CHECK(x.size(1) == w.size(1), "linear_rows: shapes");
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
-  if (M > kMaxStreamedRows || !w.is_contiguous() || w.scalar_type() != x.scalar_type() ||
-      x.scalar_type() == at::kDouble)
+  if (M > (x.scalar_type() == at::kFloat ? kMaxStreamedRowsFp32 : kMaxStreamedRows) ||
+      !w.is_contiguous() || w.scalar_type() != x.scalar_type() || x.scalar_type() == at::kDouble)
     return at::linear(x, w, bias);
   const auto xf = as_floats(x);
   auto acc = at::empty({M, N}, x.options().dtype(at::kFloat));
@@ -119,8 +120,8 @@ void project(const T* x, int64_t M, int64_t K, const Projection& w, T* y, Scratc
     streamed = tetrad::quantized_rows_into(xf, M, K, w.weight, *w.scales, product);
   } else {
     TORCH_CHECK(w.weight.dim() == 2 && w.weight.size(1) == K, "decode_model: projection shapes");
-    streamed = M <= kMaxStreamedRows && w.weight.is_contiguous() &&
-               w.weight.scalar_type() == dtype;
+    streamed = M <= (dtype == at::kFloat ? kMaxStreamedRowsFp32 : kMaxStreamedRows) &&
+               w.weight.is_contiguous() && w.weight.scalar_type() == dtype;
     if (streamed) stream_matmul(xf, M, w.weight.data_ptr<T>(), N, K, product);
   }
   if (streamed) {
@@ -239,7 +240,7 @@ void rotary_rows(const int64_t* positions, int64_t tokens, const float* inv_freq
 // `positions`), the final RMSNorm and the output head -> logits [tokens, vocab]. One call from
 // Python per step, and inside it no tensor is made per layer: each layer works in the step's
 // own buffers (at 32M the views, copies and attention op's tensors a layer made took
-// 0.34-0.49 ms a step: benchmarks/cpu_decode_breakdown.py in BENCHMARKS.md).
+// 0.34-0.49 ms a step, timed inside the op: BENCHMARKS.md).
 at::Tensor decode_model(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& embed,
                         const at::Tensor& inv_freq, double rotary_factor,
                         at::TensorList layer_weights,

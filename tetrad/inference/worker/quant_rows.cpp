@@ -2,7 +2,8 @@
 // the very tensors the layers hold (no second copy, so the bytes the planner counts are all
 // there is), dequantized in registers, fp32 accumulation, rounded once to the activations'
 // dtype: the arithmetic of torch's _weight_int8pack_mm / _weight_int4pack_mm_for_cpu, which
-// the eager forward calls, up to fp32 rounding. Past kMaxStreamedRows rows those kernels run.
+// the eager forward calls, up to fp32 rounding. Past kMaxStreamedRows rows (a decode batch of
+// 64) those kernels run.
 //
 // int8: values [N, K] int8, one scale per output row: y = (x . values[n]) * scale[n].
 // int4: torch's CPU packing of values 0..15 (uint8 [N, K / 2]) and per group of input columns

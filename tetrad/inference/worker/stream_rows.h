@@ -32,8 +32,12 @@ namespace tetrad::stream {
 
 // Rows of the activations per pass over the weights: each weight row is loaded once for them.
 constexpr int64_t kRowsPerPass = 4;
-// Past this many rows a matmul is compute-bound: torch's blocked kernels do better.
-constexpr int64_t kMaxStreamedRows = 8;
+// Rows of activations a weight is streamed for (a decode step's batch); past them torch's kernels
+// take the product. On a 2-core AVX2 EPYC (benchmarks in BENCHMARKS.md) torch's fp32 GEMM wins
+// from ~32 rows, while against its bf16 GEMM (no bf16 arithmetic on AVX2) and its packed int8 /
+// int4 kernels streaming was 1.7-5.8x faster at 16-64 rows.
+constexpr int64_t kMaxStreamedRows = 64;
+constexpr int64_t kMaxStreamedRowsFp32 = 16;
 
 inline float to_float(float v) { return v; }
 inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
@@ -205,8 +209,15 @@ void dot_chunk(int64_t rows, const float* x, const W* w, int64_t K, int64_t n0, 
   }
 }
 
+// Output rows per tile when more than kRowsPerPass rows of x take several passes: a tile's
+// weights (at most 64 rows of K, 128 KB in fp32 at K = 512) stay in the core's cache from one pass
+// to the next, where passes over a thread's whole share would read it from memory again each.
+inline int64_t tile_rows(int64_t M, int64_t n0, int64_t n1) {
+  return M <= kRowsPerPass ? n1 - n0 : 64;
+}
+
 // x [M, K] (fp32) times w [N, K]^T -> out [M, N] fp32, the weights streamed once per
-// kRowsPerPass rows of x, output rows split over torch's threads.
+// kRowsPerPass rows of x (tile by tile, tile_rows), output rows split over torch's threads.
 template <typename W>
 void stream_matmul(const float* x, int64_t M, const W* w, int64_t N, int64_t K, float* out) {
 #ifdef TETRAD_AVX2
@@ -214,16 +225,19 @@ void stream_matmul(const float* x, int64_t M, const W* w, int64_t N, int64_t K, 
     const Int16Rows xq = int16_rows(x, M, K);
     const int64_t K16 = K - K % 16;
     at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-      for (int64_t m = 0; m < M; m += kRowsPerPass) {
-        const float* xm = x + m * K;
-        const int16_t* qm = xq.values.data() + m * K16;
-        const float* sm = xq.scales.data() + m;
-        float* o = out + m * N;
-        switch (std::min(kRowsPerPass, M - m)) {
-          case 1: dot_rows_int8<1, 1>(xm, qm, sm, w, K, n0, n1, o, N); break;
-          case 2: dot_rows_int8<2, 2>(xm, qm, sm, w, K, n0, n1, o, N); break;
-          case 3: dot_rows_int8<3, 2>(xm, qm, sm, w, K, n0, n1, o, N); break;
-          default: dot_rows_int8<4, 2>(xm, qm, sm, w, K, n0, n1, o, N);
+      for (int64_t t0 = n0, step = tile_rows(M, n0, n1); t0 < n1; t0 += step) {
+        const int64_t t1 = std::min(n1, t0 + step);
+        for (int64_t m = 0; m < M; m += kRowsPerPass) {
+          const float* xm = x + m * K;
+          const int16_t* qm = xq.values.data() + m * K16;
+          const float* sm = xq.scales.data() + m;
+          float* o = out + m * N;
+          switch (std::min(kRowsPerPass, M - m)) {
+            case 1: dot_rows_int8<1, 1>(xm, qm, sm, w, K, t0, t1, o, N); break;
+            case 2: dot_rows_int8<2, 2>(xm, qm, sm, w, K, t0, t1, o, N); break;
+            case 3: dot_rows_int8<3, 2>(xm, qm, sm, w, K, t0, t1, o, N); break;
+            default: dot_rows_int8<4, 2>(xm, qm, sm, w, K, t0, t1, o, N);
+          }
         }
       }
     });
@@ -232,8 +246,11 @@ void stream_matmul(const float* x, int64_t M, const W* w, int64_t N, int64_t K, 
 #endif
   // A grain of whole cache lines of output keeps threads off each other's lines.
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    for (int64_t m = 0; m < M; m += kRowsPerPass)
-      dot_chunk(std::min(kRowsPerPass, M - m), x + m * K, w, K, n0, n1, out + m * N, N);
+    for (int64_t t0 = n0, step = tile_rows(M, n0, n1); t0 < n1; t0 += step) {
+      const int64_t t1 = std::min(n1, t0 + step);
+      for (int64_t m = 0; m < M; m += kRowsPerPass)
+        dot_chunk(std::min(kRowsPerPass, M - m), x + m * K, w, K, t0, t1, out + m * N, N);
+    }
   });
 }
 
