@@ -1,10 +1,10 @@
 """How fast the fused decode step's weight-streaming matmul (torch.ops.tetrad.linear_rows) reads
-its weights at one row, per weight shape of cpu_vs_llamacpp.py's 32m Llama (512 x 8 layers, 8k
-vocabulary): qkv / out 512x512 (the qkv's 1536 rows too), gate_up 2816x512, down 512x1408, head
-8192x512; fp32, bf16, int8 and int4 (group 128) weights, bf16 activations for the quantized ones
-as the engine runs them. Against it, on the same bytes: a plain read (torch.sum over the weight's
-bytes seen as fp32) and torch's own product at one row (F.linear; _weight_int8pack_mm;
-_weight_int4pack_mm_for_cpu).
+its weights at one row (or --rows rows: a decode batch), per weight shape of cpu_vs_llamacpp.py's
+32m Llama (512 x 8 layers, 8k vocabulary): qkv / out 512x512 (the qkv's 1536 rows too), gate_up
+2816x512, down 512x1408, head 8192x512; fp32, bf16, int8 and int4 (group 128) weights, bf16
+activations for the quantized ones as the engine runs them. Against it, on the same bytes: a
+plain read (torch.sum over the weight's bytes seen as fp32) and torch's own product on the same
+rows (F.linear; _weight_int8pack_mm; _weight_int4pack_mm_for_cpu).
 
 A decode step reads ~120 MB of fp32 weights, more than the last-level cache, so each shape is
 timed over enough copies of its weight (>= 96 MB) that every call reads memory, not cache. GB/s
@@ -13,11 +13,11 @@ process's CPU seconds over the wall seconds (median of the repeats): how many th
 worked, 1.0 for one, up to the thread count when all did (spinning threads count as working).
 CPU seconds divided by the thread count are no rate: a kernel that ran on one of two threads
 (the kernels built without OpenMP did, before 7554db6) looked twice as fast per thread. On a
-shared machine compare runs taken back to back; the last column, linear_rows over the plain
-read, moves least with the load.
+shared machine compare runs taken back to back; the last columns, linear_rows over the plain
+read and over torch's product, move least with the load.
 
-    .venv/bin/python benchmarks/cpu_stream_bandwidth.py [--threads 1 2] [--dtypes fp32 bf16 int8 int4]
-        [--library OLD.so]
+    .venv/bin/python benchmarks/cpu_stream_bandwidth.py [--threads 1 2]
+        [--dtypes fp32 bf16 int8 int4] [--rows 1 16 32 64] [--library OLD.so]
 """
 
 import argparse
@@ -77,6 +77,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16", "int8", "int4"])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    parser.add_argument("--rows", type=int, nargs="+", default=[1],
+                        help="rows of activations (sequences of a decode step)")
     parser.add_argument("--library", help="a kernel library built from other sources (before / "
                         "after a change), loaded instead of this checkout's")
     args = parser.parse_args()
@@ -97,20 +99,21 @@ def main() -> None:
             # read are the same.
             ws = [(w.clone(), None if s is None else s.clone()) for _ in range(copies)]
             nbytes = per_copy * copies
-            x = torch.randn(1, k).to(torch.float32 if dtype == "fp32" else torch.bfloat16)
             flat = [t.view(-1).view(torch.uint8)[: t.numel() * t.element_size() // 4 * 4]
                     .view(torch.float32) for t, _ in ws]
-            for threads in args.threads:
+            for rows, threads in ((r, t) for r in args.rows for t in args.threads):
+                x = torch.randn(rows, k).to(torch.float32 if dtype == "fp32" else torch.bfloat16)
                 torch.set_num_threads(threads)
                 ours = rate(lambda: [torch.ops.tetrad.linear_rows(x, w, scales=s) for w, s in ws],
                             nbytes)
                 read = rate(lambda: [f.sum() for f in flat], nbytes)
                 theirs = rate(lambda: [torch_product(dtype, x, w, s, k) for w, s in ws],
                               nbytes)
-                print(f"{dtype:5s} {shape:8s} {n:5d}x{k:<5d} {threads}t  linear_rows "
-                      f"{ours[0]:5.1f} GB/s busy {ours[1]:.2f}   read {read[0]:5.1f} busy "
-                      f"{read[1]:.2f}   torch {theirs[0]:5.1f} busy {theirs[1]:.2f}   "
-                      f"linear_rows / read {ours[0] / read[0]:.2f}", flush=True)
+                print(f"{dtype:5s} {shape:8s} {n:5d}x{k:<5d} {rows:2d} rows {threads}t  "
+                      f"linear_rows {ours[0]:5.1f} GB/s busy {ours[1]:.2f}   read {read[0]:5.1f} "
+                      f"busy {read[1]:.2f}   torch {theirs[0]:5.1f} busy {theirs[1]:.2f}   "
+                      f"linear_rows / read {ours[0] / read[0]:.2f}, / torch "
+                      f"{ours[0] / theirs[0]:.2f}", flush=True)
     print(f"load average {os.getloadavg()[0]:.2f}", flush=True)
 
 

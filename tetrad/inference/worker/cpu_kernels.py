@@ -1,7 +1,8 @@
 """The engine's C++ CPU kernels (paged_decode.cpp: decode attention read in place from the paged
-pool; decode_step.cpp: a Llama-family layer's decode step as one op, and the matmul that streams
-weights for a few rows, stream_rows.h; quant_rows.cpp: the same for int8 and int4 weights), built into one library with the machine's C++ compiler on first use and
-loaded as torch.ops.tetrad.*.
+pool, its arithmetic in attend_rows.h; decode_step.cpp: a Llama-family model's decode step as one
+op, and the matmul that streams weights for a decode batch's rows, stream_rows.h; quant_rows.cpp:
+the same for int8 and int4 weights), built into one library with the machine's C++ compiler on
+first use and loaded as torch.ops.tetrad.*.
 
 No build system is needed: one g++ call against torch's own headers and libraries. The library
 is cached under ~/.cache/tetrad/kernels (TETRAD_KERNEL_CACHE overrides) by a hash of the source,

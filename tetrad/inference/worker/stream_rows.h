@@ -33,9 +33,9 @@ namespace tetrad::stream {
 // Rows of the activations per pass over the weights: each weight row is loaded once for them.
 constexpr int64_t kRowsPerPass = 4;
 // Rows of activations a weight is streamed for (a decode step's batch); past them torch's kernels
-// take the product. On a 2-core AVX2 EPYC (benchmarks in BENCHMARKS.md) torch's fp32 GEMM wins
-// from ~32 rows, while against its bf16 GEMM (no bf16 arithmetic on AVX2) and its packed int8 /
-// int4 kernels streaming was 1.7-5.8x faster at 16-64 rows.
+// take the product. On a 2-core AVX2 EPYC (benchmarks/cpu_stream_bandwidth.py --rows 16 32 64,
+// BENCHMARKS.md) torch's fp32 GEMM is as fast from 32 rows, while streaming beat its bf16 GEMM
+// (no bf16 arithmetic on AVX2) 3.8-4.8x and its packed int8 / int4 kernels 1.3-2.5x at 16-64.
 constexpr int64_t kMaxStreamedRows = 64;
 constexpr int64_t kMaxStreamedRowsFp32 = 16;
 
