@@ -38,8 +38,7 @@ using namespace tetrad::stream;
 
 // x [M, K] @ w [N, K]^T (+ bias) in x's dtype. A decode batch's rows stream the weights here
 // (fp32 accumulation, kMaxStreamedRows); more rows, or weights this kernel does not read, go to
-// at::linear. With
-// `scales`, w is quantized as tetrad.models.quant holds it (quant_rows.cpp).
+// at::linear. With `scales`, w is quantized as tetrad.models.quant holds it (quant_rows.cpp).
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w,
                        const std::optional<at::Tensor>& bias,
                        const std::optional<at::Tensor>& scales) {
