@@ -133,9 +133,9 @@ def decode_step_counts(model, hf, args) -> dict:
             hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
                         min_new_tokens=16, do_sample=False)
     # Bytes attention reads over the K+V bytes of the contexts, from the step's tables.
-    size, width = llm.runner.block_size, max(map(len, plan.tables))
-    tables = torch.tensor([table + [llm.runner.kv_cache.pad_block] * (width - len(table))
-                           for table in plan.tables])
+    size = llm.runner.block_size
+    _, width, padded = plan.decode_slots_and_tables(size, llm.runner.kv_cache.pad_block)
+    tables = torch.tensor(padded).view(len(plan.starts), width)
     query_positions = torch.tensor(plan.starts)[:, None]
     context_tokens = sum(start + 1 for start in plan.starts)
     gathered = 2 * tables.numel() * size  # the copy, then SDPA reading it

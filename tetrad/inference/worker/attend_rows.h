@@ -7,6 +7,7 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
 
@@ -28,6 +29,15 @@ struct PagedCache {
   int64_t k_strides[3], v_strides[3];
   int64_t block_size, kv_heads, dim, value_dim;
 };
+
+// The pools [blocks, block_size, kv_heads, dim] and [..., value_dim], any strides but a unit last.
+template <typename T>
+PagedCache<T> paged_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  return {k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+          {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)},
+          {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)},
+          k_cache.size(1), k_cache.size(2), k_cache.size(3), v_cache.size(3)};
+}
 
 // Every block a context reaches must be a block of the pool: a bad table fails here, never as a
 // read outside the pool.

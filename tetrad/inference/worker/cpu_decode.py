@@ -77,8 +77,8 @@ class FusedCpuDecode:
         dtype = model.embed.weight.dtype
         self.weights, self.scales = [], []
         for block in model.layers:
-            streamed = [streamed_weight(linear, dtype)
-                        for linear in (block.attn.qkv, block.attn.out, block.mlp.up, block.mlp.down)]
+            linears = (block.attn.qkv, block.attn.out, block.mlp.up, block.mlp.down)
+            streamed = [streamed_weight(linear, dtype) for linear in linears]
             (qkv, _), (out, _), (up, _), (down, _) = streamed
             self.weights += [block.attn_norm.weight, qkv, out, block.mlp_norm.weight, up, down]
             self.scales += [scales for _, scales in streamed]
@@ -99,12 +99,9 @@ class FusedCpuDecode:
 
     def run(self, plan) -> torch.Tensor:
         """The step's logits [sequences, vocab], in plan order, as the forward gives them."""
-        size, seqs = self.block_size, len(plan.starts)
-        width = max(map(len, plan.tables))
-        slots = [table[start // size] * size + start % size
-                 for start, table in zip(plan.starts, plan.tables)]
-        pad = [self.kv_cache.pad_block]
-        tables = [block for table in plan.tables for block in table + pad * (width - len(table))]
+        seqs = len(plan.starts)
+        slots, width, tables = plan.decode_slots_and_tables(self.block_size,
+                                                            self.kv_cache.pad_block)
         lens = [start + 1 for start in plan.starts]
         ids, positions, lens, slots, tables = torch.tensor(
             plan.token_ids + plan.starts + lens + slots + tables).split(

@@ -90,9 +90,7 @@ class DecodeGraphs:
         bucket = bucket_for(num_seqs, self.buckets)
         size, pad = self.runner.block_size, self.runner.kv_cache.pad_block
         padding = bucket - num_seqs
-        width = max(map(len, plan.tables))
-        slots = [table[p // size] * size + p % size for p, table in zip(plan.starts, plan.tables)]
-        tables = [block for table in plan.tables for block in table + [pad] * (width - len(table))]
+        slots, width, tables = plan.decode_slots_and_tables(size, pad)
         host = torch.tensor(plan.token_ids + [0] * padding + plan.starts + [0] * padding
                             + slots + [pad * size] * padding + tables + [pad] * (width * padding),
                             dtype=torch.long)

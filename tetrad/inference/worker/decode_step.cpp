@@ -36,9 +36,16 @@ namespace {
 
 using namespace tetrad::stream;
 
-// x [M, K] @ w [N, K]^T (+ bias) in x's dtype. A decode batch's rows stream the weights here
-// (fp32 accumulation, kMaxStreamedRows); more rows, or weights this kernel does not read, go to
-// at::linear. With `scales`, w is quantized as tetrad.models.quant holds it (quant_rows.cpp).
+// Whether a plain weight w is streamed for M rows of `dtype` activations: a decode batch's rows
+// (kMaxStreamedRows) against a contiguous weight of their dtype; else at::linear takes them.
+bool streams(int64_t M, const at::Tensor& w, at::ScalarType dtype) {
+  return M <= (dtype == at::kFloat ? kMaxStreamedRowsFp32 : kMaxStreamedRows) &&
+         w.is_contiguous() && w.scalar_type() == dtype && dtype != at::kDouble;
+}
+
+// x [M, K] @ w [N, K]^T (+ bias) in x's dtype, streamed (fp32 accumulation) where `streams`
+// says, else at::linear. With `scales`, w is quantized as tetrad.models.quant holds it
+// (quant_rows.cpp).
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w,
                        const std::optional<at::Tensor>& bias,
                        const std::optional<at::Tensor>& scales) {
@@ -49,9 +56,7 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w,
   }
   TORCH_CHECK(x.size(1) == w.size(1), "linear_rows: shapes");
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
-  if (M > (x.scalar_type() == at::kFloat ? kMaxStreamedRowsFp32 : kMaxStreamedRows) ||
-      !w.is_contiguous() || w.scalar_type() != x.scalar_type() || x.scalar_type() == at::kDouble)
-    return at::linear(x, w, bias);
+  if (!streams(M, w, x.scalar_type())) return at::linear(x, w, bias);
   const auto xf = as_floats(x);
   auto acc = at::empty({M, N}, x.options().dtype(at::kFloat));
   float* out = acc.data_ptr<float>();
@@ -119,15 +124,15 @@ void project(const T* x, int64_t M, int64_t K, const Projection& w, T* y, Scratc
     streamed = tetrad::quantized_rows_into(xf, M, K, w.weight, *w.scales, product);
   } else {
     TORCH_CHECK(w.weight.dim() == 2 && w.weight.size(1) == K, "decode_model: projection shapes");
-    streamed = M <= (dtype == at::kFloat ? kMaxStreamedRowsFp32 : kMaxStreamedRows) &&
-               w.weight.is_contiguous() && w.weight.scalar_type() == dtype;
+    streamed = streams(M, w.weight, dtype);
     if (streamed) stream_matmul(xf, M, w.weight.data_ptr<T>(), N, K, product);
   }
   if (streamed) {
     for (const auto i : c10::irange(M * N)) y[i] = static_cast<T>(product[i]);
     return;
   }
-  const at::Tensor rows = at::from_blob(const_cast<T*>(x), {M, K}, at::TensorOptions().dtype(dtype));
+  const at::Tensor rows =
+      at::from_blob(const_cast<T*>(x), {M, K}, at::TensorOptions().dtype(dtype));
   const at::Tensor result = linear_rows(rows, w.weight, std::nullopt, w.scales).contiguous();
   std::copy(result.data_ptr<T>(), result.data_ptr<T>() + M * N, y);
 }
@@ -193,12 +198,9 @@ void decode_layer(Step<T>& step, T* x, const at::Tensor* w,
                                              slot * v_cache.stride(1) + j * v_cache.stride(2));
     }
   }
-  const tetrad::attention::PagedCache<T> cache{
-      k_pool, v_pool, {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)},
-      {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)}, block_size, step.kv_heads,
-      head_dim, head_dim};
   step.rows_read += tetrad::attention::attend_rows(
-      qkv, row, step.heads, tokens, cache, step.tables, step.width, step.lens,
+      qkv, row, step.heads, tokens, tetrad::attention::paged_cache<T>(k_cache, v_cache),
+      step.tables, step.width, step.lens,
       static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim))), step.attended.data(),
       q_size);
   project(step.attended.data(), tokens, q_size, Projection{w[2], out_s}, step.delta.data(),
@@ -268,7 +270,8 @@ at::Tensor decode_model(const at::Tensor& ids, const at::Tensor& positions, cons
   TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "decode_model: head counts");
   const int64_t* id = ids.data_ptr<int64_t>();
   for (const auto t : c10::irange(tokens))
-    TORCH_CHECK(id[t] >= 0 && id[t] < embed.size(0), "decode_model: token id outside the vocabulary");
+    TORCH_CHECK(id[t] >= 0 && id[t] < embed.size(0),
+                "decode_model: token id outside the vocabulary");
   const auto dtype = embed.scalar_type();
   for (const auto& cache : {k_caches, v_caches})
     for (const auto& pool : cache)
@@ -304,7 +307,8 @@ at::Tensor decode_model(const at::Tensor& ids, const at::Tensor& positions, cons
     rotary_rows(positions.data_ptr<int64_t>(), tokens, inv_freq.data_ptr<float>(), half,
                 rotary_factor, step.cos.data(), step.sin.data());
     int64_t widest = 0;  // the longest row a layer's buffers hold
-    for (const auto l : c10::irange(layers)) widest = std::max(widest, layer_weights[6 * l + 4].size(0));
+    for (const auto l : c10::irange(layers))
+      widest = std::max(widest, layer_weights[6 * l + 4].size(0));
     const int64_t q_size = num_heads * head_dim, row = q_size + 2 * num_kv_heads * head_dim;
     step.h.resize(tokens * hidden);
     step.qkv.resize(tokens * row);

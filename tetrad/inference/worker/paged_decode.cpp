@@ -85,15 +85,11 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
       write_rows<scalar_t>(*new_k, k_cache, ids, slot_ids.numel());
       if (new_v.has_value()) write_rows<scalar_t>(*new_v, v_cache, ids, slot_ids.numel());
     }
-    const tetrad::attention::PagedCache<scalar_t> cache{
-        k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-        {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)},
-        {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)}, block_size, kv_heads, dim,
-        value_dim};
-    rows = tetrad::attention::attend_rows(query.data_ptr<scalar_t>(), heads * dim, heads, seqs,
-                                          cache, table.data_ptr<int64_t>(), width,
-                                          lens.data_ptr<int64_t>(), static_cast<float>(scale),
-                                          out.data_ptr<scalar_t>(), heads * value_dim);
+    rows = tetrad::attention::attend_rows(
+        query.data_ptr<scalar_t>(), heads * dim, heads, seqs,
+        tetrad::attention::paged_cache<scalar_t>(k_cache, v_cache), table.data_ptr<int64_t>(),
+        width, lens.data_ptr<int64_t>(), static_cast<float>(scale), out.data_ptr<scalar_t>(),
+        heads * value_dim);
   });
   if (rows_read.has_value()) rows_read->add_(rows);
   return out.transpose(1, 2);

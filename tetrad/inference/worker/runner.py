@@ -72,6 +72,17 @@ class StepPlan:
             plan.tables.append(seq.block_table[:-(-(start + num_new) // block_size)])
         return plan
 
+    def decode_slots_and_tables(self, block_size: int, pad: int
+                                ) -> tuple[list[int], int, list[int]]:
+        """For a step of one token per sequence (what CUDA graphs and the fused CPU step run):
+        each token's pool slot, the width of the longest table, and every table padded to it with
+        block `pad`, one after another."""
+        width = max(map(len, self.tables))
+        slots = [table[start // block_size] * block_size + start % block_size
+                 for start, table in zip(self.starts, self.tables)]
+        tables = [block for table in self.tables for block in table + [pad] * (width - len(table))]
+        return slots, width, tables
+
     # The wire format (tensor-parallel ranks): sizes first, then every list in one int64 row of
     # payload_size(sizes) values. Table lengths are not sent: they follow from start + num_tokens.
 
