@@ -4,10 +4,13 @@ llama.cpp's own convert_hf_to_gguf.py), the same token-id prompts, greedy, 2 thr
 measurement in a process of its own (so peak RSS is that side's alone), the sides interleaved
 round after round so that a change in the machine's load hits both.
 
-Rows: fp32 / bf16 against the GGUF f32 / bf16 file; tetrad's `--quantization int8` against the
-GGUF converted with `--outtype q8_0`, and `--quantization int4` against the f32 GGUF quantized
-to Q4_0 by llama.cpp's llama_model_quantize (llama-quantize's defaults: its output matrix goes to
-Q6_K, as in Ollama's Q4_0 files; tetrad keeps its LM head and embeddings in bf16). Each with one
+Rows: fp32 / bf16 against the GGUF f32 / bf16 file; tetrad's int8 against the GGUF converted
+with `--outtype q8_0`, and int4 against the f32 GGUF quantized to Q4_0 by llama.cpp's
+llama_model_quantize (llama-quantize's defaults: its output matrix goes to Q6_K, as in Ollama's
+Q4_0 files; tetrad keeps its LM head and embeddings in bf16). Both sides quantize before they are
+measured, as Ollama's models come: tetrad's int8 / int4 folder is stored quantized
+(tetrad.models.quant_store, what `tetrad create --quantize` writes); `--quantize-at-load` serves
+the 16-bit folder with `--quantization` instead, calibrating in the measured process. Each with one
 request and with 32 batched (llama.cpp's batched decoding: one llama_batch holding a token per
 sequence per step). Per row: the decode tokens/s of all requests together, the time until every
 request has its first token, the greedy tokens both sides agree on, the peak RSS (VmHWM) of the
@@ -94,6 +97,23 @@ def gguf_file(args, folder: Path, dtype: str) -> Path:
     return target
 
 
+def tetrad_folder(args, folder: Path, dtype: str) -> Path:
+    """The folder tetrad's side serves: the exported one, or for int8 / int4 (without
+    --quantize-at-load) the same model stored quantized."""
+    method = TETRAD_SETTINGS[dtype].get("quantization")
+    if method is None or args.quantize_at_load:
+        return folder
+    import torch
+
+    from tetrad.models.quant_store import quantize_folder
+
+    torch.set_num_threads(args.threads)
+    target = folder / f"tetrad-{method}"
+    target.mkdir()
+    quantize_folder(folder, target, method)
+    return target
+
+
 def child(python: str, argv: list[str]) -> dict:
     result = subprocess.run([python, __file__, *argv], capture_output=True, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "2"})
@@ -137,13 +157,14 @@ def compare(args) -> None:
             return
         ggufs = ({dtype: gguf_file(args, folder, dtype) for dtype in args.dtypes}
                  if has_llamacpp else {})
+        folders = {dtype: tetrad_folder(args, folder, dtype) for dtype in args.dtypes}
         common = ["--prompt", str(args.prompt), "--tokens", str(args.tokens),
                   "--threads", str(args.threads)]
         results: dict[tuple[str, int, str], list[dict]] = {}
         for round_index in range(args.rounds):
             for dtype in args.dtypes:
                 for requests in args.requests:
-                    tetrad = ["--folder", str(folder), "--dtype", dtype]
+                    tetrad = ["--folder", str(folders[dtype]), "--dtype", dtype]
                     sides = [("tetrad", sys.executable, tetrad)]
                     if not args.skip_eager:
                         sides.append(("tetrad eager", sys.executable, [*tetrad, "--eager"]))
@@ -213,6 +234,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quantize-at-load", action="store_true",
+                        help="tetrad's int8 / int4: --quantization on the 16-bit folder (GPTQ in "
+                             "the measured process) instead of a folder stored quantized")
     parser.add_argument("--convert", help="llama.cpp's convert_hf_to_gguf.py")
     parser.add_argument("--converter-path", action="append", default=[],
                         help="a folder the converter imports from (sentencepiece)")

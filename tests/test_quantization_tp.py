@@ -18,6 +18,8 @@ from test_quantization import FAMILIES, PROMPTS, GREEDY, assert_greedy, random_m
 from tetrad.inference.engine import LLM
 from tetrad.inference.ranks.driver import ServingWorker
 from tetrad.inference.ranks.rank_share import held_bytes
+from tetrad.models.hf import load_pretrained, save_hf
+from tetrad.models.quant_store import quantize_folder
 from tetrad.models.quant_model import quantize_model
 from tetrad.planner.memory import kv_bytes_per_token
 from tetrad.planner.precision import element_bytes
@@ -30,6 +32,8 @@ TP = 2
 # MoE shapes' shared expert (128 / 2 = 64) is not.
 CASES = [("llama", "int8", "auto"), ("llama", "int4", "fp8"), ("gpt2", "int4", "auto"),
          ("moe", "int8", "auto"), ("mla", "int8", "auto")]
+# A model stored quantized (tetrad create --quantize): every rank cuts the stored values.
+STORED = ("llama", "int4", "auto")
 
 
 def shards(model: torch.nn.Module, rank: int) -> dict:
@@ -39,10 +43,12 @@ def shards(model: torch.nn.Module, rank: int) -> dict:
             for name, module in model.named_modules() if hasattr(module, "quantized")}
 
 
-def rank_main(rank: int, world_size: int) -> list[dict]:
+def rank_main(rank: int, world_size: int, stored_folder: str) -> list[dict]:
+    """CASES in order, then the model stored quantized in `stored_folder` (each rank loads it)."""
     results = []
-    for family, method, kv in CASES:
-        model = random_model(FAMILIES[family])
+    for (family, method, kv), model in [*((case, random_model(FAMILIES[case[0]]))
+                                          for case in CASES),
+                                         (STORED, stored_folder)]:
         if rank == 0:
             llm = LLM(model, ByteTokenizer(), tp=TP, quantization=method, kv_cache_dtype=kv,
                       attention="sdpa", device="cpu", block_size=4, log=None)
@@ -59,15 +65,36 @@ def rank_main(rank: int, world_size: int) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def per_rank():
-    return run_ranks(rank_main, TP, timeout_s=300)
+def stored_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("stored")
+    save_hf(random_model(FAMILIES[STORED[0]]), folder / "bf16")
+    (folder / "int4").mkdir()
+    quantize_folder(folder / "bf16", folder / "int4", STORED[1])
+    return folder / "int4"
 
 
-@pytest.mark.parametrize("case", range(len(CASES)), ids=["-".join(c) for c in CASES])
-def test_tp2_holds_the_one_process_quantized_weights_cut_and_the_planned_bytes(per_rank, case):
-    family, method, kv = CASES[case]
+@pytest.fixture(scope="module")
+def per_rank(stored_folder):
+    return run_ranks(rank_main, TP, str(stored_folder), timeout_s=300)
+
+
+def one_process(case: int, stored_folder) -> torch.nn.Module:
+    """The quantized model one process serves for the case."""
+    if case < len(CASES):
+        family, method, _ = CASES[case]
+        return quantize_model(copy.deepcopy(random_model(FAMILIES[family])), method)
+    model = load_pretrained(stored_folder, "cpu", torch.bfloat16)
+    return quantize_model(model, STORED[1], model.stored_quantized)
+
+
+@pytest.mark.parametrize("case", range(len(CASES) + 1),
+                         ids=["-".join(c) for c in CASES] + ["stored-" + "-".join(STORED)])
+def test_tp2_holds_the_one_process_quantized_weights_cut_and_the_planned_bytes(
+        per_rank, stored_folder, case):
+    family, method, kv = [*CASES, STORED][case]
     config = FAMILIES[family]
-    whole = dict(quantize_model(copy.deepcopy(random_model(config)), method).named_modules())
+    reference = one_process(case, stored_folder)
+    whole = dict(reference.named_modules())
     for rank, results in enumerate(per_rank):
         result = results[case]
         assert result["shards"], "no tensor-parallel shard was quantized"
@@ -79,7 +106,6 @@ def test_tp2_holds_the_one_process_quantized_weights_cut_and_the_planned_bytes(p
         assert result["kv_per_token"] == kv_bytes_per_token(config, element_bytes(element), TP)
     if kv == "fp8":  # K and V rounded to E4M3 move the logits past bf16's rounding
         return
-    reference = quantize_model(copy.deepcopy(random_model(config)), method)
     for prompt, tokens in zip(PROMPTS, per_rank[0][case]["outputs"]):
         assert_greedy(reference, prompt, tokens)
 

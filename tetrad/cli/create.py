@@ -12,6 +12,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("name", help="name[:tag] to store it as (tag 'latest' by default)")
     parser.add_argument("-f", "--file", default="Modelfile",
                         help="the Modelfile (default: ./Modelfile)")
+    parser.add_argument("-q", "--quantize", choices=("int8", "int4"),
+                        help="store the blocks' projections quantized (GPTQ, once, here): "
+                             "served as --quantization int8 / int4 without calibrating at load, "
+                             "and never held in 16 bits")
     parser.set_defaults(run=run)
 
 
@@ -21,7 +25,14 @@ def run(args: argparse.Namespace) -> int:
 
     parse_name(args.name)  # a bad name costs nothing
     modelfile = read_modelfile(args.file)
-    model = ModelStore().create(args.name, modelfile)
+    if args.quantize:
+        print(f"quantizing to {args.quantize} (GPTQ on text the model samples itself; minutes "
+              f"for a large model)", flush=True)
+    quantize_folder = None
+    if args.quantize:
+        from tetrad.models.quant_store import quantize_folder
+    model = ModelStore().create(args.name, modelfile, quantize=args.quantize,
+                                quantize_folder=quantize_folder)
     print(f"created {model.name} ({format_size(model.size)}) in {model.folder}")
     return 0
 

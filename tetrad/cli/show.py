@@ -32,6 +32,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"  model       {count_parameters(config) / 1e6:.2f}M parameters, {config.num_layers} "
           f"layers, hidden {config.hidden_size}, vocabulary {config.vocab_size}, context "
           f"{config.max_seq_len}")
+    if manifest.get("quantization"):
+        print(f"  quantized   {manifest['quantization']} (the blocks' projections, stored)")
     if model.parameters:
         print("  parameters  " + ", ".join(f"{key}={value}" for key, value in
                                            model.parameters.items()))

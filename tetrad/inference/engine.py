@@ -41,6 +41,8 @@ from tetrad.inference.core.sequence import Sequence
 from tetrad.inference.core.tracker import RequestTracker
 from tetrad.models.hf import load_pretrained, pretrained_config
 from tetrad.models.host_memory import large_blocks_mapped
+from tetrad.models.quant_store import stored_quantization
+from tetrad.spec.hf import resolve_checkpoint
 from tetrad.planner.quantized import check_quantizable
 
 if TYPE_CHECKING:
@@ -62,6 +64,7 @@ class LLM:
         device = serving_device(config.device, config.world_size)
         self.path = None if isinstance(model, nn.Module) else Path(model)
         model_config = model.config if self.path is None else pretrained_config(self.path)
+        config = _with_stored_quantization(config, model if self.path is None else self.path)
         check_servable(config, model_config)
         check_quantizable(model_config, config, config.quantization)
         self.max_model_len = min(config.max_model_len or model_config.max_seq_len,
@@ -321,6 +324,24 @@ class LLM:
             if not finished:
                 self.abort(request_id)
                 self.step()
+
+
+def _with_stored_quantization(config: EngineConfig, model: Path | nn.Module) -> EngineConfig:
+    """A model stored quantized (quant_store) serves in its own method: --quantization may name
+    it or be left at none, but cannot ask for another (its 16-bit weights are not stored)."""
+    if isinstance(model, nn.Module):
+        held = getattr(model, "stored_quantized", None)
+        stored = next(iter(held.values())).method if held else None
+    else:
+        stored = stored_quantization(resolve_checkpoint(model))
+    if stored is None or config.quantization == stored:
+        return config
+    if config.quantization != "none":
+        raise ConfigError(f"{model} is stored quantized to {stored} (tetrad create --quantize): "
+                          f"it serves as {stored} only, not --quantization "
+                          f"{config.quantization}; store it again from its 16-bit weights for "
+                          f"another method")
+    return replace(config, quantization=stored)
 
 
 def check_output(output: RequestOutput) -> RequestOutput:

@@ -32,6 +32,7 @@ from tetrad.models.hf_fp8 import (QUANTIZATION_CONFIG, UNQUANTIZED_DTYPE, FP8Wei
                                   block_size, quantize_state_dict)
 from tetrad.models.hf_rules import Rule
 from tetrad.models.hf_weights import HFWeights
+from tetrad.models.quant_store import load_quantized, stored_weight_names
 from tetrad.models.rope import make_rotary
 from tetrad.models.skeleton import empty_model
 from tetrad.models.transformer import Transformer
@@ -136,18 +137,22 @@ def has_hf_weights(folder: str | Path) -> bool:
 
 
 def _hf_tensors(config: ModelConfig, folder: Path, device: torch.device | str = "cpu",
-                keep_fp8: bool = False, dtype: torch.dtype | None = None
+                keep_fp8: bool = False, dtype: torch.dtype | None = None,
+                held: frozenset[str] = frozenset()
                 ) -> Iterator[tuple[str, torch.Tensor | FP8Weight, str]]:
     """(tetrad name, tensor on `device` in `dtype` (None: as stored), where it came from) for
-    every parameter of a model of `config`, one at a time, after checking that the folder's
-    tensors are exactly the ones the model needs. With `keep_fp8` a weight whose pieces are all
-    FP8 comes as one FP8Weight; FP8 pieces otherwise come dequantised (fp32)."""
+    every parameter of a model of `config` but those `held` quantized (quant_store), one at a
+    time, after checking that the folder's tensors are exactly the ones the model needs. With
+    `keep_fp8` a weight whose pieces are all FP8 comes as one FP8Weight; FP8 pieces otherwise
+    come dequantised (fp32)."""
     hf = read_hf_config(folder)
     check_runtime_support(hf)
     weights = HFWeights(folder, device, block_size(hf), keep_fp8)
     names = weights.names()
     prefix = "transformer." if any(n.startswith("transformer.") for n in names) else ""
-    model_rules = rules(config, hf["model_type"], prefix, hf.get("rope_interleave", True))
+    model_rules = [rule for rule in rules(config, hf["model_type"], prefix,
+                                          hf.get("rope_interleave", True))
+                   if rule.tetrad not in held]
     missing = [name for rule in model_rules for name in rule.hf if name not in names]
     if missing:
         raise ConfigError(f"{folder} lacks {len(missing)} tensors the model needs (e.g. "
@@ -189,14 +194,18 @@ def _check_shape(param: torch.Tensor, tensor: torch.Tensor, name: str, source: s
                           f"gives {tuple(tensor.shape)}: the weights do not match the model config")
 
 
-def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
-    """tetrad parameters -> HF tensors (contiguous copies, as safetensors wants)."""
+def to_hf_state_dict(model: Transformer, held: frozenset[str] = frozenset()
+                     ) -> dict[str, torch.Tensor]:
+    """tetrad parameters -> HF tensors (contiguous copies, as safetensors wants), but for the
+    parameters `held` quantized (quant_store)."""
     config = model.config
     params = model.state_dict()
     out = {}
     # DeepSeek's rope rows are written as tetrad holds them (its config says rope_interleave
     # false), so the rules read them in place.
     for rule in rules(config, hf_model_type(config), rope_interleave=False):
+        if rule.tetrad in held:
+            continue
         tensor = params[rule.tetrad].detach()
         pieces = tensor.split(list(rule.sizes)) if rule.sizes else (tensor,)
         for name, piece in zip(rule.hf, pieces, strict=True):
@@ -250,12 +259,20 @@ def _parameter_names(config: ModelConfig) -> set[str]:
 
 def _materialize(model: Transformer,
                  tensors: Iterator[tuple[str, torch.Tensor | FP8Weight, str]],
-                 device: torch.device, dtype: torch.dtype | None) -> None:
+                 device: torch.device, dtype: torch.dtype | None,
+                 held: frozenset[str] = frozenset()
+                 ) -> None:
     """Give a model built on the meta device its parameters, each read once and put straight on
     `device` in `dtype` (None: as stored): no random init, no full-precision copy. An FP8Weight
-    replaces its linear with an FP8WeightLinear computing in `dtype`."""
+    replaces its linear with an FP8WeightLinear computing in `dtype`. The parameters `held`
+    quantized elsewhere stay on the meta device, in `dtype`, until quantize_model replaces
+    them: no memory ever holds them in 16 bits."""
     params = dict(model.named_parameters())
-    loaded = set()
+    for name in held:
+        module_name, _, leaf = name.rpartition(".")
+        model.get_submodule(module_name).register_parameter(leaf, nn.Parameter(
+            params[name].to(dtype), requires_grad=False))
+    loaded = set(held)
     for name, tensor, source in tensors:
         if name not in params:
             raise ConfigError(f"{source} has a tensor {name} the model does not use: the "
@@ -348,6 +365,14 @@ def load_pretrained(path: str | Path, device: torch.device | str = "cpu",
         hf = read_hf_config(folder)
         if dtype is None and hf.get("quantization_config"):
             dtype = checkpoint_dtype(folder)  # FP8 weights come dequantised: in the model's dtype
+        held = stored_weight_names(folder)
+        if held:  # quantized projections come with whole_model_weights' values
+            dtype = dtype or checkpoint_dtype(folder)
+            model = empty_model(config)
+            _materialize(model, _hf_tensors(config, folder, device, keep_fp8, dtype, held),
+                         device, dtype, held)
+            model.stored_quantized = load_quantized(folder, dtype)
+            return model.eval()
         # safetensors reads straight into device memory.
         tensors = _hf_tensors(config, folder, device, keep_fp8, dtype)
     model = empty_model(config)

@@ -41,6 +41,7 @@ from tetrad.store.modelfile import (ROLES, Modelfile, ModelfileError, check_para
                               render_modelfile)
 from tetrad.spec.presets import resolve_model
 from tetrad.store.files import MANIFEST, assemble, write_settings
+from tetrad.spec.gguf import GGUF_FILE
 from tetrad.store.gguf import gguf_folder, is_gguf_file, unpack_gguf
 
 STORE_ENV = "TETRAD_HOME"  # the store is $TETRAD_HOME/models
@@ -158,12 +159,20 @@ class ModelStore:
                         broken.append(str(error))
         return sorted(models, key=lambda model: model.name), broken
 
-    def create(self, name: str, modelfile: Modelfile, origin: str | None = None) -> StoredModel:
+    def create(self, name: str, modelfile: Modelfile, origin: str | None = None,
+               quantize: str | None = None,
+               quantize_folder: Callable[[Path, Path, str], None] | None = None) -> StoredModel:
         """Store FROM's model under `name` with the Modelfile's settings (over those of a stored
         FROM), replacing a model of that name. Atomic: a failure leaves the store as it was.
-        `origin`: what `tetrad list` shows it came from (default: FROM)."""
+        `origin`: what `tetrad list` shows it came from (default: FROM). `quantize`: int8 or
+        int4, the projections stored quantized by `quantize_folder(source, target, method)`
+        (tetrad.models.quant_store's, which needs torch: the store itself does not)."""
         full = parse_name(name)
         source, base = self._source(modelfile)
+        if quantize is not None:
+            check_quantizable_source(source, quantize)
+            if quantize_folder is None:
+                raise ValueError("quantize needs quantize_folder")
         settings = {"system": base.system if base else None,
                     "parameters": dict(base.parameters) if base else {},
                     "messages": base.messages if base else [],
@@ -181,6 +190,8 @@ class ModelStore:
         manifest = {"name": full, "from": origin or modelfile.source, "source": str(source),
                     "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **settings,
                     "modelfile": modelfile.text}
+        if quantize is not None or (base and base.manifest.get("quantization")):
+            manifest["quantization"] = quantize or base.manifest["quantization"]
         staging = retired = None
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -192,6 +203,10 @@ class ModelStore:
                 write_settings(staging, modelfile.template, manifest)
             else:
                 assemble(staging, source, modelfile.template, manifest)
+                if quantize is not None:
+                    for linked in (*staging.glob("*.safetensors*"), staging / "config.json"):
+                        linked.unlink()  # links to the source's: replaced, not written through
+                    quantize_folder(source, staging, quantize)
             target = self.folder(full)
             with self._lock():
                 target.parent.mkdir(parents=True, exist_ok=True)
@@ -381,3 +396,19 @@ def resolve_model_argument(argument: str, store: ModelStore | None = None
         raise ConfigError(f"{argument} is neither a folder nor a model in {store.root} "
                           f"(tetrad list shows them)")
     return str(stored.folder), stored
+
+
+def check_quantizable_source(source: Path, method: str) -> None:
+    """`tetrad create --quantize` reads 16-bit (or fp32) weights of an HF folder."""
+    if method not in ("int8", "int4"):
+        raise ConfigError(f"--quantize {method}: use int8 or int4")
+    if is_gguf_file(source):
+        raise ConfigError(f"--quantize {method}: {source.name} is a GGUF file, whose weights "
+                          f"are stored as the file has them (Q8_0 / Q4_0 already quantized): "
+                          f"create it without --quantize")
+    if (source / "tetrad-quantized.safetensors").is_file():
+        raise ConfigError(f"--quantize {method}: {source} is stored quantized already; "
+                          f"quantize from its 16-bit weights")
+    if not (source / "config.json").is_file() or (source / GGUF_FILE).is_file():
+        raise ConfigError(f"--quantize {method}: {source} is not an HF model folder (config.json "
+                          f"and safetensors); export a tetrad checkpoint first (tetrad export)")

@@ -31,8 +31,9 @@ from tetrad.inference.entrypoints.api import ApiError, SamplingFields, ServerCon
 from tetrad.inference.entrypoints.http import error_body, final_outputs, merged, unless_gone
 from tetrad.inference.entrypoints.ollama_api import (ChatRequest, EmbedRequest, GenerateRequest,
                                                      ModelRequest, created_at, details, digest,
-                                                     done_fields, folder_format, model_info,
-                                                     nanoseconds, parameters_text, timestamp)
+                                                     done_fields, folder_format, level,
+                                                     model_info, nanoseconds, parameters_text,
+                                                     timestamp)
 from tetrad.inference.entrypoints.ollama_embed import embed_texts
 from tetrad.inference.entrypoints.ollama_options import sampling_options
 from tetrad.inference.entrypoints.served import ServedModel, parse_keep_alive
@@ -236,7 +237,7 @@ def add_ollama_api(app: FastAPI, models, config: ServerConfig) -> None:
                           "modified_at": created_at(manifest, folder),
                           "size": stored.size if stored else served.size_bytes,
                           "digest": digest(manifest, folder),
-                          "details": details(model_config, served and served.llm.config.dtype,
+                          "details": details(model_config, level(served, manifest),
                                              folder_format(folder))}}
 
     @router.get("/api/tags")

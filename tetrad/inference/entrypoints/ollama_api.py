@@ -170,6 +170,15 @@ def family(config: ModelConfig) -> str:
         return config.name
 
 
+def level(served, manifest: dict | None) -> str | None:
+    """What /api/show's quantization_level names: the served model's quantization, else its
+    dtype; a model not loaded, what the store says it was quantized to (None: unknown)."""
+    if served is not None:
+        config = served.llm.config
+        return config.dtype if config.quantization == "none" else config.quantization
+    return manifest.get("quantization") if manifest else None
+
+
 def details(config: ModelConfig, dtype: str | None, weights_format: str) -> dict:
     from tetrad.planner.model_stats import count_parameters
 

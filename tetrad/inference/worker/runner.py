@@ -216,17 +216,28 @@ def load_runner(model: nn.Module, config: "EngineConfig", max_model_len: int,
     # (~75 MB resident), which an unquantized model never runs.
     quantized = config.quantization != "none"
     if quantized:
+        from tetrad.models.quant_calibrate import QuantizedWeight
         from tetrad.models.quant_model import quantize_model, whole_model_weights
-    whole = None  # the whole model's quantized projections, calibrated before a split
-    if ranks is not None:
-        if quantized:
-            whole = whole_model_weights(model, config.quantization, TORCH_DTYPES[config.dtype])
-        model = ranks.shard(model)
-    model = model.to(device).eval()
     dtype = TORCH_DTYPES[config.dtype]
+    # The whole model's quantized projections: stored with it (quant_store), else calibrated
+    # here before a split.
+    whole = getattr(model, "stored_quantized", None)
+    stored = whole is not None
+    if stored:
+        del model.stored_quantized
+        whole = {name: QuantizedWeight(held.method, held.values.to(device),
+                                       held.grid.to(device, dtype))
+                 for name, held in whole.items()}
+    if ranks is not None:
+        if quantized and not stored:
+            whole = whole_model_weights(model, config.quantization, dtype)
+        model = ranks.shard(model)
+    if stored:  # before the move: the projections it replaces were never read (meta tensors)
+        model = quantize_model(model, config.quantization, whole)
+    model = model.to(device).eval()
     for param in model.parameters():  # buffers (rotary frequencies) stay fp32
         param.data = param.data.to(dtype)
-    if quantized:
+    if quantized and not stored:
         model = quantize_model(model, config.quantization, whole)  # this rank's share
     kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, config.dtype)
     tp = 1 if ranks is None else ranks.size
