@@ -92,6 +92,8 @@ def gguf_file(args, folder: Path, dtype: str) -> Path:
     if quantized is None:
         return source
     target = folder / f"model-{quantized}.gguf"
+    if target.exists():
+        return target
     subprocess.run([args.llamacpp_python, __file__, "--quantize-gguf", str(source), str(target),
                     quantized], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return target
@@ -109,8 +111,9 @@ def tetrad_folder(args, folder: Path, dtype: str) -> Path:
 
     torch.set_num_threads(args.threads)
     target = folder / f"tetrad-{method}"
-    target.mkdir()
-    quantize_folder(folder, target, method)
+    if not (target / "config.json").exists():  # written last: a folder with it is complete
+        target.mkdir(exist_ok=True)
+        quantize_folder(folder, target, method)
     return target
 
 
@@ -150,8 +153,10 @@ def compare(args) -> None:
               "llama_cpp (install llama-cpp-python there; see this file's docstring)")
         args.convert = None
     with tempfile.TemporaryDirectory() as scratch:
-        folder = Path(scratch)
-        export(args, folder)
+        folder = Path(scratch) if args.keep is None else Path(args.keep) / args.shape
+        folder.mkdir(parents=True, exist_ok=True)
+        if not (folder / "config.json").exists():
+            export(args, folder)
         if args.profile:
             print_profiles(folder, args)
             return
@@ -234,6 +239,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--keep", help="a folder to keep the model, its GGUF files and its "
+                        "quantized folders in (under the shape's name) and reuse them from")
     parser.add_argument("--quantize-at-load", action="store_true",
                         help="tetrad's int8 / int4: --quantization on the 16-bit folder (GPTQ in "
                              "the measured process) instead of a folder stored quantized")

@@ -5,6 +5,7 @@ no 16-bit projection; the load never builds the 16-bit projections it replaces; 
 cannot be done is refused in one line. tp=2 on a stored model: test_quantization_tp.py."""
 
 import json
+import weakref
 
 import pytest
 import torch
@@ -14,9 +15,11 @@ from test_quantization import FAMILIES, GREEDY, PROMPTS, random_model
 from tetrad.cli.main import main
 from tetrad.errors import ConfigError
 from tetrad.inference.engine import LLM
+from tetrad.models import quant
 from tetrad.models.fp8_weights import weight_bytes
 from tetrad.models.hf import load_pretrained, save_hf
-from tetrad.models.quant_store import QUANTIZED_FILE, quantize_folder, stored_quantization
+from tetrad.models.quant_store import (QUANTIZED_FILE, StoredProjections, quantize_folder,
+                                       stored_quantization)
 from tetrad.planner.serving import weight_bytes_per_gpu
 from tetrad.spec.model import ModelConfig
 from tetrad.spec.serving import ServeLayout
@@ -90,6 +93,32 @@ def test_the_load_never_builds_the_projections_it_replaces(tmp_path, monkeypatch
     assert calibrations == []  # served from the stored values: GPTQ did not run again
 
 
+def test_a_stored_int4_model_is_unpacked_one_projection_at_a_time(tmp_path, monkeypatch):
+    """int4's levels take a byte each once unpacked, twice their stored bytes: the load unpacks
+    each projection as its layer is built, never the whole model's at once."""
+    save_hf(random_model(FAMILIES["llama"]), tmp_path / "bf16")
+    (tmp_path / "stored").mkdir()
+    quantize_folder(tmp_path / "bf16", tmp_path / "stored", "int4")
+    unpacked, most_alive = [], []
+    read, build = StoredProjections.__getitem__, quant.Int4Linear._build.__func__
+
+    def tracked_read(self, name):
+        weight = read(self, name)
+        unpacked.append(weakref.ref(weight.values))
+        return weight
+
+    def counted_build(cls, *args, **kwargs):
+        most_alive.append(sum(ref() is not None for ref in unpacked))
+        return build(cls, *args, **kwargs)
+
+    monkeypatch.setattr(StoredProjections, "__getitem__", tracked_read)
+    monkeypatch.setattr(quant.Int4Linear, "_build", classmethod(counted_build))
+    engine(tmp_path / "stored")
+    # qkv, out, gate/up and down of each layer, each unpacked and built once
+    assert len(unpacked) == len(most_alive) == 4 * FAMILIES["llama"].num_layers
+    assert max(most_alive) == 1
+
+
 def test_create_quantize_stores_it_and_show_says_so(tmp_path, capsys):
     save_hf(random_model(FAMILIES["llama"]), tmp_path / "bf16")
     (tmp_path / "bf16" / "tokenizer_config.json").write_text("{}")
@@ -117,6 +146,8 @@ def test_what_cannot_be_stored_or_served_quantized_is_refused_in_one_line(tmp_pa
     quantize_folder(tmp_path / "bf16", tmp_path / "stored", "int4")
     with pytest.raises(ConfigError, match="stored quantized to int4.*not --quantization int8"):
         engine(tmp_path / "stored", quantization="int8")
+    assert main(["export", str(tmp_path / "stored"), "--out", str(tmp_path / "out")]) == 2
+    assert "has no HF form" in capsys.readouterr().err
     modelfile = tmp_path / "Modelfile"
     modelfile.write_text("FROM ./stored\n")
     assert main(["create", "again", "-f", str(modelfile), "-q", "int8"]) == 2

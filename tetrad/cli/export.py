@@ -24,12 +24,19 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tetrad.errors import ConfigError
     from tetrad.models.hf import load_pretrained, save_hf
+    from tetrad.models.quant_store import stored_quantization
     from tetrad.store.models import resolve_model_argument
     from tetrad.tokenizer import load_tokenizer
 
     folder, _ = resolve_model_argument(args.checkpoint)
     check_out_folder(args.out)
+    if stored_quantization(folder):
+        raise ConfigError(f"{args.checkpoint} is stored quantized to "
+                          f"{stored_quantization(folder)} (tetrad create --quantize): its 16-bit "
+                          f"projections are not stored, so it has no HF form; export the model "
+                          f"it was created from")
     model = load_pretrained(folder)
     tokenizer = load_tokenizer(folder)
     save_hf(model, args.out, eos_id=tokenizer.eos_id, dtype=args.dtype)

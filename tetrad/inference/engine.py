@@ -330,8 +330,7 @@ def _with_stored_quantization(config: EngineConfig, model: Path | nn.Module) -> 
     """A model stored quantized (quant_store) serves in its own method: --quantization may name
     it or be left at none, but cannot ask for another (its 16-bit weights are not stored)."""
     if isinstance(model, nn.Module):
-        held = getattr(model, "stored_quantized", None)
-        stored = next(iter(held.values())).method if held else None
+        stored = getattr(getattr(model, "stored_quantized", None), "method", None)
     else:
         stored = stored_quantization(resolve_checkpoint(model))
     if stored is None or config.quantization == stored:

@@ -32,7 +32,7 @@ from tetrad.models.hf_fp8 import (QUANTIZATION_CONFIG, UNQUANTIZED_DTYPE, FP8Wei
                                   block_size, quantize_state_dict)
 from tetrad.models.hf_rules import Rule
 from tetrad.models.hf_weights import HFWeights
-from tetrad.models.quant_store import load_quantized, stored_weight_names
+from tetrad.models.quant_store import StoredProjections, stored_weight_names
 from tetrad.models.rope import make_rotary
 from tetrad.models.skeleton import empty_model
 from tetrad.models.transformer import Transformer
@@ -371,7 +371,7 @@ def load_pretrained(path: str | Path, device: torch.device | str = "cpu",
             model = empty_model(config)
             _materialize(model, _hf_tensors(config, folder, device, keep_fp8, dtype, held),
                          device, dtype, held)
-            model.stored_quantized = load_quantized(folder, dtype)
+            model.stored_quantized = StoredProjections(folder).to(device, dtype)
             return model.eval()
         # safetensors reads straight into device memory.
         tensors = _hf_tensors(config, folder, device, keep_fp8, dtype)

@@ -13,6 +13,8 @@ carries rounding errors across a row's columns, which no shard could do on its o
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
@@ -64,12 +66,13 @@ def _shard_product(layer: nn.Module):
 
 
 def quantize_model(model: nn.Module, method: str,
-                   whole: dict[str, QuantizedWeight] | None = None) -> nn.Module:
+                   whole: Mapping[str, QuantizedWeight] | None = None) -> nn.Module:
     """Swap `model`'s projections, in place, for int8 or int4 ones on the device and in the
-    16-bit dtype they hold now. `whole`: whole_model_weights of the model before its split, which
-    a split model needs; without it `model` is a whole one and is calibrated here. MLA's kv_up
-    keeps the reference layout: its absorbed attention reads the dequantized weight every step,
-    which that layout gives with one multiply."""
+    16-bit dtype they hold now. `whole`: whole_model_weights of the model before its split (or
+    the values it was stored with, quant_store), which a split model needs; without it `model`
+    is a whole one and is calibrated here. MLA's kv_up keeps the reference layout: its absorbed
+    attention reads the dequantized weight every step, which that layout gives with one
+    multiply."""
     if method == "none":
         return model
     projections = _projections(model)

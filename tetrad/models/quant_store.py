@@ -17,6 +17,7 @@ quantize_model swaps out before anything reads them, so serving an int4 model ne
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -85,24 +86,47 @@ def stored_weight_names(folder: str | Path) -> frozenset[str]:
         return frozenset(f"{key.rpartition('.')[0]}.weight" for key in file.keys())
 
 
-def load_quantized(folder: str | Path, dtype: torch.dtype) -> dict[str, "QuantizedWeight"]:
-    """The stored projections by module name, their grids in `dtype` (the serving dtype)."""
-    from safetensors import safe_open
+class StoredProjections(Mapping):
+    """A folder's stored projections by module name, each read from the file when asked for
+    (int4's levels unpacked to a byte each only then): quantize_model builds one layer at a time,
+    so the whole model's unpacked values are never in memory at once. `to(device, dtype)`: the
+    values on `device` and the grids in `dtype` (the serving dtype) when read."""
 
-    from tetrad.models.quant import _unpack_pairs
-    from tetrad.models.quant_calibrate import QuantizedWeight
+    def __init__(self, folder: str | Path):
+        from safetensors import safe_open
 
-    path = Path(folder) / QUANTIZED_FILE
-    method = _metadata(path)["method"]
-    with safe_open(str(path), "pt") as file:
-        names = sorted({key.rpartition(".")[0] for key in file.keys()})
-        whole = {}
-        for name in names:
-            values = file.get_tensor(f"{name}.values")
-            if method == "int4":
-                values = _unpack_pairs(values)
-            whole[name] = QuantizedWeight(method, values, file.get_tensor(f"{name}.grid").to(dtype))
-    return whole
+        self.path = Path(folder) / QUANTIZED_FILE
+        self.method = _metadata(self.path)["method"]
+        with safe_open(str(self.path), "pt") as file:
+            self.names = sorted({key.rpartition(".")[0] for key in file.keys()})
+        self.device, self.dtype = torch.device("cpu"), None
+
+    def to(self, device: torch.device | str, dtype: torch.dtype) -> "StoredProjections":
+        self.device, self.dtype = torch.device(device), dtype
+        return self
+
+    def __getitem__(self, name: str) -> "QuantizedWeight":
+        from safetensors import safe_open
+
+        from tetrad.models.quant import _unpack_pairs
+        from tetrad.models.quant_calibrate import QuantizedWeight
+
+        if name not in self.names:
+            raise KeyError(name)
+        # Copies: a tensor safetensors gives may be a view of its mapping of the whole file,
+        # which a layer holding it would keep mapped, every page read so far resident with it.
+        with safe_open(str(self.path), "pt") as file:
+            values, grid = file.get_tensor(f"{name}.values"), file.get_tensor(f"{name}.grid")
+        if self.method == "int4":
+            values = _unpack_pairs(values)
+        return QuantizedWeight(self.method, values.to(self.device, copy=True),
+                               grid.to(self.device, self.dtype or grid.dtype, copy=True))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
 
 
 def quantize_folder(source: Path, target: Path, method: str) -> None:

@@ -216,7 +216,6 @@ def load_runner(model: nn.Module, config: "EngineConfig", max_model_len: int,
     # (~75 MB resident), which an unquantized model never runs.
     quantized = config.quantization != "none"
     if quantized:
-        from tetrad.models.quant_calibrate import QuantizedWeight
         from tetrad.models.quant_model import quantize_model, whole_model_weights
     dtype = TORCH_DTYPES[config.dtype]
     # The whole model's quantized projections: stored with it (quant_store), else calibrated
@@ -225,9 +224,7 @@ def load_runner(model: nn.Module, config: "EngineConfig", max_model_len: int,
     stored = whole is not None
     if stored:
         del model.stored_quantized
-        whole = {name: QuantizedWeight(held.method, held.values.to(device),
-                                       held.grid.to(device, dtype))
-                 for name, held in whole.items()}
+        whole = whole.to(device, dtype)
     if ranks is not None:
         if quantized and not stored:
             whole = whole_model_weights(model, config.quantization, dtype)
