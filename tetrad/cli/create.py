@@ -25,12 +25,12 @@ def run(args: argparse.Namespace) -> int:
 
     parse_name(args.name)  # a bad name costs nothing
     modelfile = read_modelfile(args.file)
-    if args.quantize:
-        print(f"quantizing to {args.quantize} (GPTQ on text the model samples itself; minutes "
-              f"for a large model)", flush=True)
     quantize_folder = None
     if args.quantize:
         from tetrad.models.quant_store import quantize_folder
+
+        print(f"quantizing to {args.quantize} (GPTQ on text the model samples itself; minutes "
+              f"for a large model)", flush=True)
     model = ModelStore().create(args.name, modelfile, quantize=args.quantize,
                                 quantize_folder=quantize_folder)
     print(f"created {model.name} ({format_size(model.size)}) in {model.folder}")

@@ -11,9 +11,10 @@ module names:
     <projection>.grid     int8: scales [N];   int4: (scale, offset) pairs [K / group, N, 2]
 
 in the dtype the model was calibrated in (the folder's config.json `dtype`), and the method in
-the file's metadata. Loading it builds the projections' 16-bit weights as untouched memory that
-quantize_model swaps out before anything reads them, so serving an int4 model never holds it in
-16 bits, and the served values are exactly those `--quantization` computes at load."""
+the file's metadata. Loading it leaves the projections' 16-bit weights on the meta device until
+quantize_model swaps them for layers built from the stored values, one projection at a time
+(StoredProjections), so serving an int4 model never holds it in 16 bits, and the served values
+are exactly those `--quantization` computes at load."""
 
 from __future__ import annotations
 
