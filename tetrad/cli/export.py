@@ -32,11 +32,11 @@ def run(args: argparse.Namespace) -> int:
 
     folder, _ = resolve_model_argument(args.checkpoint)
     check_out_folder(args.out)
-    if stored_quantization(folder):
-        raise ConfigError(f"{args.checkpoint} is stored quantized to "
-                          f"{stored_quantization(folder)} (tetrad create --quantize): its 16-bit "
-                          f"projections are not stored, so it has no HF form; export the model "
-                          f"it was created from")
+    method = stored_quantization(folder)
+    if method:
+        raise ConfigError(f"{args.checkpoint} is stored quantized to {method} (tetrad create "
+                          f"--quantize): its 16-bit projections are not stored, so it has no HF "
+                          f"form; export the model it was created from")
     model = load_pretrained(folder)
     tokenizer = load_tokenizer(folder)
     save_hf(model, args.out, eos_id=tokenizer.eos_id, dtype=args.dtype)

@@ -32,7 +32,7 @@ from tetrad.models.hf_fp8 import (QUANTIZATION_CONFIG, UNQUANTIZED_DTYPE, FP8Wei
                                   block_size, quantize_state_dict)
 from tetrad.models.hf_rules import Rule
 from tetrad.models.hf_weights import HFWeights
-from tetrad.models.quant_store import StoredProjections, stored_weight_names
+from tetrad.models.quant_store import StoredProjections
 from tetrad.models.rope import make_rotary
 from tetrad.models.skeleton import empty_model
 from tetrad.models.transformer import Transformer
@@ -365,13 +365,13 @@ def load_pretrained(path: str | Path, device: torch.device | str = "cpu",
         hf = read_hf_config(folder)
         if dtype is None and hf.get("quantization_config"):
             dtype = checkpoint_dtype(folder)  # FP8 weights come dequantised: in the model's dtype
-        held = stored_weight_names(folder)
-        if held:  # quantized projections come with whole_model_weights' values
-            dtype = dtype or checkpoint_dtype(folder)
+        stored = StoredProjections.of(folder)
+        if stored is not None:  # the projections come as whole_model_weights' values, on use
+            dtype, held = dtype or checkpoint_dtype(folder), stored.weight_names()
             model = empty_model(config)
             _materialize(model, _hf_tensors(config, folder, device, keep_fp8, dtype, held),
                          device, dtype, held)
-            model.stored_quantized = StoredProjections(folder).to(device, dtype)
+            model.stored_quantized = stored  # load_runner puts it on the device, in the dtype
             return model.eval()
         # safetensors reads straight into device memory.
         tensors = _hf_tensors(config, folder, device, keep_fp8, dtype)

@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from tetrad.errors import ConfigError
+from tetrad.spec.serving import QUANTIZED_FILE
 
 if TYPE_CHECKING:  # the quantizers import triton where it is installed: only a quantized load
     from tetrad.models.quant_calibrate import QuantizedWeight
 
-QUANTIZED_FILE = "tetrad-quantized.safetensors"
 FORMAT_VERSION = "1"
 
 
@@ -75,18 +75,6 @@ def _metadata(path: Path) -> dict[str, str]:
     return metadata
 
 
-def stored_weight_names(folder: str | Path) -> frozenset[str]:
-    """The parameters (`<projection>.weight`) a folder holds quantized, not in 16 bits."""
-    from safetensors import safe_open
-
-    path = Path(folder) / QUANTIZED_FILE
-    if not path.is_file():
-        return frozenset()
-    _metadata(path)
-    with safe_open(str(path), "pt") as file:
-        return frozenset(f"{key.rpartition('.')[0]}.weight" for key in file.keys())
-
-
 class StoredProjections(Mapping):
     """A folder's stored projections by module name, each read from the file when asked for
     (int4's levels unpacked to a byte each only then): quantize_model builds one layer at a time,
@@ -101,6 +89,15 @@ class StoredProjections(Mapping):
         with safe_open(str(self.path), "pt") as file:
             self.names = sorted({key.rpartition(".")[0] for key in file.keys()})
         self.device, self.dtype = torch.device("cpu"), None
+
+    @classmethod
+    def of(cls, folder: str | Path) -> "StoredProjections | None":
+        """The folder's stored projections; None when it is not stored quantized."""
+        return cls(folder) if (Path(folder) / QUANTIZED_FILE).is_file() else None
+
+    def weight_names(self) -> frozenset[str]:
+        """The parameters (`<projection>.weight`) held here, not in 16 bits."""
+        return frozenset(f"{name}.weight" for name in self.names)
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> "StoredProjections":
         self.device, self.dtype = torch.device(device), dtype

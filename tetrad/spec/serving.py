@@ -18,6 +18,9 @@ from tetrad.errors import ConfigError, check_choice, check_positive
 
 PREEMPTION_MODES = ("recompute", "swap")
 QUANTIZATIONS = ("none", "int8", "int4")  # weight-only, the planner's int8 / int4 serving
+# A model stored quantized (`tetrad create --quantize`): its projections' file, beside
+# model.safetensors (tetrad.models.quant_store).
+QUANTIZED_FILE = "tetrad-quantized.safetensors"
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp8")  # auto: the model's; fp8 is E4M3 storage
 DEFAULT_CPU_KV_MEMORY = 512 * 2**20  # --kv-memory on a CPU (on a GPU: the memory left free)
 

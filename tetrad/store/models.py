@@ -41,8 +41,8 @@ from tetrad.store.modelfile import (ROLES, Modelfile, ModelfileError, check_para
                               render_modelfile)
 from tetrad.spec.presets import resolve_model
 from tetrad.store.files import MANIFEST, assemble, write_settings
-from tetrad.spec.gguf import GGUF_FILE
 from tetrad.store.gguf import gguf_folder, is_gguf_file, unpack_gguf
+from tetrad.store.quantized import check_quantizable_source, store_quantized
 
 STORE_ENV = "TETRAD_HOME"  # the store is $TETRAD_HOME/models
 MANIFEST_FIELDS = {"name": str, "from": str, "source": str, "created": str,
@@ -204,9 +204,7 @@ class ModelStore:
             else:
                 assemble(staging, source, modelfile.template, manifest)
                 if quantize is not None:
-                    for linked in (*staging.glob("*.safetensors*"), staging / "config.json"):
-                        linked.unlink()  # links to the source's: replaced, not written through
-                    quantize_folder(source, staging, quantize)
+                    store_quantized(staging, source, quantize, quantize_folder)
             target = self.folder(full)
             with self._lock():
                 target.parent.mkdir(parents=True, exist_ok=True)
@@ -397,18 +395,3 @@ def resolve_model_argument(argument: str, store: ModelStore | None = None
                           f"(tetrad list shows them)")
     return str(stored.folder), stored
 
-
-def check_quantizable_source(source: Path, method: str) -> None:
-    """`tetrad create --quantize` reads 16-bit (or fp32) weights of an HF folder."""
-    if method not in ("int8", "int4"):
-        raise ConfigError(f"--quantize {method}: use int8 or int4")
-    if is_gguf_file(source):
-        raise ConfigError(f"--quantize {method}: {source.name} is a GGUF file, whose weights "
-                          f"are stored as the file has them (Q8_0 / Q4_0 already quantized): "
-                          f"create it without --quantize")
-    if (source / "tetrad-quantized.safetensors").is_file():
-        raise ConfigError(f"--quantize {method}: {source} is stored quantized already; "
-                          f"quantize from its 16-bit weights")
-    if not (source / "config.json").is_file() or (source / GGUF_FILE).is_file():
-        raise ConfigError(f"--quantize {method}: {source} is not an HF model folder (config.json "
-                          f"and safetensors); export a tetrad checkpoint first (tetrad export)")
