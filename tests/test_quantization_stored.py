@@ -146,6 +146,10 @@ def test_what_cannot_be_stored_or_served_quantized_is_refused_in_one_line(tmp_pa
     quantize_folder(tmp_path / "bf16", tmp_path / "stored", "int4")
     with pytest.raises(ConfigError, match="stored quantized to int4.*not --quantization int8"):
         engine(tmp_path / "stored", quantization="int8")
+    (tmp_path / "stored" / QUANTIZED_FILE).write_bytes(b"not safetensors")
+    with pytest.raises(ConfigError, match="is not a readable safetensors file"):
+        engine(tmp_path / "stored")
+    quantize_folder(tmp_path / "bf16", tmp_path / "stored", "int4")
     assert main(["export", str(tmp_path / "stored"), "--out", str(tmp_path / "out")]) == 2
     assert "has no HF form" in capsys.readouterr().err
     modelfile = tmp_path / "Modelfile"
