@@ -3,7 +3,8 @@ serving: greedy agreement and mean |Δlogit| (issue 30's goal: int8 >= 90%, int4
 first 64 tokens over 20 prompts).
 
     .venv/bin/python benchmarks/quant_agreement.py [--steps 300] [--batch-size 16] [--model DIR]
-        [--keep DIR] [--calibration-seeds N] [--settings int8 int4 ...]
+        [--keep DIR] [--calibration-seeds N] [--calibration-texts PLAY ...]
+        [--settings int8 int4 ...]
 
 The model (without --model) is trained here on one CPU process: smaller than the Shakespeare
 demo's `small`, with widths int4's groups of 128 tile (4 layers, hidden 128, 4 heads of 32, 2 kv
@@ -22,7 +23,14 @@ With --calibration-seeds N the int8 and int4 rows are repeated for calibration s
 engine calibrates with seed 0): how far the choice of self-generated calibration text alone
 moves both measures. The "fp32" row serves the checkpoint as trained, in fp32: its agreement
 is how many greedy tokens bf16's own rounding (of weights and activations) flips, the scale of
-the measure's noise on this model.
+the measure's noise on this model. The "bf16 forward" row takes the greedy tokens of the bf16
+model's own full forward (no engine, no KV cache) for each prompt: how many the engine's kernels
+alone flip.
+
+With --calibration-texts the int8 and int4 rows are repeated calibrated on real text instead of
+the self-generated: CALIBRATION_SEQUENCES windows of CALIBRATION_TOKENS tokens spread evenly
+over each named text of the bundled plays (e.g. macbeth_gut.txt), as a user's calibration file
+would give them.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import argparse
 import copy
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -40,7 +49,7 @@ MODEL = dict(num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, head_di
 PROMPTS, PROMPT_TOKENS, NEW_TOKENS = 20, 16, 64
 SETTINGS = {"int8": dict(quantization="int8"), "int4": dict(quantization="int4"),
             "bf16 + fp8 KV": dict(kv_cache_dtype="fp8", attention="sdpa"),
-            "fp32": dict(dtype="fp32")}
+            "fp32": dict(dtype="fp32"), "bf16 forward": dict(forward=True)}
 
 
 def trained_hf_folder(work: Path, steps: int = 300, batch_size: int = 16) -> Path:
@@ -72,6 +81,47 @@ def hamlet_prompts(tokenizer) -> list[list[int]]:
     ids = tokenizer.encode((default_corpus() / "hamlet_gut.txt").read_text()[20_000:60_000])
     step = len(ids) // PROMPTS
     return [ids[i * step:i * step + PROMPT_TOKENS] for i in range(PROMPTS)]
+
+
+def text_windows(tokenizer, name: str) -> torch.Tensor:
+    """[CALIBRATION_SEQUENCES, CALIBRATION_TOKENS] token ids: windows spread evenly over the
+    bundled text `name`."""
+    from tetrad.models.quant_calibrate import CALIBRATION_SEQUENCES, CALIBRATION_TOKENS
+    from tetrad.train.data import default_corpus
+
+    ids = tokenizer.encode((default_corpus() / name).read_text())
+    step = (len(ids) - CALIBRATION_TOKENS) // CALIBRATION_SEQUENCES
+    return torch.tensor([ids[i * step:i * step + CALIBRATION_TOKENS]
+                         for i in range(CALIBRATION_SEQUENCES)])
+
+
+@contextmanager
+def calibrated_on(source: int | torch.Tensor):
+    """The engine's and quantize_model's calibration, while inside: self-generated with seed
+    `source`, or the token ids `source`."""
+    from tetrad.models import quant_calibrate
+
+    saved = quant_calibrate.CALIBRATION_SEED, quant_calibrate.self_generated_tokens
+    if isinstance(source, int):
+        quant_calibrate.CALIBRATION_SEED = source
+    else:
+        quant_calibrate.self_generated_tokens = lambda *args, **kwargs: source
+    try:
+        yield
+    finally:
+        quant_calibrate.CALIBRATION_SEED, quant_calibrate.self_generated_tokens = saved
+
+
+@torch.no_grad()
+def forward_continuations(model, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy tokens from `model`'s full forward over the whole sequence at every step."""
+    continuations = []
+    for prompt in prompts:
+        ids = list(prompt)
+        for _ in range(NEW_TOKENS):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].float().argmax()))
+        continuations.append(ids[len(prompt):])
+    return continuations
 
 
 def engine_continuations(folder: Path, prompts: list[list[int]], **settings) -> list[list[int]]:
@@ -120,6 +170,8 @@ def agreement(tokens: list[list[int]], expected: list[list[int]]) -> float:
 
 
 def main() -> None:
+    from tetrad.tokenizer import load_tokenizer
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=16)
@@ -128,6 +180,8 @@ def main() -> None:
                                        "a later run with the same --steps and --batch-size)")
     parser.add_argument("--calibration-seeds", type=int, default=1,
                         help="also quantize with calibration seeds 1..N-1 (the spread)")
+    parser.add_argument("--calibration-texts", nargs="+", default=[], metavar="PLAY",
+                        help="also quantize calibrated on these bundled texts")
     parser.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS),
                         help="only these rows (default: all)")
     args = parser.parse_args()
@@ -138,34 +192,35 @@ def main() -> None:
         folder = Path(args.model) if args.model else trained_hf_folder(work, args.steps,
                                                                         args.batch_size)
         reference, prompts, expected = bf16_reference(folder, args)
-        print(f"{'setting':<14} {'mean |dlogit|':>14} {'greedy agreement':>17} "
+        tokenizer = load_tokenizer(folder)
+        calibrations = ([("", 0)] + [(f" seed {seed}", seed)
+                                     for seed in range(1, args.calibration_seeds)]
+                        + [(f" on {Path(name).stem}", text_windows(tokenizer, name))
+                           for name in args.calibration_texts])
+        print(f"{'setting':<22} {'mean |dlogit|':>14} {'greedy agreement':>17} "
               f"{'quantize s':>11}")
         for name in args.settings:
             settings = SETTINGS[name]
-            seeds = range(args.calibration_seeds) if "quantization" in settings else [0]
-            for seed in seeds:
-                label = f"{name} seed {seed}" if seed else name
-                print(f"{label:<14} " + measured(folder, reference, prompts, expected, settings,
-                                                 seed))
+            for suffix, source in (calibrations if "quantization" in settings else [("", 0)]):
+                with calibrated_on(source):
+                    row = measured(folder, reference, prompts, expected, settings)
+                print(f"{name + suffix:<22} {row}")
 
 
-def measured(folder: Path, reference, prompts, expected, settings: dict, seed: int) -> str:
-    """One setting's mean |dlogit|, greedy agreement and quantize seconds, the engine's and
-    quantize_model's calibration drawn with `seed`."""
-    from tetrad.models import quant_calibrate
+def measured(folder: Path, reference, prompts, expected, settings: dict) -> str:
+    """One setting's mean |dlogit|, greedy agreement and quantize seconds."""
     from tetrad.models.quant_model import quantize_model
 
-    default, quant_calibrate.CALIBRATION_SEED = quant_calibrate.CALIBRATION_SEED, seed
-    try:
-        agreed = agreement(engine_continuations(folder, prompts, **settings), expected)
-        error = seconds = "-"  # the engine's KV cache: no full forward to compare
-        if method := settings.get("quantization"):
-            start = time.perf_counter()
-            quantized = quantize_model(copy.deepcopy(reference), method)
-            seconds = f"{time.perf_counter() - start:.1f}"
-            error = f"{mean_logit_difference(reference, quantized, prompts, expected):.4f}"
-    finally:
-        quant_calibrate.CALIBRATION_SEED = default
+    error = seconds = "-"  # the engine's KV cache: no full forward to compare
+    if settings.get("forward"):
+        agreed = agreement(forward_continuations(reference, prompts), expected)
+        return f"{error:>14} {agreed:>16.1%} {seconds:>11}"
+    agreed = agreement(engine_continuations(folder, prompts, **settings), expected)
+    if method := settings.get("quantization"):
+        start = time.perf_counter()
+        quantized = quantize_model(copy.deepcopy(reference), method)
+        seconds = f"{time.perf_counter() - start:.1f}"
+        error = f"{mean_logit_difference(reference, quantized, prompts, expected):.4f}"
     return f"{error:>14} {agreed:>16.1%} {seconds:>11}"
 
 

@@ -160,3 +160,28 @@ def test_the_calibration_seed_is_read_when_the_tokens_are_drawn(monkeypatch):
     reseeded = self_generated_tokens(model, sequences=2, length=6)
     assert torch.equal(reseeded, self_generated_tokens(model, sequences=2, length=6, seed=5))
     assert not torch.equal(reseeded, default)
+
+
+def test_the_benchmark_s_calibration_text_reaches_the_load_and_is_undone():
+    """benchmarks/quant_agreement.py's --calibration-texts rows: inside `calibrated_on(tokens)`
+    the load (quantize_model, which calibrates on self-generated tokens by default) calibrates
+    on exactly those tokens, and after it the default is back."""
+    from benchmarks.quant_agreement import calibrated_on
+
+    from tetrad.models import quant_calibrate
+    from tetrad.models.quant_model import quantize_model
+
+    model = random_model(FAMILIES["llama"]).to(torch.bfloat16)
+    tokens = torch.randint(model.config.vocab_size, (3, 12), generator=torch.Generator()
+                           .manual_seed(1))
+    copied = copy.deepcopy(model)
+    on_text = calibrated_weights(copied, _projections(copied), "int8", torch.bfloat16,
+                                 tokens=tokens)
+    with calibrated_on(tokens):
+        loaded = quantize_model(copy.deepcopy(model), "int8")
+    held = {name: module for name, module in loaded.named_modules()
+            if isinstance(module, Int8Linear)}
+    assert held.keys() == on_text.keys()
+    assert all(torch.equal(held[name].weight, on_text[name].layer(None, False).weight)
+               for name in held)
+    assert quant_calibrate.self_generated_tokens is self_generated_tokens
