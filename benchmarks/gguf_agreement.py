@@ -10,7 +10,9 @@ plain forward over prompt plus bf16 continuation and the whole vocabulary. The w
 as GGUF files the way llama.cpp's converter writes them (tests/gguf_files.py: permuted Q/K rows,
 gguf.quants.quantize; norms in F32) and served as `tetrad run ./x.gguf` serves them, one rank in
 bf16: Q4_0 linears as Int4Linear (group 32, the file's 4-bit values and scales), Q8_0 dequantized
-to bf16 at load (no int8 kernel takes its scale per 32 values), F16 as a control.
+to bf16 at load (no int8 kernel takes its scale per 32 values), F16 as a control. The
+"Q4_0+Q8_0 head" row keeps the untied LM head at Q8_0, nearer what llama-quantize gives a Q4_0
+file's output matrix (Q6_K) than Q4_0 is.
 """
 
 from __future__ import annotations
@@ -32,16 +34,23 @@ from quant_agreement import (agreement, bf16_reference, engine_continuations,  #
 from tetrad.models.hf import load_pretrained  # noqa: E402
 from tetrad.store.gguf import unpack_gguf  # noqa: E402
 
-KINDS = ("F16", "Q8_0", "Q4_0")
+# (label, the weights' type, the LM head's type). llama-quantize writes a Q4_0 file's output
+# matrix as Q6_K, which gguf.quants cannot write: Q8_0 stands in for it in the last row.
+KINDS = (("F16", "F16", None), ("Q8_0", "Q8_0", None), ("Q4_0", "Q4_0", None),
+         ("Q4_0+Q8_0 head", "Q4_0", "Q8_0"))
 
 
-def gguf_folder(hf_folder: Path, kind: str, work: Path) -> Path:
-    """`hf_folder`'s weights as a `kind` GGUF file, unpacked as tetrad create unpacks one."""
+def gguf_folder(hf_folder: Path, label: str, kind: str, output_kind: str | None,
+                work: Path) -> Path:
+    """`hf_folder`'s weights as a `kind` GGUF file (its LM head `output_kind`, when given),
+    unpacked as tetrad create unpacks one."""
     from transformers import AutoModelForCausalLM
 
     hf_model = AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch.float32)
-    file = write_gguf(work / f"{kind}.gguf", hf_model, kind, template=None)
-    folder = work / kind
+    name = label.replace("+", "-").replace(" ", "-")
+    file = write_gguf(work / f"{name}.gguf", hf_model, kind, template=None,
+                      output_kind=output_kind)
+    folder = work / name
     folder.mkdir()
     unpack_gguf(file, folder)
     return folder
@@ -59,14 +68,14 @@ def main() -> None:
         folder = (Path(args.model) if args.model
                   else trained_hf_folder(work, args.steps, args.batch_size))
         reference, prompts, expected = bf16_reference(folder, args)
-        print(f"{'GGUF':<6} {'linears':<12} {'mean |dlogit|':>14} {'greedy agreement':>17}")
-        for kind in KINDS:
-            loaded = gguf_folder(folder, kind, work)
+        print(f"{'GGUF':<15} {'linears':<12} {'mean |dlogit|':>14} {'greedy agreement':>17}")
+        for label, kind, output_kind in KINDS:
+            loaded = gguf_folder(folder, label, kind, output_kind, work)
             model = load_pretrained(loaded, dtype=torch.bfloat16, keep_fp8=True)
             tokens = engine_continuations(loaded, prompts)
             agreed = agreement(tokens, expected)
             error = mean_logit_difference(reference, model, prompts, expected)
-            print(f"{kind:<6} {type(model.layers[0].mlp.down).__name__:<12} {error:>14.4f} "
+            print(f"{label:<15} {type(model.layers[0].mlp.down).__name__:<12} {error:>14.4f} "
                   f"{agreed:>16.1%}")
 
 

@@ -41,10 +41,12 @@ def gguf_name(hf_name: str) -> str:
 
 
 def write_gguf(path: Path, hf_model, kind: str = "F32", tokenizer: dict | None = None,
-               template: str | None = TEMPLATE, arch: str | None = None) -> Path:
+               template: str | None = TEMPLATE, arch: str | None = None,
+               output_kind: str | None = None) -> Path:
     """`hf_model` (llama or qwen2) as a GGUF file whose 2D weights are `kind` (F32, F16, BF16,
     Q8_0, Q4_0; norms and biases stay F32, as llama.cpp keeps them; Q4_K: random blocks). `tokenizer`: the
-    tokenizer.ggml.* values (tokenizer_values below)."""
+    tokenizer.ggml.* values (tokenizer_values below). `output_kind`: the untied LM head's own
+    type (llama-quantize gives a Q4_0 file's output Q6_K, which gguf.quants cannot write)."""
     config = hf_model.config
     arch = arch or config.model_type
     writer = GGUFWriter(str(path), arch)
@@ -60,22 +62,23 @@ def write_gguf(path: Path, hf_model, kind: str = "F32", tokenizer: dict | None =
         add_tokenizer(writer, tokenizer)
     if template:
         writer.add_chat_template(template)
-    qtype = GGMLQuantizationType[kind]
     for name, tensor in hf_model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
+        tensor_kind = output_kind if name == "lm_head.weight" and output_kind else kind
+        qtype = GGMLQuantizationType[tensor_kind]
         data = tensor.detach().float().numpy()
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             data = llama_cpp_permute(data, heads)
         block = gguf.GGML_QUANT_SIZES[qtype][0]
-        if kind == "Q4_K" and data.ndim == 2:  # no quantizer in gguf.quants: random blocks
+        if tensor_kind == "Q4_K" and data.ndim == 2:  # no gguf.quants quantizer: random blocks
             writer.add_tensor(gguf_name(name), random_q4_k(*data.shape), raw_dtype=qtype)
         elif data.ndim == 1:
             writer.add_tensor(gguf_name(name), data.astype(np.float32))
-        elif kind in ("F32", "F16") or data.shape[1] % block:
+        elif tensor_kind in ("F32", "F16") or data.shape[1] % block:
             # llama.cpp falls back too when a row is no whole number of blocks
-            writer.add_tensor(gguf_name(name), data.astype(np.float32 if kind == "F32"
+            writer.add_tensor(gguf_name(name), data.astype(np.float32 if tensor_kind == "F32"
                                                            else np.float16))
         else:
             writer.add_tensor(gguf_name(name), quants.quantize(data, qtype), raw_dtype=qtype)
