@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -76,45 +77,61 @@ def export(args, folder: Path) -> None:
                    env=converter_env(args))
 
 
+def made(target: Path, make) -> Path:
+    """`target` (a file or a folder), made by `make(path)` at a scratch name beside it and renamed
+    once complete: a run interrupted while making it leaves nothing that a later --keep run
+    would take for finished."""
+    if not target.exists():
+        partial = target.with_name(target.name + ".partial")
+        if partial.is_dir():
+            shutil.rmtree(partial)
+        partial.unlink(missing_ok=True)
+        make(partial)
+        partial.rename(target)
+    return target
+
+
 def converter_env(args) -> dict:
     paths = [str(Path(args.convert).parent / "gguf-py"), *args.converter_path]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 
-def gguf_file(args, folder: Path, dtype: str) -> Path:
+def gguf_file(args, hf: Path, dtype: str) -> Path:
+    """The GGUF file llama.cpp's side serves for `dtype`, made from the HF folder `hf` (beside
+    it)."""
     outtype, quantized = GGUF_TYPES[dtype]
-    source = folder / f"model-{outtype}.gguf"
-    if not source.exists():
-        subprocess.run([sys.executable, args.convert, str(folder), "--outtype", outtype,
-                        "--outfile", str(source)], check=True, env=converter_env(args),
+
+    def convert(path: Path) -> None:
+        subprocess.run([sys.executable, args.convert, str(hf), "--outtype", outtype,
+                        "--outfile", str(path)], check=True, env=converter_env(args),
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    source = made(hf.parent / f"model-{outtype}.gguf", convert)
     if quantized is None:
         return source
-    target = folder / f"model-{quantized}.gguf"
-    if target.exists():
-        return target
-    subprocess.run([args.llamacpp_python, __file__, "--quantize-gguf", str(source), str(target),
-                    quantized], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return target
+    return made(hf.parent / f"model-{quantized}.gguf", lambda path: subprocess.run(
+        [args.llamacpp_python, __file__, "--quantize-gguf", str(source), str(path), quantized],
+        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
 
-def tetrad_folder(args, folder: Path, dtype: str) -> Path:
-    """The folder tetrad's side serves: the exported one, or for int8 / int4 (without
-    --quantize-at-load) the same model stored quantized."""
+def tetrad_folder(args, hf: Path, dtype: str) -> Path:
+    """The folder tetrad's side serves: the exported HF one, or for int8 / int4 (without
+    --quantize-at-load) the same model stored quantized (beside it)."""
     method = TETRAD_SETTINGS[dtype].get("quantization")
     if method is None or args.quantize_at_load:
-        return folder
+        return hf
     import torch
 
     from tetrad.models.quant_store import quantize_folder
 
     torch.set_num_threads(args.threads)
-    target = folder / f"tetrad-{method}"
-    if not (target / "config.json").exists():  # written last: a folder with it is complete
-        target.mkdir(exist_ok=True)
-        quantize_folder(folder, target, method)
-    return target
+
+    def quantize(path: Path) -> None:
+        path.mkdir()
+        quantize_folder(hf, path, method)
+
+    return made(hf.parent / f"tetrad-{method}", quantize)
 
 
 def child(python: str, argv: list[str]) -> dict:
@@ -153,16 +170,15 @@ def compare(args) -> None:
               "llama_cpp (install llama-cpp-python there; see this file's docstring)")
         args.convert = None
     with tempfile.TemporaryDirectory() as scratch:
-        folder = Path(scratch) if args.keep is None else Path(args.keep) / args.shape
-        folder.mkdir(parents=True, exist_ok=True)
-        if not (folder / "config.json").exists():
-            export(args, folder)
+        kept = Path(scratch) if args.keep is None else Path(args.keep) / args.shape
+        kept.mkdir(parents=True, exist_ok=True)
+        hf = made(kept / "hf", lambda path: export(args, path))
         if args.profile:
-            print_profiles(folder, args)
+            print_profiles(hf, args)
             return
-        ggufs = ({dtype: gguf_file(args, folder, dtype) for dtype in args.dtypes}
+        ggufs = ({dtype: gguf_file(args, hf, dtype) for dtype in args.dtypes}
                  if has_llamacpp else {})
-        folders = {dtype: tetrad_folder(args, folder, dtype) for dtype in args.dtypes}
+        folders = {dtype: tetrad_folder(args, hf, dtype) for dtype in args.dtypes}
         common = ["--prompt", str(args.prompt), "--tokens", str(args.tokens),
                   "--threads", str(args.threads)]
         results: dict[tuple[str, int, str], list[dict]] = {}
