@@ -171,6 +171,7 @@ def agreement(tokens: list[list[int]], expected: list[list[int]]) -> float:
 
 def main() -> None:
     from tetrad.tokenizer import load_tokenizer
+    from tetrad.train.data import default_corpus
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
@@ -185,6 +186,10 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS),
                         help="only these rows (default: all)")
     args = parser.parse_args()
+    if missing := [name for name in args.calibration_texts
+                   if not (default_corpus() / name).is_file()]:
+        parser.error(f"--calibration-texts: no bundled text {', '.join(missing)} (they are the "
+                     f"files of {default_corpus()})")
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
